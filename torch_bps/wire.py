@@ -1,0 +1,120 @@
+"""The wire format shared by the summation server and the push/pull client.
+
+Every message is a ZeroMQ multipart message: one fixed 72-byte header frame, then at most one frame of
+payload (raw tensor bytes, a UTF-8 error message, or a fixed table of counters). Nothing received from
+a peer is ever unpickled. docs/protocol.md is the normative description; this module and
+cpp_ext/wire.h must agree with it byte for byte (tests/test_wire.py checks the C++ side).
+
+Buffer lifetime: a payload sent zero-copy must stay untouched until ZeroMQ releases it (the C++ client
+holds a tensor reference until then; the server sends only tensors it never writes again).
+
+May import: the standard library, torch (for dtype codes) and torch_bps.errors only.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from torch_bps.errors import ProtocolError
+
+MAGIC = 0x31535042  # b"BPS1" little-endian
+VERSION = 1
+HEADER = struct.Struct("<IHHHHIII6Q")
+HEADER_SIZE = HEADER.size  # 72
+REPLY = 0x80  # a reply's command is the request's command | REPLY
+
+
+class Command(enum.IntEnum):
+    HELLO = 1  # worker introduces itself: job_id, worker, num_workers
+    INIT = 2  # declare a key: nbytes and dtype; idempotent, checked across workers
+    PUSH = 3  # add payload into (job, key, round)
+    PULL = 4  # fetch the sum of (job, key, round); answered once every worker pushed it
+    STATS = 5  # server counters, for tests and benchmarks
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_FRAME = 1  # malformed header, wrong magic, wrong frame count
+    BAD_VERSION = 2
+    BAD_COMMAND = 3
+    WRONG_INCARNATION = 4  # the request belongs to an earlier start of this server
+    UNKNOWN_JOB = 5  # no HELLO for this job yet
+    JOB_MISMATCH = 6  # HELLO disagrees with the job's worker count, or worker id out of range
+    UNKNOWN_KEY = 7
+    KEY_MISMATCH = 8  # size or dtype differs from the key's declaration
+    BAD_ROUND = 9  # round already freed, or too far ahead
+    INTERNAL = 10
+
+
+# dtype codes on the wire; the table is part of the protocol (never renumber).
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float64,
+    3: torch.float16,
+    4: torch.bfloat16,
+    5: torch.int32,
+    6: torch.int64,
+    7: torch.uint8,
+    8: torch.int8,
+}
+DTYPE_CODES: dict[torch.dtype, int] = {dt: code for code, dt in DTYPES.items()}
+
+# STATS payload: this many little-endian uint64 counters, in this order.
+STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum_ns", "errors")
+
+
+@dataclass(frozen=True)
+class Header:
+    """One message header. Replies echo request_id, job_id, key and round of the request."""
+
+    command: int
+    status: int = 0
+    dtype: int = 0
+    worker: int = 0
+    num_workers: int = 0
+    incarnation: int = 0
+    job_id: int = 0
+    key: int = 0
+    round: int = 0
+    request_id: int = 0
+    nbytes: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC,
+            VERSION,
+            self.command,
+            self.status,
+            self.dtype,
+            self.worker,
+            self.num_workers,
+            0,
+            self.incarnation,
+            self.job_id,
+            self.key,
+            self.round,
+            self.request_id,
+            self.nbytes,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> Header:
+        """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad."""
+        if len(data) != HEADER_SIZE:
+            raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
+        (magic, version, command, status, dtype, worker, num_workers, _reserved, incarnation, job_id, key,
+         rnd, request_id, nbytes) = HEADER.unpack(data)  # fmt: skip
+        if magic != MAGIC:
+            raise ProtocolError(Status.BAD_FRAME, f"bad magic 0x{magic:08x}")
+        if version != VERSION:
+            raise ProtocolError(Status.BAD_VERSION, f"protocol version {version}, this side speaks {VERSION}")
+        return cls(command, status, dtype, worker, num_workers, incarnation, job_id, key, rnd, request_id, nbytes)
+
+    def reply(self, status: int = Status.OK, **changes: int) -> Header:
+        """Return the header of the reply to this request."""
+        fields = {**self.__dict__, "command": self.command | REPLY, "status": int(status), **changes}
+        return Header(**fields)
