@@ -1,0 +1,123 @@
+"""Shared test helpers: real summation-server processes and a raw protocol peer (pyzmq DEALER)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import zmq
+
+from torch_bps.wire import HEADER_SIZE, Command, Header
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
+
+
+class ServerProcess:
+    """A `python -m torch_bps.server` subprocess on loopback. `.address` is "127.0.0.1:PORT"."""
+
+    def __init__(self, port: int = 0, engine_threads: int = 2, log_level: str = "WARNING", start_timeout: float = 30.0):
+        self.port = port
+        self.engine_threads = engine_threads
+        self.log_level = log_level
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.incarnation = 0
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if (m := _LISTENING.search(line)) or self.proc.poll() is not None:
+                break
+        if not line or not (m := _LISTENING.search(line)):
+            self.kill()
+            raise RuntimeError(f"bps-server did not start within {self.start_timeout}s (last line {line!r})")
+        self.port, self.incarnation = int(m.group(1)), int(m.group(2), 16)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without closing anything, as a crashed machine would."""
+        if self.alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Kill and start again on the same port: a new incarnation."""
+        self.kill()
+        self.start()
+
+
+class RawPeer:
+    """A worker speaking the wire protocol by hand through a pyzmq DEALER: for server-side tests."""
+
+    def __init__(self, address: str, job_id: int = 1, worker: int = 0, num_workers: int = 1, timeout: float = 10.0):
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{address}")
+        self.timeout_ms = int(timeout * 1000)
+        self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
+        self.incarnation = 0
+        self._next_id = 1
+
+    def request(self, command: int, *payload: bytes, **fields) -> tuple[Header, list[bytes]]:
+        """Send one request and wait for its reply; return (reply header, payload frames)."""
+        rid = self.send(command, *payload, **fields)
+        return self.recv(rid)
+
+    def send(self, command: int, *payload: bytes, **fields) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        base = dict(command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid)
+        self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
+        return rid
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv_any(self) -> tuple[Header, list[bytes]]:
+        if not self.sock.poll(self.timeout_ms):
+            raise TimeoutError(f"no reply within {self.timeout_ms} ms")
+        frames = self.sock.recv_multipart()
+        assert len(frames[0]) == HEADER_SIZE
+        return Header.unpack(frames[0]), frames[1:]
+
+    def recv(self, request_id: int) -> tuple[Header, list[bytes]]:
+        header, rest = self.recv_any()
+        assert header.request_id == request_id, f"reply to {header.request_id}, expected {request_id}"
+        return header, rest
+
+    def hello(self) -> Header:
+        h, _ = self.request(Command.HELLO, num_workers=self.num_workers)
+        self.incarnation = h.incarnation
+        return h
+
+    def close(self) -> None:
+        self.sock.close()

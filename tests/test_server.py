@@ -1,0 +1,240 @@
+"""The summation server, spoken to by hand over real sockets (pyzmq DEALER peers, a real server process)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import RawPeer, ServerProcess
+from torch_bps.wire import DTYPE_CODES, DTYPES, HEADER, HEADER_SIZE, MAGIC, REPLY, STATS_FIELDS, Command, Header, Status
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def peers(server, job_id, n):
+    ps = [RawPeer(server.address, job_id, w, n) for w in range(n)]
+    for p in ps:
+        assert p.hello().status == Status.OK
+    return ps
+
+
+def declare(ps, key, t):
+    for p in ps:
+        h, _ = p.request(Command.INIT, key=key, nbytes=t.numel() * t.element_size(), dtype=DTYPE_CODES[t.dtype])
+        assert h.status == Status.OK, h
+
+
+def push(p, key, rnd, t):
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return p.request(Command.PUSH, data, key=key, round=rnd, nbytes=len(data), dtype=DTYPE_CODES[t.dtype])
+
+
+def pull(p, key, rnd, like):
+    h, rest = p.request(Command.PULL, key=key, round=rnd, nbytes=like.numel() * like.element_size(), dtype=DTYPE_CODES[like.dtype])
+    assert h.status == Status.OK, rest
+    return torch.frombuffer(bytearray(rest[0]), dtype=like.dtype) if rest[0] else torch.empty(0, dtype=like.dtype)
+
+
+def error_of(reply) -> tuple[int, str]:
+    h, rest = reply
+    return h.status, rest[0].decode() if rest else ""
+
+
+def test_hello_returns_incarnation_and_checks_worker_count(server, job_id):
+    a, b = peers(server, job_id, 2)
+    assert a.incarnation == server.incarnation == b.incarnation
+    liar = RawPeer(server.address, job_id, 0, 3)
+    status, msg = error_of(liar.request(Command.HELLO, num_workers=3))
+    assert status == Status.JOB_MISMATCH and "declared with 2" in msg
+    out_of_range = RawPeer(server.address, job_id + 1, 5, 2)
+    assert error_of(out_of_range.request(Command.HELLO, num_workers=2))[0] == Status.JOB_MISMATCH
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16])
+def test_sum_of_three_workers(server, job_id, dtype):
+    ps = peers(server, job_id, 3)
+    data = [(torch.arange(1000) * (w + 1)).to(dtype) for w in range(3)]
+    declare(ps, 7, data[0])
+    for p, t in zip(ps, data):
+        assert push(p, 7, 0, t)[0].status == Status.OK
+    expected = sum(t.double() for t in data).to(dtype)
+    for p in ps:
+        got = pull(p, 7, 0, data[0])
+        if dtype in (torch.float16, torch.bfloat16):
+            torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1.0)
+        else:
+            assert torch.equal(got, expected)
+
+
+def test_pull_waits_for_every_worker_and_duplicates_never_count(server, job_id):
+    a, b = peers(server, job_id, 2)
+    t = torch.ones(10)
+    declare([a, b], 1, t)
+    push(a, 1, 0, t)
+    push(a, 1, 0, t)  # resent: must neither close the round nor be added twice
+    rid = a.send(Command.PULL, key=1, round=0, nbytes=40, dtype=DTYPE_CODES[torch.float32])
+    with pytest.raises(TimeoutError):
+        RawPeer.recv_any(_with_timeout(a, 0.3))
+    push(b, 1, 0, 2 * t)
+    h, rest = a.recv(rid)
+    assert h.status == Status.OK and torch.equal(torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 3 * t)
+
+
+def _with_timeout(peer, seconds):
+    peer.timeout_ms = int(seconds * 1000)
+    return peer
+
+
+def test_rounds_never_mix_when_a_fast_worker_runs_ahead(server, job_id):
+    fast, slow = peers(server, job_id, 2)
+    t = torch.zeros(100)
+    declare([fast, slow], 3, t)
+    push(fast, 3, 0, t + 1)
+    push(slow, 3, 0, t + 10)
+    assert torch.equal(pull(fast, 3, 0, t), t + 11)
+    push(fast, 3, 1, t + 100)  # round 1 starts while slow has not pulled round 0
+    assert torch.equal(pull(slow, 3, 0, t), t + 11)  # round 0 untouched by round 1's push
+    push(slow, 3, 1, t + 1000)
+    assert torch.equal(pull(slow, 3, 1, t), t + 1100)
+    assert torch.equal(pull(fast, 3, 1, t), t + 1100)
+
+
+def test_at_most_two_rounds_alive(server, job_id):
+    fast, slow = peers(server, job_id, 2)
+    t = torch.ones(4)
+    declare([fast, slow], 9, t)
+    push(fast, 9, 0, t)
+    push(slow, 9, 0, t)
+    pull(fast, 9, 0, t)
+    push(fast, 9, 1, t)
+    status, msg = error_of(push(fast, 9, 2, t))  # slow never pulled round 0
+    assert status == Status.BAD_ROUND and "oldest live round is 0" in msg and "key 9" in msg
+    pull(slow, 9, 0, t)  # frees round 0
+    status, msg = error_of(push(slow, 9, 0, t))
+    assert status == Status.BAD_ROUND and "already completed" in msg
+
+
+def test_mismatched_size_or_dtype_is_refused_and_others_keep_working(server, job_id):
+    a, b = peers(server, job_id, 2)
+    t = torch.ones(8)
+    declare([a], 4, t)
+    status, msg = error_of(b.request(Command.INIT, key=4, nbytes=64, dtype=DTYPE_CODES[torch.float32]))
+    assert status == Status.KEY_MISMATCH and "expected 32 bytes of float32" in msg and "received 64 bytes" in msg
+    status, msg = error_of(push(b, 4, 0, torch.ones(8, dtype=torch.float64)))
+    assert status == Status.KEY_MISMATCH and "key 4" in msg and "float64" in msg
+    bad_len = b.request(Command.PUSH, b"\0" * 31, key=4, round=0, nbytes=32, dtype=DTYPE_CODES[torch.float32])
+    assert error_of(bad_len)[0] == Status.KEY_MISMATCH
+    # The key still works for correct pushes.
+    push(a, 4, 0, t)
+    push(b, 4, 0, t)
+    assert torch.equal(pull(b, 4, 0, t), 2 * t)
+
+
+def test_unknown_key_job_and_incarnation(server, job_id):
+    (a,) = peers(server, job_id, 1)
+    assert error_of(push(a, 12345, 0, torch.ones(2)))[0] == Status.UNKNOWN_KEY
+    stranger = RawPeer(server.address, job_id + 7, 0, 1)
+    stranger.incarnation = server.incarnation
+    assert error_of(push(stranger, 1, 0, torch.ones(2)))[0] == Status.UNKNOWN_JOB
+    a.incarnation ^= 0xFF
+    status, msg = error_of(push(a, 1, 0, torch.ones(2)))
+    assert status == Status.WRONG_INCARNATION and "restarted" in msg
+
+
+def test_two_jobs_share_a_server_with_the_same_keys(server, job_id):
+    j1 = peers(server, job_id, 1)
+    j2 = peers(server, job_id + 1, 2)
+    declare(j1, 0, torch.ones(3))
+    declare(j2, 0, torch.ones(5))  # same key, other job, other size
+    push(j1[0], 0, 0, torch.ones(3))
+    for p in j2:
+        push(p, 0, 0, torch.ones(5))
+    assert torch.equal(pull(j1[0], 0, 0, torch.ones(3)), torch.ones(3))
+    assert torch.equal(pull(j2[1], 0, 0, torch.ones(5)), 2 * torch.ones(5))
+
+
+def test_stats_count_pushes_and_summed_bytes(server, job_id):
+    ps = peers(server, job_id, 2)
+    t = torch.ones(1 << 16)
+    declare(ps, 0, t)
+    before = _stats(ps[0])
+    for p in ps:
+        push(p, 0, 0, t)
+    pull(ps[0], 0, 0, t)
+    after = _stats(ps[0])
+    assert after["pushes"] - before["pushes"] == 2
+    assert after["bytes_summed"] - before["bytes_summed"] == t.numel() * 4  # one add of the second push
+    assert after["sum_ns"] > before["sum_ns"]
+
+
+def _stats(p):
+    h, rest = p.request(Command.STATS)
+    assert h.status == Status.OK
+    return dict(zip(STATS_FIELDS, struct.unpack(f"<{len(STATS_FIELDS)}Q", rest[0])))
+
+
+def test_restarted_server_refuses_old_incarnation(job_id):
+    s = ServerProcess()
+    try:
+        (a,) = peers(s, job_id, 1)
+        declare([a], 0, torch.ones(2))
+        s.restart()
+        status, msg = error_of(push(a, 0, 0, torch.ones(2)))
+        assert status == Status.WRONG_INCARNATION, msg
+    finally:
+        s.stop()
+
+
+frames_strategy = st.lists(st.binary(max_size=100), min_size=0, max_size=4)
+header_fields = st.fixed_dictionaries(
+    {
+        "command": st.integers(0, 0xFFFF),
+        "status": st.integers(0, 0xFFFF),
+        "dtype": st.integers(0, 0xFFFF),
+        "worker": st.integers(0, 0xFFFFFFFF),
+        "num_workers": st.integers(0, 0xFFFFFFFF),
+        "incarnation": st.integers(0, 2**64 - 1),
+        "job_id": st.integers(0, 2**64 - 1),
+        "key": st.integers(0, 2**64 - 1),
+        "round": st.integers(0, 2**64 - 1),
+        "request_id": st.integers(0, 2**64 - 1),
+        "nbytes": st.integers(0, 2**64 - 1),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=frames_strategy, fields=header_fields, payload=st.lists(st.binary(max_size=64), max_size=2), version=st.sampled_from([1, 1, 2]))
+def test_garbage_never_crashes_the_server(server, frames, fields, payload, version):
+    """Random frames and random well-formed-but-wrong headers: every one is answered or dropped, never fatal."""
+    peer = RawPeer(server.address, timeout=5)
+    try:
+        if frames:
+            peer.send_frames(frames)
+            h, rest = peer.recv_any()
+            assert h.status == Status.BAD_FRAME and h.command == REPLY and rest
+        values = [MAGIC, version, *[fields[k] for k in ("command", "status", "dtype", "worker", "num_workers")], 0]
+        values += [fields[k] for k in ("incarnation", "job_id", "key", "round", "request_id", "nbytes")]
+        peer.send_frames([HEADER.pack(*values), *payload])
+        h, rest = peer.recv_any()
+        # Either a well-formed reply to that request, or a refusal.
+        assert h.request_id == fields["request_id"] or h.status != Status.OK
+    finally:
+        peer.close()
+    # The server survives: a fresh HELLO is answered.
+    probe = RawPeer(server.address, job_id=2**63 + 1, timeout=5)
+    assert probe.hello().status == Status.OK
+    probe.close()
+
+
+def test_dtype_table_matches_protocol_doc():
+    assert {c: str(d).removeprefix("torch.") for c, d in DTYPES.items()} == {
+        1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int32", 6: "int64", 7: "uint8", 8: "int8",
+    }  # fmt: skip
+    assert HEADER_SIZE == 72
+    h = Header(command=Command.PUSH, worker=3, job_id=9, key=5, round=2, request_id=11, nbytes=400)
+    assert Header.unpack(h.pack()) == h

@@ -1,0 +1,5 @@
+import sys
+
+from torch_bps.server.cli import main
+
+sys.exit(main())

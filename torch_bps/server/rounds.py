@@ -1,0 +1,114 @@
+"""Versioned rounds of one key: sums kept apart per round, closed by distinct workers, bounded memory.
+
+The rules are docs/protocol.md's: round r closes when every worker of the job pushed it; a duplicate
+push is acknowledged and ignored; pulls of r are answered once r closed; r is freed once every worker
+pulled it; at most two rounds are alive (floor and floor + 1). A KeyRounds is owned by one engine
+thread: nothing here locks.
+
+May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_bps.errors import ProtocolError
+from torch_bps.wire import Status
+
+
+@dataclass
+class Round:
+    pushed: set[int] = field(default_factory=set)
+    pulled: set[int] = field(default_factory=set)
+    waiting: list = field(default_factory=list)  # pulls that arrived before the round closed
+    # The sum so far. The first push is kept as it arrived (a view of the received frame, no copy); the
+    # second push allocates the sum with one fused read-read-write pass; later pushes add in place.
+    total: torch.Tensor | None = None
+    owns_total: bool = False
+
+
+@dataclass
+class SumCounters:
+    bytes_summed: int = 0
+    sum_ns: int = 0
+
+
+class KeyRounds:
+    """The live rounds of one (job, key)."""
+
+    def __init__(self, name: str, num_workers: int, counters: SumCounters):
+        self.name = name  # "job J key K", for error messages
+        self.num_workers = num_workers
+        self.floor = 0  # every round below floor has been freed
+        self.rounds: dict[int, Round] = {}
+        self._counters = counters
+
+    def push(self, worker: int, rnd: int, data: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+        """Fold worker's data into round rnd. Return the (pull token, sum) pairs that can now be answered.
+
+        Raises ProtocolError(BAD_ROUND) for a freed round or one too far ahead.
+        """
+        r = self._live(rnd, worker, "push")
+        if worker in r.pushed:
+            return []  # a resent push: acknowledged, never added twice
+        self._add(r, data)
+        r.pushed.add(worker)
+        if not self._closed(r):
+            return []
+        ready = [(token, r.total) for token, _ in r.waiting]
+        for _, puller in r.waiting:
+            r.pulled.add(puller)
+        r.waiting.clear()
+        self._free_done()
+        return ready
+
+    def pull(self, worker: int, rnd: int, token: object) -> torch.Tensor | None:
+        """Return the sum of round rnd if it closed (the caller answers now), else queue token and return None."""
+        r = self._live(rnd, worker, "pull")
+        if not self._closed(r):
+            r.waiting.append((token, worker))
+            return None
+        r.pulled.add(worker)
+        total = r.total
+        self._free_done()
+        return total
+
+    def _live(self, rnd: int, worker: int, what: str) -> Round:
+        if rnd < self.floor:
+            raise ProtocolError(
+                Status.BAD_ROUND,
+                f"{what} of {self.name} round {rnd} by worker {worker}: round already completed and freed "
+                f"(oldest live round is {self.floor})",
+            )
+        if rnd >= self.floor + 2:
+            raise ProtocolError(
+                Status.BAD_ROUND,
+                f"{what} of {self.name} round {rnd} by worker {worker}: at most two rounds may be alive and the "
+                f"oldest live round is {self.floor} (every worker must pull round {self.floor} first)",
+            )
+        return self.rounds.setdefault(rnd, Round())
+
+    def _closed(self, r: Round) -> bool:
+        return len(r.pushed) == self.num_workers
+
+    def _add(self, r: Round, data: torch.Tensor) -> None:
+        if r.total is None:
+            r.total = data
+            return
+        start = time.perf_counter_ns()
+        if r.owns_total:
+            r.total.add_(data)
+        else:
+            r.total = torch.add(r.total, data)
+            r.owns_total = True
+        self._counters.sum_ns += time.perf_counter_ns() - start
+        self._counters.bytes_summed += data.numel() * data.element_size()
+
+    def _free_done(self) -> None:
+        # Rounds free in order: a later round fully pulled waits until the ones before it are freed.
+        while (r := self.rounds.get(self.floor)) is not None and self._closed(r) and len(r.pulled) == self.num_workers:
+            del self.rounds[self.floor]
+            self.floor += 1

@@ -1,0 +1,293 @@
+"""The summation server: a ZeroMQ ROUTER front thread and engine threads that own disjoint keys.
+
+The front thread receives every message, checks what can be checked from metadata alone (header,
+incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itself. PUSH and PULL go
+to the engine that owns the key (the least loaded by bytes when the key was declared), so one key's
+requests stay in order and big partitions of different keys are summed in parallel: torch's add
+releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
+touch the ROUTER.
+
+May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from torch_bps.errors import ProtocolError
+from torch_bps.server.rounds import KeyRounds, SumCounters
+from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Status
+
+log = logging.getLogger("torch_bps.server")
+
+_REPLIES = "inproc://bps-replies-{}"
+_POLL_MS = 200  # how often the front thread looks at the stop flag
+
+
+@dataclass
+class Job:
+    num_workers: int
+    workers: set[int] = field(default_factory=set)
+
+
+@dataclass
+class KeyInfo:
+    nbytes: int
+    dtype: int
+    engine: int
+
+
+class Engine(threading.Thread):
+    """Owns the rounds of its keys: folds pushes into sums and answers pulls."""
+
+    def __init__(self, index: int, ctx: zmq.Context, reply_address: str):
+        super().__init__(name=f"bps-engine-{index}", daemon=True)
+        self.index = index
+        self.inbox: queue.Queue = queue.Queue()
+        self.bytes_owned = 0  # load measure used to place new keys
+        self.counters = SumCounters()
+        self._ctx = ctx
+        self._reply_address = reply_address
+        self._keys: dict[tuple[int, int], KeyRounds] = {}
+
+    def run(self) -> None:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._reply_address)
+        try:
+            while (item := self.inbox.get()) is not None:
+                ident, header, payload, num_workers = item
+                try:
+                    for frames in self._handle(ident, header, payload, num_workers):
+                        out.send_multipart(frames, copy=False)
+                except ProtocolError as e:
+                    out.send_multipart(_error(ident, header, e.status, str(e)))
+                except Exception as e:  # a bug: answer it, keep serving everyone else
+                    log.exception("engine %d failed on %s", self.index, header)
+                    out.send_multipart(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            out.close()
+
+    def _handle(self, ident, header: Header, payload, num_workers: int):
+        rounds = self._keys.get((header.job_id, header.key))
+        if rounds is None:
+            name = f"job {header.job_id:#x} key {header.key}"
+            rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, num_workers, self.counters)
+        if header.command == Command.PUSH:
+            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header))
+            yield [ident, header.reply().pack()]
+            for (pull_ident, pull_header), total in ready:
+                yield _sum_reply(pull_ident, pull_header, total)
+        else:
+            total = rounds.pull(header.worker, header.round, (ident, header))
+            if total is not None:
+                yield _sum_reply(ident, header, total)
+
+
+def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
+    if header.nbytes == 0:
+        return torch.empty(0, dtype=DTYPES[header.dtype])
+    return torch.frombuffer(payload.buffer, dtype=DTYPES[header.dtype])
+
+
+def _sum_reply(ident, header: Header, total: torch.Tensor) -> list:
+    # The round's sum is never written again once closed, so it can go out zero-copy.
+    data = total.view(torch.uint8).numpy() if total.numel() else b""
+    return [ident, header.reply().pack(), data]
+
+
+def _error(ident, header: Header | None, status: int, message: str) -> list:
+    reply = header.reply(status, nbytes=0) if header is not None else Header(command=REPLY, status=status)
+    return [ident, reply.pack(), message.encode()]
+
+
+class SummationServer:
+    """A summation server bound to host:port (port 0 picks a free port; see `.port` after start).
+
+    Example:
+        server = SummationServer("127.0.0.1", 0, engine_threads=2); server.start(); ...; server.stop()
+    """
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 9000, engine_threads: int = 2):
+        self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished worker are dropped, not raised
+        if port:
+            self._router.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        reply_address = _REPLIES.format(id(self))
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind(reply_address)
+        self._engines = [Engine(i, self._ctx, reply_address) for i in range(max(1, engine_threads))]
+        self._jobs: dict[int, Job] = {}
+        self._keys: dict[tuple[int, int], KeyInfo] = {}
+        self._counts = dict.fromkeys(("pushes", "pulls", "bytes_in", "bytes_out", "errors"), 0)
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        for e in self._engines:
+            e.start()
+
+    def stop(self) -> None:
+        """Ask serve_forever to return (thread-safe, also from a signal handler)."""
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        """Run the front loop until stop(); then shut the engines down and close the sockets."""
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(_POLL_MS):
+                    if sock is self._router:
+                        self._on_request(self._router.recv_multipart(copy=False))
+                    else:
+                        self._send(self._replies.recv_multipart(copy=False))
+        finally:
+            for e in self._engines:
+                e.inbox.put(None)
+            for e in self._engines:
+                e.join(timeout=5)
+            self._replies.close()
+            self._router.close()
+            self._ctx.term()
+
+    def _send(self, frames: list) -> None:
+        if len(frames) > 2:
+            status = struct.unpack_from("<H", frames[1], 8)[0]
+            if status == Status.OK:
+                self._counts["bytes_out"] += len(frames[2])
+            else:
+                self._counts["errors"] += 1
+        self._router.send_multipart(frames, copy=False)
+
+    def _on_request(self, frames: list) -> None:
+        ident, rest = frames[0], frames[1:]
+        header = None
+        try:
+            if not rest:
+                raise ProtocolError(Status.BAD_FRAME, "message has no header frame")
+            header = Header.unpack(rest[0].bytes)
+            self._dispatch(ident, header, rest[1:])
+        except ProtocolError as e:
+            log.info("refused request from %r: %s", bytes(ident.bytes), e)
+            self._send(_error(ident, header, e.status, str(e)))
+        except Exception as e:  # a bug: answer it and keep serving everyone else
+            log.exception("front thread failed on %s", header)
+            self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
+
+    def _dispatch(self, ident, h: Header, payload: list) -> None:
+        expect = 1 if h.command == Command.PUSH else 0
+        if len(payload) != expect:
+            raise ProtocolError(Status.BAD_FRAME, f"command {h.command} takes {expect + 1} frame(s), got {len(payload) + 1}")
+        if h.command == Command.HELLO:
+            return self._hello(ident, h)
+        if h.command == Command.STATS:
+            return self._send([ident, h.reply().pack(), self._stats()])
+        if h.command not in (Command.INIT, Command.PUSH, Command.PULL):
+            raise ProtocolError(Status.BAD_COMMAND, f"unknown command {h.command}")
+        if h.incarnation != self.incarnation:
+            raise ProtocolError(
+                Status.WRONG_INCARNATION,
+                f"request for server incarnation {h.incarnation:#x}, but this server ({self.address}) is incarnation "
+                f"{self.incarnation:#x}: it restarted and has lost the state of job {h.job_id:#x}",
+            )
+        job = self._jobs.get(h.job_id)
+        if job is None:
+            raise ProtocolError(Status.UNKNOWN_JOB, f"job {h.job_id:#x} has not said HELLO to this server")
+        if h.worker >= job.num_workers:
+            raise ProtocolError(Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}")
+        if h.command == Command.INIT:
+            return self._init(ident, h)
+        info = self._check_key(h)
+        if h.command == Command.PUSH:
+            got = len(payload[0])
+            if got != h.nbytes:
+                raise ProtocolError(
+                    Status.KEY_MISMATCH,
+                    f"push of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}: header says "
+                    f"{h.nbytes} bytes, payload has {got}",
+                )
+            self._counts["pushes"] += 1
+            self._counts["bytes_in"] += got
+            self._engines[info.engine].inbox.put((ident, h, payload[0], job.num_workers))
+        else:
+            self._counts["pulls"] += 1
+            self._engines[info.engine].inbox.put((ident, h, None, job.num_workers))
+
+    def _hello(self, ident, h: Header) -> None:
+        job = self._jobs.get(h.job_id)
+        if h.num_workers == 0 or h.worker >= h.num_workers:
+            raise ProtocolError(Status.JOB_MISMATCH, f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers}")
+        if job is None:
+            job = self._jobs[h.job_id] = Job(h.num_workers)
+            log.info("job %#x: %d workers", h.job_id, h.num_workers)
+        elif job.num_workers != h.num_workers:
+            raise ProtocolError(
+                Status.JOB_MISMATCH,
+                f"HELLO of job {h.job_id:#x} from worker {h.worker} says {h.num_workers} workers, "
+                f"but the job was declared with {job.num_workers}",
+            )
+        job.workers.add(h.worker)
+        self._send([ident, h.reply(incarnation=self.incarnation).pack()])
+
+    def _init(self, ident, h: Header) -> None:
+        if h.dtype not in DTYPES:
+            raise ProtocolError(Status.KEY_MISMATCH, f"INIT of job {h.job_id:#x} key {h.key}: unknown dtype code {h.dtype}")
+        itemsize = DTYPES[h.dtype].itemsize
+        if h.nbytes % itemsize:
+            raise ProtocolError(
+                Status.KEY_MISMATCH,
+                f"INIT of job {h.job_id:#x} key {h.key}: {h.nbytes} bytes is not a whole number of {DTYPES[h.dtype]}",
+            )
+        info = self._keys.get((h.job_id, h.key))
+        if info is None:
+            engine = min(self._engines, key=lambda e: e.bytes_owned)
+            engine.bytes_owned += h.nbytes
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, engine.index)
+        else:
+            self._check_key(h)
+        self._send([ident, h.reply().pack()])
+
+    def _check_key(self, h: Header) -> KeyInfo:
+        info = self._keys.get((h.job_id, h.key))
+        what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
+        if info is None:
+            raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
+        if (h.nbytes, h.dtype) != (info.nbytes, info.dtype):
+            raise ProtocolError(
+                Status.KEY_MISMATCH,
+                f"{what}: expected {info.nbytes} bytes of {_dtype_name(info.dtype)}, "
+                f"received {h.nbytes} bytes of {_dtype_name(h.dtype)}",
+            )
+        return info
+
+    def _stats(self) -> bytes:
+        values = {**self._counts, "bytes_summed": 0, "sum_ns": 0}
+        for e in self._engines:
+            values["bytes_summed"] += e.counters.bytes_summed
+            values["sum_ns"] += e.counters.sum_ns
+        return struct.pack(f"<{len(STATS_FIELDS)}Q", *(values[f] for f in STATS_FIELDS))
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code]).removeprefix("torch.") if code in DTYPES else f"dtype code {code}"
+
