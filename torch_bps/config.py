@@ -23,6 +23,14 @@ def _parse_servers(value: str) -> tuple[str, ...]:
     return servers
 
 
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (1/0, true/false)")
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of a worker. Field -> environment variable: upper-case with the BPS_ prefix."""
@@ -32,7 +40,20 @@ class Config:
     timeout: float = field(default=300.0, metadata={"env": "BPS_TIMEOUT", "parse": float})
     # How long to wait for every server to answer HELLO.
     connect_timeout: float = field(default=30.0, metadata={"env": "BPS_CONNECT_TIMEOUT", "parse": float})
+    # Dedicated servers may instead register themselves in the job's store (`bps-server --register`):
+    # workers then wait for this many registrations.
+    num_servers: int = field(default=0, metadata={"env": "BPS_NUM_SERVERS", "parse": int})
+    # "optimal" (the paper's split between dedicated and colocated servers), "dedicated" or "colocated".
+    placement: str = field(default="optimal", metadata={"env": "BPS_PLACEMENT", "parse": str})
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
+    # Bytes of partitions in flight at once; the rest wait in priority order.
+    credit_bytes: int = field(default=64 << 20, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
+    # Reduce among a machine's local ranks before the network (one push per machine).
+    local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
+    # The address other machines reach this one's embedded server at; default: the interface that
+    # routes to MASTER_ADDR.
+    host: str = field(default="", metadata={"env": "BPS_HOST", "parse": str})
+    server_engine_threads: int = field(default=2, metadata={"env": "BPS_SERVER_ENGINE_THREADS", "parse": int})
 
     @classmethod
     def resolve(cls, **keywords) -> Config:
@@ -46,8 +67,11 @@ class Config:
             raise ConfigError(f"unknown torch_bps setting(s): {sorted(unknown)}; known: {sorted(names)}")
         values = {}
         for f in dataclasses.fields(cls):
-            if keywords.get(f.name) is not None:
-                values[f.name] = keywords[f.name]
+            value = keywords.get(f.name)
+            if value is not None:
+                if f.name == "servers":
+                    value = _parse_servers(value) if isinstance(value, str) else _parse_servers(",".join(value))
+                values[f.name] = value
                 continue
             raw = os.environ.get(f.metadata["env"])
             if raw is None or raw == "":
@@ -63,5 +87,11 @@ class Config:
     def _check(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError(f"timeouts must be positive (timeout={self.timeout}, connect={self.connect_timeout})")
-        if self.partition_bytes < 1024:
-            raise ConfigError(f"partition_bytes={self.partition_bytes} is below 1024")
+        if self.partition_bytes < 64:
+            raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
+        if self.credit_bytes <= 0:
+            raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive")
+        if self.placement not in ("optimal", "dedicated", "colocated"):
+            raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
+        if self.num_servers < 0 or self.server_engine_threads < 1:
+            raise ConfigError(f"num_servers={self.num_servers}, server_engine_threads={self.server_engine_threads}")

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -32,6 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="summation threads; each owns a disjoint set of keys (default %(default)s)",
     )
     p.add_argument("--log-level", default=os.environ.get("BPS_LOG_LEVEL", "WARNING"), help="DEBUG, INFO, WARNING... (default %(default)s)")
+    p.add_argument(
+        "--register",
+        metavar="HOST:PORT",
+        default=os.environ.get("BPS_REGISTER"),
+        help="register this server in a job's c10d store (torchrun's MASTER_ADDR:MASTER_PORT); workers with "
+        "BPS_NUM_SERVERS=k wait for k registrations",
+    )
+    p.add_argument("--advertise", default=None, help="address workers reach this server at (default: --host, or this machine's name)")
+    p.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started this server is gone")
     args = p.parse_args(argv)
     if args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
@@ -55,5 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     # Tests and launchers read this line to learn the port and incarnation.
     print(f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True)
-    server.serve_forever()
+    if args.register:
+        advertise = args.advertise or (args.host if args.host not in ("0.0.0.0", "") else socket.getfqdn())
+        try:
+            register(args.register, f"{advertise}:{server.port}")
+        except Exception as e:
+            print(f"bps-server: cannot register in the store at {args.register}: {e}", file=sys.stderr)
+            server.stop()
+    server.serve_forever(parent_pid=os.getppid() if args.exit_with_parent else None)
     return 0
+
+
+def register(store_address: str, my_address: str, timeout: float = 300.0) -> None:
+    """Append my_address to the job store's list of dedicated servers (see torch_bps.runtime)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torch_bps.registry import register_server
+
+    host, _, port = store_address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    register_server(store, my_address)

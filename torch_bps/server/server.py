@@ -149,13 +149,20 @@ class SummationServer:
         """Ask serve_forever to return (thread-safe, also from a signal handler)."""
         self._stop.set()
 
-    def serve_forever(self) -> None:
-        """Run the front loop until stop(); then shut the engines down and close the sockets."""
+    def serve_forever(self, parent_pid: int | None = None) -> None:
+        """Run the front loop until stop() (or until process parent_pid is gone); then shut down.
+
+        parent_pid: for an embedded server, the worker that started it: the server must not outlive the job
+        even when that worker is killed without a chance to stop it.
+        """
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    log.warning("parent process %d is gone: shutting down", parent_pid)
+                    break
                 for sock, _ in poller.poll(_POLL_MS):
                     if sock is self._router:
                         self._on_request(self._router.recv_multipart(copy=False))

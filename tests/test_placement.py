@@ -1,0 +1,81 @@
+"""The paper's split, byte-balanced placement and partitioning: pure logic, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_bps.engine.partition import KeyBook, cut
+from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
+
+
+def test_split_formula_special_cases():
+    for n in range(2, 9):
+        assert dedicated_fraction(n, 0) == 0.0  # all-reduce
+        assert dedicated_fraction(n, n) == 1.0  # parameter server
+        assert dedicated_fraction(n, n + 3) == 1.0
+        M, B = 64e6, 1e9
+        assert t_opt(n, 0, M, B) == pytest.approx(2 * (n - 1) * M / (n * B))  # the all-reduce bound
+        assert t_opt(n, n, M, B) == pytest.approx(M / B)  # PS: send M once, receive M once
+    assert dedicated_fraction(4, 2) == pytest.approx(2 * 2 * 3 / (16 + 8 - 4))  # 0.6
+    assert t_opt(4, 2, 1.0, 1.0) == pytest.approx(2 * 4 * 3 / (16 + 8 - 4))
+
+
+def test_t_opt_decreases_with_more_servers():
+    times = [t_opt(4, k, 1.0, 1.0) for k in range(0, 6)]
+    assert all(a >= b for a, b in zip(times, times[1:])) and times[4] == times[5]
+
+
+@pytest.mark.parametrize("n,k", [(4, 0), (4, 1), (4, 2), (4, 4), (3, 5)])
+def test_weights_follow_the_split(n, k):
+    servers = server_weights([f"c{i}:1" for i in range(n)], [f"d{i}:1" for i in range(k)])
+    assert sum(s.weight for s in servers) == pytest.approx(1.0)
+    assert sum(s.weight for s in servers if s.dedicated) == pytest.approx(dedicated_fraction(n, k))
+
+
+def test_modes_and_missing_servers():
+    assert all(s.dedicated for s in server_weights(["c:1"], ["d:1"], "dedicated"))
+    assert not any(s.dedicated for s in server_weights(["c:1"], ["d:1"], "colocated"))
+    with pytest.raises(ValueError, match="needs servers"):
+        server_weights([], [], "optimal")
+    with pytest.raises(ValueError, match="needs servers"):
+        server_weights(["c:1"], [], "dedicated")
+    with pytest.raises(ValueError, match="not one of"):
+        server_weights(["c:1"], [], "hash")
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 1 << 20), min_size=30, max_size=200), n=st.integers(1, 5), k=st.integers(0, 5))
+def test_placement_balances_bytes_and_is_deterministic(sizes, n, k):
+    servers = server_weights([f"c{i}:1" for i in range(n)], [f"d{i}:1" for i in range(k)])
+    a, b = Placement(servers), Placement(servers)
+    where_a = [a.assign(key, size) for key, size in enumerate(sizes)]
+    where_b = [b.assign(key, size) for key, size in enumerate(sizes)]
+    assert where_a == where_b  # same order of first sight -> same placement on every worker
+    assert [a.assign(key, 1) for key in range(len(sizes))] == where_a  # stable: placed keys never move
+    total, biggest = sum(sizes), max(sizes)
+    for load, s in zip(a.load, servers):
+        # Greedy on relative load: each server ends within one partition of its target share.
+        assert abs(load - s.weight * total) <= biggest * (1 + len(servers))
+
+
+def test_cut_covers_exactly():
+    assert cut(10, 4, 16) == [(0, 4), (4, 4), (8, 2)]
+    assert cut(3, 4, 1 << 20) == [(0, 3)]  # partition larger than the tensor
+    assert cut(5, 8, 1) == [(i, 1) for i in range(5)]  # at least one element per partition
+    assert cut(0, 4, 16) == []
+
+
+def test_keybook_slots_and_agreement():
+    servers = server_weights(["a:1", "b:1"], [])
+    books = [KeyBook(Placement(servers), 64, lambda n: [(0, n // 2), (n // 2, n)], slots=2) for _ in range(2)]
+    seq = [(100, torch.float32), (100, torch.float32), (7, torch.int64), (100, torch.float32)]
+    plans = [[book.plan(n, dt) for n, dt in seq] for book in books]
+    assert plans[0] == plans[1]  # two ranks agree without talking
+    p0, p1, p2, p3 = plans[0]
+    keys = lambda p: {part.key for parts in p for part in parts}  # noqa: E731
+    assert keys(p0).isdisjoint(keys(p1))  # concurrent same-size collectives use other keys
+    assert p3 == p0  # the third same-size call reuses slot 0
+    assert sum(part.numel for part in p0[0]) == 50 and all(part.numel * 4 <= 64 for part in p0[1])

@@ -1,0 +1,83 @@
+"""Cut tensors into partitions with keys every worker agrees on, without any message.
+
+A collective's tensors are named by the order of first appearance of their (numel, dtype): every rank
+issues collectives in the same order (torch.distributed requires it), so every rank derives the same
+tensor ids, keys and server placement locally. No init barrier is needed in the hot path: the server
+learns a key from the INIT the client pipelines in front of its first push.
+
+Up to `slots` collectives of one (numel, dtype) may be in flight at once on distinct keys; the next
+reuses the first slot's keys, and the client sends a key's next round only after the previous one came
+back, so rounds of one key never overlap.
+
+Key layout (u64): tensor id << 24 | local slice << 16 | partition index.
+May import: the standard library, torch and torch_bps.engine.placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from torch_bps.engine.placement import Placement
+
+MAX_PARTS = 1 << 16
+MAX_SLICES = 1 << 8
+
+
+@dataclass(frozen=True)
+class Part:
+    key: int
+    start: int  # element offset within the local slice
+    numel: int
+    server: int  # index into the placement's servers
+
+
+def cut(numel: int, itemsize: int, partition_bytes: int) -> list[tuple[int, int]]:
+    """Return (start, numel) pieces covering [0, numel), each at most partition_bytes (at least 1 element)."""
+    per = max(1, partition_bytes // itemsize)
+    return [(s, min(per, numel - s)) for s in range(0, numel, per)]
+
+
+class KeyBook:
+    """Hands out partition plans: for a collective on (numel, dtype), the parts of every local slice.
+
+    Args:
+        placement: where keys go; fed in the same order on every rank.
+        partition_bytes: the largest partition.
+        slices: function numel -> list of (start, end) element ranges, one per local rank.
+        slots: concurrent collectives of the same (numel, dtype) that get distinct keys.
+    """
+
+    def __init__(self, placement: Placement, partition_bytes: int, slices: Callable[[int], list[tuple[int, int]]], slots: int = 4):
+        self.placement = placement
+        self.partition_bytes = partition_bytes
+        self.slices = slices
+        self.slots = slots
+        self._calls: dict[tuple[int, torch.dtype], int] = {}
+        self._plans: dict[tuple[int, torch.dtype, int], list[list[Part]]] = {}
+
+    def plan(self, numel: int, dtype: torch.dtype) -> list[list[Part]]:
+        """Return, for each local slice, its parts (keys, offsets within the slice, servers)."""
+        calls = self._calls.get((numel, dtype), 0)
+        self._calls[(numel, dtype)] = calls + 1
+        slot = calls % self.slots
+        plan = self._plans.get((numel, dtype, slot))
+        if plan is None:
+            plan = self._plans[(numel, dtype, slot)] = self._new_plan(len(self._plans), numel, dtype)
+        return plan
+
+    def _new_plan(self, tensor_id: int, numel: int, dtype: torch.dtype) -> list[list[Part]]:
+        itemsize = dtype.itemsize
+        plan = []
+        for index, (lo, hi) in enumerate(self.slices(numel)):
+            pieces = cut(hi - lo, itemsize, self.partition_bytes)
+            if len(pieces) > MAX_PARTS or index >= MAX_SLICES:
+                raise ValueError(f"tensor of {numel} elements needs {len(pieces)} partitions; raise partition_bytes")
+            parts = []
+            for p, (start, n) in enumerate(pieces):
+                key = tensor_id << 24 | index << 16 | p
+                parts.append(Part(key, start, n, self.placement.assign(key, n * itemsize)))
+            plan.append(parts)
+        return plan

@@ -1,0 +1,233 @@
+"""Rendezvous and lifetime: from a c10d store to a running push/pull engine, with no scheduler process.
+
+Workers meet through the store torch already gives the backend (torchrun's), in a namespace of ours:
+rank 0 draws the job id, dedicated servers come from `BPS_SERVERS` or register themselves in the store,
+and each machine's local rank 0 starts an embedded colocated server when the placement needs one (with
+no dedicated servers: always, which gives all-reduce-equivalent traffic with zero configuration). The
+embedded server stops with the job: at close, after every rank is done with it, or on its own when the
+process that started it dies.
+
+Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
+Groups other than the default one reuse the servers of the process's default Runtime if there is one,
+and treat every rank as its own machine (no local reduction).
+May import: torch, torch_bps.config, errors, topology, registry, client, local, engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torch_bps.config import Config
+from torch_bps.engine.partition import KeyBook
+from torch_bps.engine.pipeline import PushPullEngine
+from torch_bps.engine.placement import Placement, server_weights, t_opt
+from torch_bps.errors import BpsTimeoutError, TransportError
+from torch_bps.registry import registered_servers
+from torch_bps.topology import Topology
+
+log = logging.getLogger("torch_bps")
+
+_RUNTIMES: dict[str, Runtime] = {}  # live runtimes of this process, by group name
+_LISTENING = re.compile(r"port (\d+) incarnation")
+
+
+def raw_store(store: dist.Store) -> dist.Store:
+    """Strip torch's PrefixStores ("default_pg/0/cpu/...") to reach the job's TCPStore."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class Runtime:
+    """One group's connection to the summation service. Create with `Runtime.create`."""
+
+    def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
+                 client, local, server_proc: subprocess.Popen | None, addresses: list[str]):  # fmt: skip
+        self.name = name
+        self.config = config
+        self.topology = topology
+        self.rank = topology.rank
+        self.world_size = topology.world_size
+        self.addresses = addresses
+        self._store = store
+        self._engine = engine
+        self._client = client
+        self._local = local
+        self._server_proc = server_proc
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, world_size: int, *, name: str = "default", config: Config | None = None,
+               timeout: float | None = None) -> Runtime:  # fmt: skip
+        """Meet the other ranks through `store`, connect to (or start) the servers, return the Runtime.
+
+        Example: `rt = Runtime.create(store, rank, world_size); rt.push_pull(grad).wait()`.
+        """
+        config = config or Config.resolve()
+        timeout = timeout or config.connect_timeout
+        base = _RUNTIMES.get("default")
+        if name == "default" or base is None:
+            topology = Topology.from_env(rank, world_size)
+        else:
+            topology = Topology(rank, world_size, 0, 1, rank, world_size)  # every rank its own machine
+        ns = dist.PrefixStore(f"torch_bps/{name}/{_attempt()}", raw_store(store))
+        job_id = _agree_job_id(ns, rank, timeout)
+        server_proc = None
+        if base is not None and name != "default":
+            colocated, dedicated = base._colocated, base._dedicated
+        else:
+            dedicated = list(config.servers)
+            if config.num_servers:
+                dedicated += registered_servers(raw_store(store), config.num_servers, timeout)
+            colocated = []
+            needs_colocated = config.placement == "colocated" or (
+                config.placement == "optimal" and len(dedicated) < topology.num_nodes
+            )
+            if needs_colocated:
+                server_proc, colocated = _colocated_servers(ns, topology, config, timeout)
+        weights = server_weights(colocated, dedicated, config.placement)
+        addresses = [s.address for s in weights]
+        hierarchical = config.local_reduce and topology.local_size > 1
+        from torch_bps.client import Client  # the C++ extension: imported when first needed
+
+        client = Client(
+            addresses,
+            job_id,
+            topology.node_rank if hierarchical else rank,
+            topology.num_nodes if hierarchical else world_size,
+            timeout=config.timeout,
+            connect_timeout=timeout,
+        )
+        local = None
+        if hierarchical:
+            from torch_bps.local import LocalComm
+
+            local = LocalComm(ns, topology.local_rank, topology.local_size, f"{job_id:x}-{topology.node_rank}", timeout=config.timeout)
+        slices = local.slice_range if local is not None else None
+        keys = KeyBook(
+            Placement(weights),
+            config.partition_bytes,
+            (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
+        )
+        from torch_bps.engine.scheduler import CreditScheduler
+
+        engine = PushPullEngine(client, keys, CreditScheduler(config.credit_bytes), local=local,
+                                local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
+        rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses)
+        rt._colocated, rt._dedicated = colocated, dedicated
+        if rank == 0:
+            _log_split(name, topology, colocated, dedicated, weights)
+        _RUNTIMES[name] = rt
+        atexit.register(rt.close)
+        return rt
+
+    def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
+        """Sum `tensor` (1-D, contiguous, CPU) in place over every rank of the group; the future holds it."""
+        return self._engine.push_pull(tensor, priority=priority)
+
+    def close(self) -> None:
+        """Leave the job. The rank that started an embedded server waits for every rank to leave first."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if _RUNTIMES.get(self.name) is self:
+            del _RUNTIMES[self.name]
+        try:
+            self._store.add("closed", 1)
+            if self._server_proc is not None:
+                deadline = time.monotonic() + self.config.connect_timeout
+                while self._store.add("closed", 0) < self.world_size and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        except Exception as e:  # the store's host may be gone already: nothing left to wait for
+            log.debug("close of %s: store unavailable (%s)", self.name, e)
+        self._engine.close()
+        self._client.close()
+        if self._local is not None:
+            self._local.close()
+        if self._server_proc is not None:
+            self._server_proc.terminate()
+            try:
+                self._server_proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._server_proc.kill()
+
+
+def _attempt() -> str:
+    # torchrun restarts reuse the store: keep each attempt's keys apart.
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _agree_job_id(ns: dist.Store, rank: int, timeout: float) -> int:
+    if rank == 0:
+        ns.set("job_id", str(int.from_bytes(os.urandom(8), "little")))
+    _wait(ns, ["job_id"], timeout, "the job id from rank 0")
+    return int(ns.get("job_id"))
+
+
+def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as e:
+        raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
+
+
+def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float):
+    """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
+    proc = None
+    if topo.local_rank == 0:
+        proc, port = _start_server(config, timeout)
+        ns.set(f"colocated/{topo.node_rank}", f"{_advertised_host(config)}:{port}")
+    keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
+    _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
+    return proc, [ns.get(k).decode() for k in keys]
+
+
+def _start_server(config: Config, timeout: float) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "0.0.0.0", "--port", "0", "--exit-with-parent",
+           "--engine-threads", str(config.server_engine_threads)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = [""]
+    reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not (m := _LISTENING.search(line[0])):
+        proc.kill()
+        raise TransportError(f"the embedded summation server did not start within {timeout}s (printed {line[0]!r})")
+    return proc, int(m.group(1))
+
+
+def _advertised_host(config: Config) -> str:
+    if config.host:
+        return config.host
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:  # the interface that routes to the store's host is one the other machines can reach
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _log_split(name, topo: Topology, colocated, dedicated, weights) -> None:
+    n, k = len(colocated), len(dedicated)
+    x = sum(s.weight for s in weights if s.dedicated)
+    per_mb = t_opt(max(n, topo.num_nodes), k, 1 << 20, 1.25e9) * 1e3
+    log.warning(
+        "torch_bps[%s]: %d machine(s), %d colocated + %d dedicated server(s); %.1f%% of bytes to dedicated servers; "
+        "expected t_opt %.3f ms per MB of gradients at 10 Gbit/s",
+        name, topo.num_nodes, n, k, 100 * x, per_mb,
+    )  # fmt: skip
