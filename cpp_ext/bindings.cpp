@@ -1,0 +1,141 @@
+// The Python module torch_bps._C: the push/pull client, and header pack/unpack for tests/test_wire.py.
+//
+// Every call into the client runs with the GIL released. Completions come back on CompletionPool threads,
+// which take the GIL to call the Python handler given at construction. bps::Error and ErrorInfo map to the
+// types of torch_bps/errors.py here and nowhere else.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client.h"
+#include "errors.h"
+#include "wire.h"
+
+namespace py = pybind11;
+
+namespace bps {
+namespace {
+
+// Build the Python exception for `error` (GIL held).
+py::object toPyException(const ErrorInfo& error) {
+  py::module_ errors = py::module_::import("torch_bps.errors");
+  switch (error.kind) {
+    case ErrorKind::kTransport: return errors.attr("TransportError")(error.message);
+    case ErrorKind::kTimeout: return errors.attr("BpsTimeoutError")(error.message);
+    case ErrorKind::kServer: return errors.attr("ServerError")(error.status, error.message);
+    case ErrorKind::kProtocol: return errors.attr("ProtocolError")(error.status, error.message);
+    case ErrorKind::kValue: return py::module_::import("builtins").attr("ValueError")(error.message);
+    default: return errors.attr("BpsError")(error.message);
+  }
+}
+
+// Owns a bps::Client for Python: releases the GIL while closing, since closing runs completions that
+// need it.
+class PyClient {
+ public:
+  PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
+           py::function onComplete) {
+    // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
+    // GIL held, whichever thread lets go of it last.
+    std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    });
+    auto complete = [handler](uint64_t token, const ErrorInfo& error) {
+      py::gil_scoped_acquire gil;
+      try {
+        (*handler)(token, error.ok() ? py::none() : toPyException(error));
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_bps completion handler");
+      }
+    };
+    ClientOptions options{std::move(servers), jobId, worker, numWorkers, timeout};
+    py::gil_scoped_release release;
+    client_ = std::make_unique<Client>(std::move(options), std::move(complete));
+  }
+
+  ~PyClient() {
+    py::gil_scoped_release release;
+    client_.reset();
+  }
+
+  Client& get() { return *client_; }
+
+ private:
+  std::unique_ptr<Client> client_;
+};
+
+py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
+                       uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
+                       uint64_t nbytes) {
+  Header h{command, status, dtype, worker, numWorkers, incarnation, jobId, key, round, requestId, nbytes};
+  uint8_t out[kHeaderSize];
+  packHeader(h, out);
+  return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
+}
+
+py::dict unpackHeaderPy(py::bytes data) {
+  std::string raw = data;
+  Header h = unpackHeader(reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
+  py::dict d;
+  d["command"] = h.command;
+  d["status"] = h.status;
+  d["dtype"] = h.dtype;
+  d["worker"] = h.worker;
+  d["num_workers"] = h.numWorkers;
+  d["incarnation"] = h.incarnation;
+  d["job_id"] = h.jobId;
+  d["key"] = h.key;
+  d["round"] = h.round;
+  d["request_id"] = h.requestId;
+  d["nbytes"] = h.nbytes;
+  return d;
+}
+
+}  // namespace
+}  // namespace bps
+
+PYBIND11_MODULE(_C, m) {
+  using bps::PyClient;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.doc() = "torch_bps C++ push/pull client (use torch_bps.client.Client)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const bps::Error& e) {
+      py::object exc = bps::toPyException(e.info());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.attr("HEADER_SIZE") = bps::kHeaderSize;
+  m.def("pack_header", &bps::packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
+        py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
+        py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
+        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0);
+  m.def("unpack_header", &bps::unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
+        py::arg("data"));
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<std::vector<std::string>, uint64_t, uint32_t, uint32_t, double, py::function>(),
+           py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
+           py::arg("on_complete"))
+      .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
+      .def(
+          "push_pull",
+          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src,
+             at::Tensor dst) { c.get().pushPull(token, server, key, dtype, std::move(src), std::move(dst)); },
+          py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("src"), py::arg("dst"),
+          release())
+      .def(
+          "stats", [](PyClient& c, uint64_t token, size_t server, at::Tensor dst) { c.get().stats(token, server, dst); },
+          py::arg("token"), py::arg("server"), py::arg("dst"), release())
+      .def("incarnations", [](PyClient& c) { return c.get().incarnations(); }, release())
+      .def("bytes_sent", [](PyClient& c) { return c.get().bytesSent(); }, release())
+      .def("bytes_received", [](PyClient& c) { return c.get().bytesReceived(); }, release())
+      .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
+      .def("close", [](PyClient& c) { c.get().close(); }, release());
+}

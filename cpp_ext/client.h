@@ -1,0 +1,153 @@
+// The push/pull client: one IO thread drives one DEALER per server (ServerLink); callers enqueue
+// operations under a mutex and wake it through an eventfd. Finished operations are handed to a
+// CompletionPool, so completion handlers never run on the IO thread.
+//
+// An operation is HELLO (connect), STATS, or push_pull of one key: INIT on the key's first use, then
+// PUSH and PULL of the key's next round, all sent without waiting. A key's next push_pull is held back
+// until the previous round's PULL reply arrived (the protocol keeps at most two rounds alive per key).
+// Every wire request carries the operation's deadline, counted from when it was sent.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "completion_pool.h"
+#include "errors.h"
+#include "server_link.h"
+#include "wire.h"
+
+namespace bps {
+
+struct ClientOptions {
+  std::vector<std::string> servers;  // "host:port"
+  uint64_t jobId = 0;
+  uint32_t worker = 0;
+  uint32_t numWorkers = 1;
+  double timeoutSeconds = 300.0;  // per request, from when it is sent
+};
+
+// Runs on a CompletionPool thread once per pushPull()/stats(), with the token given there.
+using CompletionHandler = std::function<void(uint64_t token, const ErrorInfo& error)>;
+
+class Client {
+ public:
+  // Connects (asynchronously) to every server; throws Error(kTransport) for an address ZeroMQ refuses.
+  Client(ClientOptions options, CompletionHandler onComplete);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Send HELLO to every server and wait for all replies; returns the servers' incarnations. Throws
+  // Error(kServer) if a server refuses, Error(kTimeout) naming every silent server.
+  std::vector<uint64_t> hello(double timeoutSeconds);
+
+  // Sum `src` over all workers into `dst` (same nbytes, both contiguous CPU; may be the same tensor).
+  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst);
+
+  // Read the server's counters into `dst` (kStatsCounters little-endian u64, i.e. an int64 tensor).
+  void stats(uint64_t token, size_t server, at::Tensor dst);
+
+  std::vector<uint64_t> incarnations();
+  std::vector<uint64_t> bytesSent() const;
+  std::vector<uint64_t> bytesReceived() const;
+  size_t completionThreads() { return pool_.threadCount(); }
+
+  // Fail everything outstanding, run its completions, join every thread. Idempotent; never hangs.
+  void close();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Op {
+    Command kind = kPush;  // kHello, kStats, or kPush for a push_pull
+    uint64_t token = 0;
+    size_t server = 0;
+    uint64_t key = 0;
+    uint64_t round = 0;
+    uint16_t dtype = 0;
+    uint64_t nbytes = 0;
+    at::Tensor src;
+    at::Tensor dst;
+    Clock::duration timeout{};
+    std::deque<uint64_t> requests;  // ids of wire requests still awaiting their reply, in send order
+    bool holdsKey = false;  // this push_pull is its key's round in flight
+    bool done = false;
+    ErrorInfo error;
+  };
+  using OpPtr = std::shared_ptr<Op>;
+
+  struct Request {
+    OpPtr op;
+    uint16_t command = 0;
+    Clock::time_point deadline;
+  };
+
+  struct KeyState {
+    uint64_t nextRound = 0;
+    bool initSent = false;
+    bool busy = false;  // a round is in flight
+    std::deque<OpPtr> waiting;
+  };
+
+  void submit(OpPtr op);
+  void wake();
+
+  // Everything below runs on the IO thread only.
+  void ioLoop();
+  void takeSubmissions();
+  void start(const OpPtr& op);
+  bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
+  void onReply(size_t server, Message& message);
+  void onDisconnect(size_t server);
+  void expireDeadlines();
+  int pollTimeoutMs() const;
+  void forget(uint64_t requestId);
+  void failOp(const OpPtr& op, ErrorInfo error);
+  void finishOp(const OpPtr& op);
+  void failEverything();
+  std::string describe(const Op& op) const;
+
+  ClientOptions options_;
+  CompletionHandler onComplete_;
+  Clock::duration timeout_;
+  void* context_ = nullptr;
+  std::vector<std::unique_ptr<ServerLink>> links_;
+  int wakeFd_ = -1;
+  std::thread ioThread_;
+  CompletionPool pool_;
+
+  // Submissions, guarded by submitMutex_.
+  std::mutex submitMutex_;
+  std::vector<OpPtr> submitted_;
+  bool closing_ = false;
+
+  // HELLO results and incarnations, guarded by stateMutex_.
+  std::mutex stateMutex_;
+  std::condition_variable helloDone_;
+  size_t helloPending_ = 0;
+  std::vector<ErrorInfo> helloErrors_;
+  std::vector<uint64_t> incarnations_;
+
+  // IO thread state.
+  std::vector<uint64_t> ioIncarnations_;
+  std::unordered_map<uint64_t, Request> inflight_;
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
+  std::unordered_map<uint64_t, KeyState> keys_;
+  uint64_t nextRequestId_ = 1;
+  bool stopping_ = false;
+};
+
+}  // namespace bps

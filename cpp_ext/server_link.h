@@ -1,0 +1,92 @@
+// One server's connection: a ZeroMQ DEALER socket, the PAIR socket its monitor reports on, and byte
+// counters. Sends never block; the payload goes out zero-copy from the tensor's memory.
+//
+// Threading: built on the caller's thread, then used and closed only by the client's IO thread
+// (starting that thread is the memory barrier ZeroMQ asks for when a socket changes threads).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <zmq.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "wire.h"
+
+namespace bps {
+
+// One ZeroMQ message part, closed when it goes out of scope.
+class Frame {
+ public:
+  Frame() { zmq_msg_init(&msg_); }
+  ~Frame() { zmq_msg_close(&msg_); }
+  Frame(const Frame&) = delete;
+  Frame& operator=(const Frame&) = delete;
+  Frame& operator=(Frame&& other) noexcept {
+    zmq_msg_move(&msg_, &other.msg_);
+    return *this;
+  }
+
+  zmq_msg_t* get() { return &msg_; }
+  const uint8_t* data() { return static_cast<const uint8_t*>(zmq_msg_data(&msg_)); }
+  size_t size() { return zmq_msg_size(&msg_); }
+
+ private:
+  zmq_msg_t msg_;
+};
+
+// A received message: the header frame, the payload frame if any, and how many frames came.
+struct Message {
+  Frame header;
+  Frame payload;
+  size_t frames = 0;
+};
+
+// One monitor event, or kNothing when none is waiting.
+enum class LinkEvent { kNothing, kConnected, kDisconnected, kOther };
+
+class ServerLink {
+ public:
+  // Heartbeats catch a peer that vanished without closing TCP; generous because a PING queues behind
+  // whatever big message is on the wire. A killed process closes TCP and is noticed at once instead.
+  static constexpr int kHeartbeatIntervalMs = 5000;
+  static constexpr int kHeartbeatTimeoutMs = 30000;
+
+  // Connect a DEALER to `address` ("host:port"); throws Error(kTransport) if ZeroMQ refuses it.
+  ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint);
+  ~ServerLink();
+  ServerLink(const ServerLink&) = delete;
+  ServerLink& operator=(const ServerLink&) = delete;
+
+  const std::string& address() const { return address_; }
+  void* socket() { return socket_; }
+  void* monitor() { return monitor_; }
+  bool everConnected() const { return everConnected_.load(); }
+
+  // Queue a header (and the payload, zero-copy, holding a reference until ZeroMQ releases it).
+  // Returns false with errno set if ZeroMQ refused it.
+  bool send(const Header& header, const at::Tensor* payload);
+
+  // Take the next waiting message, if any. Returns false when none is waiting.
+  bool receive(Message& out);
+
+  // Read one monitor event; kNothing if none is waiting.
+  LinkEvent readMonitor();
+
+  uint64_t bytesSent() const { return bytesSent_.load(std::memory_order_relaxed); }
+  uint64_t bytesReceived() const { return bytesReceived_.load(std::memory_order_relaxed); }
+
+  // Close both sockets without lingering (pending messages are dropped and their tensors released).
+  void close();
+
+ private:
+  std::string address_;
+  void* socket_ = nullptr;
+  void* monitor_ = nullptr;
+  std::atomic<bool> everConnected_{false};
+  std::atomic<uint64_t> bytesSent_{0};
+  std::atomic<uint64_t> bytesReceived_{0};
+};
+
+}  // namespace bps

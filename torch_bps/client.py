@@ -1,0 +1,225 @@
+"""The data-plane client: push a tensor to a summation server and pull back the sum over all workers.
+
+`Client` wraps the C++ client of `torch_bps._C` (cpp_ext/): one IO thread owns a ZeroMQ DEALER per
+server, sends payloads zero-copy from the caller's tensor and copies each sum straight into the
+destination tensor. Each `push_pull` returns a `torch.futures.Future` completed on a completion thread,
+never the IO thread, so `then` callbacks may block, even on other push_pulls of the same client.
+
+May import: the standard library, torch, torch_bps.wire, torch_bps.errors and torch_bps._C.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from torch_bps import _C
+from torch_bps.wire import DTYPE_CODES, STATS_FIELDS
+
+_U64 = 1 << 64
+
+
+def job_id_from_name(name: str) -> int:
+    """Return a stable 64-bit job id for a job name (blake2b), so jobs can be named by string.
+
+    Example: `Client(servers, job_id_from_name("resnet-run-7"), worker=0, num_workers=4)`.
+    """
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+class _Pending:
+    """Futures waiting for the C++ client, by token. Separate from Client so the C++ side's reference to
+    `complete` does not keep the Client alive (its finalizer closes the C++ client)."""
+
+    def __init__(self) -> None:
+        self.futures: dict[int, tuple[torch.futures.Future, object]] = {}
+
+    def add(self, token: int, future: torch.futures.Future, value: object) -> None:
+        self.futures[token] = (future, value)
+
+    def complete(self, token: int, error: BaseException | None) -> None:
+        # Called by the C++ completion threads with the GIL held; callbacks of the future run here.
+        future, value = self.futures.pop(token)
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+
+def _check_tensor(t: object, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: push_pull takes CPU tensors")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} has layout {t.layout}: push_pull takes dense (strided) tensors")
+    if t.dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise TypeError(f"{name} has dtype {t.dtype}, which the wire cannot carry; supported: {supported}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}): call .contiguous()")
+
+
+class Client:
+    """A worker's connection to the summation servers of one job.
+
+    Args:
+        servers: "host:port" of every server; keys are spread over them (key % len(servers)).
+        job_id: the job, a u64 (see `job_id_from_name`); keys are namespaced by job on the servers.
+        worker: this worker's index, 0 <= worker < num_workers.
+        num_workers: how many workers push every round.
+        timeout: seconds a request may wait for its reply (from when it is sent).
+        connect_timeout: seconds to wait for every server's HELLO reply.
+
+    Example:
+        with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
+            total = c.push_pull(torch.ones(4), key=0).wait()
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        job_id: int,
+        worker: int,
+        num_workers: int,
+        *,
+        timeout: float = 300.0,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(servers, str):
+            raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
+        self._servers = tuple(servers)
+        if not self._servers:
+            raise ValueError("servers is empty: give at least one 'host:port'")
+        for s in self._servers:
+            host, _, port = str(s).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"server {s!r} is not 'host:port'")
+        if not 0 <= job_id < _U64:
+            raise ValueError(f"job_id {job_id} is not a u64")
+        if not 0 < num_workers < 1 << 32 or not 0 <= worker < num_workers:
+            raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout})")
+        self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
+        self._lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._keys: dict[int, tuple[int, torch.dtype, int]] = {}  # key -> (numel, dtype, server)
+        self._pending = _Pending()
+        self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, self._pending.complete)
+        self._finalizer = weakref.finalize(self, self._impl.close)
+        try:
+            self._incarnations = tuple(self._impl.hello(connect_timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return self._servers
+
+    @property
+    def incarnations(self) -> tuple[int, ...]:
+        """Each server's incarnation from its HELLO reply (a restarted server has a new one)."""
+        return self._incarnations
+
+    def push_pull(
+        self, tensor: torch.Tensor, key: int, *, server: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.futures.Future:
+        """Sum `tensor` over all workers of the job; return a Future of `out` holding the sum.
+
+        Each call is the key's next round. A round still in flight holds the next one back until its
+        result arrived. `tensor` must stay unchanged until the future completes (it is sent zero-copy).
+
+        Args:
+            tensor: CPU, contiguous, a dtype of torch_bps.wire.DTYPE_CODES; same numel/dtype every call.
+            key: the partition's key (u64); the same on every worker.
+            server: index into `servers`; default `key % len(servers)`; fixed per key.
+            out: where the sum goes (contiguous, same numel and dtype); default `tensor`, in place.
+
+        Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
+        """
+        _check_tensor(tensor, "tensor")
+        if out is None:
+            out = tensor
+        else:
+            _check_tensor(out, "out")
+            if out.dtype != tensor.dtype or out.numel() != tensor.numel():
+                raise ValueError(
+                    f"out ({out.dtype}, {out.numel()} elements) differs from tensor "
+                    f"({tensor.dtype}, {tensor.numel()} elements)"
+                )
+        if not isinstance(key, int) or not 0 <= key < _U64:
+            raise ValueError(f"key {key!r} is not a u64")
+        if server is None:
+            server = key % len(self._servers)
+        elif not 0 <= server < len(self._servers):
+            raise ValueError(f"server index {server} is out of range: {len(self._servers)} servers")
+        signature = (tensor.numel(), tensor.dtype, server)
+        with self._lock:
+            known = self._keys.setdefault(key, signature)
+        if known != signature:
+            raise ValueError(
+                f"key {key} was first used with {known[0]} elements of {known[1]} on server {known[2]}, "
+                f"now {signature[0]} elements of {signature[1]} on server {signature[2]}: a key's size, dtype "
+                "and server never change"
+            )
+        future: torch.futures.Future = torch.futures.Future()
+        token = next(self._tokens)
+        self._pending.add(token, future, out)
+        try:
+            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor.detach(), out.detach())
+        except BaseException:
+            self._pending.futures.pop(token, None)
+            raise
+        return future
+
+    def server_stats(self, server: int) -> dict[str, int]:
+        """Return the counters of server `server` (names: torch_bps.wire.STATS_FIELDS). Blocks."""
+        if not 0 <= server < len(self._servers):
+            raise ValueError(f"server index {server} is out of range: {len(self._servers)} servers")
+        counters = torch.zeros(len(STATS_FIELDS), dtype=torch.int64)
+        future: torch.futures.Future = torch.futures.Future()
+        token = next(self._tokens)
+        self._pending.add(token, future, counters)
+        try:
+            self._impl.stats(token, server, counters)
+        except BaseException:
+            self._pending.futures.pop(token, None)
+            raise
+        # Counters are u64 on the wire; they stay far below 2**63, so int64 reads them unchanged.
+        return dict(zip(STATS_FIELDS, future.wait().tolist(), strict=True))
+
+    def bytes_sent(self) -> list[int]:
+        """Per server, every byte (headers and payloads) this client has sent."""
+        return list(self._impl.bytes_sent())
+
+    def bytes_received(self) -> list[int]:
+        """Per server, every byte (headers and payloads) this client has received."""
+        return list(self._impl.bytes_received())
+
+    def close(self) -> None:
+        """Fail everything outstanding (its futures get an error), join the client's threads. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Client(servers={self._servers}, job_id={self.job_id:#x}, worker={self.worker}/{self.num_workers}, {state})"
+
+
+__all__ = ["Client", "job_id_from_name"]
