@@ -115,8 +115,12 @@ class Runtime:
         if hierarchical:
             from torch_bps.local import LocalComm
 
-            local = LocalComm(ns, topology.local_rank, topology.local_size, f"{job_id:x}-{topology.node_rank}", timeout=config.timeout)
-        slices = local.slice_range if local is not None else None
+            node = f"{job_id:x}-{topology.node_rank}"
+            local = tuple(
+                LocalComm(ns, topology.local_rank, topology.local_size, f"{node}-{stage}", timeout=config.timeout)
+                for stage in ("rs", "ag")
+            )
+        slices = local[0].slice_range if local is not None else None
         keys = KeyBook(
             Placement(weights),
             config.partition_bytes,
@@ -156,8 +160,8 @@ class Runtime:
             log.debug("close of %s: store unavailable (%s)", self.name, e)
         self._engine.close()
         self._client.close()
-        if self._local is not None:
-            self._local.close()
+        for channel in self._local or ():
+            channel.close()
         if self._server_proc is not None:
             self._server_proc.terminate()
             try:

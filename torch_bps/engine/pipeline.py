@@ -50,9 +50,12 @@ class PushPullEngine:
         client: a torch_bps.client.Client (worker = this machine, num_workers = machines).
         keys: the KeyBook (partitioning and placement).
         scheduler: the CreditScheduler for bytes in flight.
-        local: a LocalComm among this machine's ranks, or None for one rank per machine.
+        local: (reduce_scatter, all_gather) LocalComm channels among this machine's ranks, or None for one
+            rank per machine. Two channels, because the two stages run on their own threads and each
+            channel needs its calls in the same order on every local rank.
         local_rank: this rank's index within its machine.
-        timeout: seconds a local stage waits for the network stage of its collective.
+        timeout: the client's request timeout; a local stage waits a little longer for the network stage, so
+            the client's own error (naming server, key and round) is the one that surfaces.
     """
 
     def __init__(self, client, keys: KeyBook, scheduler: CreditScheduler, *, local=None, local_rank: int = 0, timeout: float = 300.0):
@@ -94,7 +97,7 @@ class PushPullEngine:
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                op.slice_ = self.local.reduce_scatter(op.tensor)
+                op.slice_ = self.local[0].reduce_scatter(op.tensor)
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
                 self._fail(op, e)
                 op.net_done.set()
@@ -143,21 +146,24 @@ class PushPullEngine:
     # -- stage: local all-gather (several local ranks only)
     def _all_gather_loop(self) -> None:
         while (op := self._ag_queue.get()) is not None:
-            if not op.net_done.wait(self.timeout):
+            if not op.net_done.wait(self.timeout + 30):
                 op.error = op.error or BpsTimeoutError(
                     f"local rank {self.local_rank}: network stage of a {op.tensor.numel()}-element collective "
-                    f"did not finish within {self.timeout}s"
+                    f"did not finish within {self.timeout + 30}s"
                 )
             if op.error is None:
                 try:
-                    self.local.all_gather(op.slice_, op.tensor)
+                    self.local[1].all_gather(op.slice_, op.tensor)
                 except BaseException as e:  # noqa: BLE001
                     op.error = e
             self._finish(op)
 
     def _finish(self, op: _Op) -> None:
         # [decompress] slots in here. Completed off the client's threads (see module docstring).
-        self._completer.submit(_complete, op.future, op.tensor, op.error)
+        try:
+            self._completer.submit(_complete, op.future, op.tensor, op.error)
+        except RuntimeError:  # closing: nobody can be blocked on our threads any more
+            _complete(op.future, op.tensor, op.error)
 
     def _fail(self, op: _Op, error: BaseException) -> None:
         op.error = op.error or error

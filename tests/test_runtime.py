@@ -1,0 +1,154 @@
+"""The runtime end to end: rendezvous through a real TCPStore, real worker processes, real servers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import ServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+
+
+def _store(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, step: int) -> torch.Tensor:
+    return ((torch.arange(numel) % 13) * (rank + 1) + step).to(dtype)
+
+
+def _worker(rank, world, port, env, scenario, results):
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        from torch_bps.runtime import Runtime
+
+        rt = Runtime.create(_store(port), rank, world)
+        out = {}
+        if scenario == "sums":
+            for step in range(3):
+                futs = []
+                for i, dtype in enumerate(DTYPES):
+                    for numel in (1, 1000, 40_000):
+                        t = _data(rank, numel, dtype, step)
+                        futs.append(((i, numel, step), rt.push_pull(t, priority=numel % 3)))
+                for (i, numel, step_), f in futs:
+                    check_sum(f.wait(), world, DTYPES[i], numel, step_)
+            out["addresses"] = rt.addresses
+        elif scenario == "bytes_per_machine":
+            numel, steps = 300_000, 3  # 1.2 MB of fp32: 1 partition of 4 MB per local slice
+            before = sum(rt._client.bytes_sent())
+            for step in range(steps):
+                t = _data(rank, numel, torch.float32, step)
+                check_sum(rt.push_pull(t).wait(), world, torch.float32, numel, step)
+            out["sent"] = sum(rt._client.bytes_sent()) - before
+            out["payload"] = steps * numel * 4
+        elif scenario == "server_killed":
+            rt.push_pull(torch.ones(10)).wait()
+            results.put((rank, "ready"))
+            time.sleep(3)  # the test kills the server meanwhile
+            start = time.monotonic()
+            try:
+                rt.push_pull(torch.ones(10)).wait()
+                out["error"] = None
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+            out["seconds"] = time.monotonic() - start
+        rt.close()
+        results.put((rank, out))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+
+
+def run(world, env, scenario="sums", on_ready=None, timeout=120):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, env(r), scenario, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        if on_ready is not None:
+            for _ in range(world):
+                assert results.get(timeout=timeout)[1] == "ready"
+            on_ready()
+        out = dict(results.get(timeout=timeout) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, value in out.items():
+        assert isinstance(value, dict), f"rank {rank} failed:\n{value}"
+    return out
+
+
+def check_sum(got, world, dtype, numel, step):
+    """Exact for integers and fp32/fp64 (small integers), within fp16/bf16 rounding otherwise."""
+    expected = sum(_data(r, numel, dtype, step).double() for r in range(world)).to(dtype)
+    if dtype in (torch.float16, torch.bfloat16):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2.0)
+    else:
+        assert torch.equal(got, expected), (dtype, numel, step)
+
+
+def test_embedded_servers_one_machine_tiny_partitions():
+    """No servers configured: the job starts its own; 3 KB partitions make many keys per tensor."""
+    env = lambda r: {"BPS_PARTITION_BYTES": "3000", "BPS_CREDIT_BYTES": "20000", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
+    out = run(2, env)
+    assert len(out[0]["addresses"]) == 1  # one machine: one colocated server
+
+
+def test_dedicated_servers_from_env():
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        addrs = ",".join(s.address for s in servers)
+        env = lambda r: {"BPS_SERVERS": addrs, "BPS_PARTITION_BYTES": "65536"}  # noqa: E731
+        out = run(3, env)
+        assert out[0]["addresses"] == [s.address for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_emulated_machines_each_start_a_colocated_server():
+    """2 machines x 1 rank, told apart by torchrun's variables: two embedded servers, all-reduce traffic."""
+    env = lambda r: {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": "2"}  # noqa: E731
+    out = run(2, env)
+    assert len(out[0]["addresses"]) == 2
+
+
+def test_killed_server_fails_the_collective_not_hangs():
+    server = ServerProcess()
+    try:
+        env = lambda r: {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "20"}  # noqa: E731
+        out = run(2, env, "server_killed", on_ready=server.kill)
+        for rank in range(2):
+            assert out[rank]["error"] is not None and server.address.split(":")[1] in out[rank]["error"], out[rank]
+            assert out[rank]["seconds"] < 25
+    finally:
+        server.stop()
+
+
+def test_two_machines_two_local_ranks_push_one_copy_per_machine():
+    """2 emulated machines x 2 local ranks: local reduce-scatter, one push per machine, local all-gather."""
+
+    def env(r):
+        return {"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2), "GROUP_WORLD_SIZE": "2"}
+
+    out = run(4, env, "bytes_per_machine")
+    for node in range(2):
+        sent = out[2 * node]["sent"] + out[2 * node + 1]["sent"]
+        payload = out[0]["payload"]
+        # Each machine sends its gradients once (its two local ranks one half each), plus 72-byte headers.
+        assert payload <= sent <= payload + 2 * 3 * 3 * 72, (node, sent, payload)
