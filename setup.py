@@ -32,7 +32,7 @@ def extensions():
         sources,
         include_dirs=zmq_include_dirs() + [os.path.abspath("cpp_ext")],
         libraries=["zmq"],
-        extra_compile_args=["-O3", "-std=c++17", "-Wall"],
+        extra_compile_args=["-O3", "-std=c++20", "-Wall"],
     )
     return [ext], {"build_ext": BuildExtension}
 

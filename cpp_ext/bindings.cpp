@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "buffer_cache.h"
 #include "client.h"
 #include "errors.h"
 #include "wire.h"
@@ -118,6 +119,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0);
   m.def("unpack_header", &bps::unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
         py::arg("data"));
+
+  m.def("install_buffer_cache", &bps::installBufferCache,
+        "Recycle libzmq's big receive buffers; returns '' on success, else why not (see buffer_cache.h).");
+  m.def("set_buffer_cache_limit", &bps::setBufferCacheLimit, "Keep at most this many bytes of freed big buffers.",
+        py::arg("bytes"));
+  m.def("buffer_cache_stats", [] {
+    bps::BufferCacheStats s = bps::bufferCacheStats();
+    return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);
+  });
 
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, uint64_t, uint32_t, uint32_t, double, py::function>(),

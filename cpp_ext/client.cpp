@@ -2,6 +2,8 @@
 // submission queue and the HELLO results, each under its mutex.
 #include "client.h"
 
+#include "buffer_cache.h"
+
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -38,6 +40,9 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   if (options_.worker >= options_.numWorkers) {
     throw Error(ErrorKind::kValue, format("worker %u is not below num_workers %u", options_.worker, options_.numWorkers));
   }
+  // Big pulls would otherwise fault in fresh pages for every reply (see buffer_cache.h). If the patch
+  // cannot be installed the client still works, only slower for big messages.
+  installBufferCache();
   context_ = zmq_ctx_new();
   wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (context_ == nullptr || wakeFd_ < 0) {

@@ -1,0 +1,366 @@
+"""The push/pull client against real summation-server processes over loopback sockets.
+
+End-to-end sums run every worker in its own process (a shared spawn pool); logic and fault tests run
+workers as threads, each with its own Client and sockets. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import ServerProcess
+from torch_bps.client import Client, job_id_from_name
+from torch_bps.errors import BpsError, BpsTimeoutError, ServerError, TransportError
+from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Status
+
+pytestmark = pytest.mark.timeout(120)
+
+EXACT = [torch.int32, torch.int64, torch.float32, torch.float64, torch.uint8, torch.int8]
+APPROX = {torch.float16: 1e-2, torch.bfloat16: 5e-2}  # relative tolerance of a sum of <= 3 terms
+ALL_DTYPES = EXACT + list(APPROX)
+
+
+def make_data(key: int, worker: int, rnd: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Deterministic per (key, worker, round); integer-valued where the sum must be exact."""
+    g = torch.Generator().manual_seed(hash((key, worker, rnd)) & 0xFFFF_FFFF)
+    if dtype in APPROX:
+        return torch.randn(shape, generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -40
+    return torch.randint(low, 40, shape, generator=g).to(dtype)
+
+
+def expected_sum(key, rnd, num_workers, dtype, shape) -> torch.Tensor:
+    parts = [make_data(key, w, rnd, dtype, shape) for w in range(num_workers)]
+    if dtype in APPROX:
+        return sum(p.double() for p in parts)
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p  # wraps like the server's integer add
+    return total
+
+
+def check_sum(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype in APPROX:
+        torch.testing.assert_close(got.double(), want, rtol=APPROX[dtype], atol=APPROX[dtype])
+    else:
+        assert torch.equal(got, want)
+
+
+def run_worker(servers, job_id, worker, num_workers, specs, rounds, pipelined):
+    """One worker process: `rounds` rounds of every (key, dtype, shape) in specs; returns the sums.
+
+    pipelined=True submits every round of every key at once (the client holds each key's round r+1
+    until round r's result arrived); otherwise each round waits for the previous one.
+    """
+    results = {}
+    with Client(servers, job_id, worker, num_workers, timeout=60, connect_timeout=30) as client:
+        pending = []
+        for rnd in range(rounds):
+            for key, dtype, shape in specs:
+                fut = client.push_pull(make_data(key, worker, rnd, dtype, shape), key)
+                pending.append(((key, rnd), fut))
+            if not pipelined:
+                for name, fut in pending:
+                    results[name] = fut.wait()
+                pending.clear()
+        for name, fut in pending:
+            results[name] = fut.wait()
+    return results
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Worker processes shared by the module's end-to-end tests (spawned once: importing torch is slow)."""
+    with ProcessPoolExecutor(max_workers=3, mp_context=get_context("spawn")) as executor:
+        yield executor
+
+
+def run_job(pool, servers, job_id, num_workers, specs, rounds, pipelined=False):
+    futures = [
+        pool.submit(run_worker, servers, job_id, w, num_workers, specs, rounds, pipelined) for w in range(num_workers)
+    ]
+    results = [f.result(timeout=90) for f in futures]
+    for per_worker in results:
+        for (key, rnd), got in per_worker.items():
+            _, dtype, shape = next(s for s in specs if s[0] == key)
+            check_sum(got, expected_sum(key, rnd, num_workers, dtype, shape), dtype)
+    return results
+
+
+def addresses(servers):
+    return [s.address for s in servers]
+
+
+# ---- end to end: worker processes x server processes ----
+
+
+def test_three_workers_two_servers_every_dtype(pool, servers, job_id):
+    specs = [(key, dtype, (257, 3)) for key, dtype in enumerate(ALL_DTYPES)]
+    results = run_job(pool, addresses(servers[:2]), job_id, 3, specs, rounds=3)
+    assert len(results[0]) == len(specs) * 3
+
+
+def test_pipelined_rounds_of_one_key_stay_apart(pool, servers, job_id):
+    """Submitting many rounds at once still gives every round its own sum."""
+    specs = [(0, torch.int64, (1000,)), (1, torch.float32, (33,))]
+    run_job(pool, addresses(servers), job_id, 3, specs, rounds=8, pipelined=True)
+
+
+def test_large_tensor(pool, server, job_id):
+    specs = [(5, torch.float32, (3_000_000,))]  # 12 MB: several TCP windows
+    run_job(pool, [server.address], job_id, 2, specs, rounds=2)
+
+
+_example = iter(range(1 << 30))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    num_workers=st.integers(1, 3),
+    num_servers=st.integers(1, 3),
+    dtype=st.sampled_from(ALL_DTYPES),
+    shapes=st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3),
+    rounds=st.integers(1, 3),
+    pipelined=st.booleans(),
+)
+def test_sums_hypothesis(pool, servers, job_id, num_workers, num_servers, dtype, shapes, rounds, pipelined):
+    specs = [(key, dtype, shape) for key, shape in enumerate(shapes)]
+    job = (job_id + next(_example)) % (1 << 64)  # every example its own job on the shared servers
+    run_job(pool, addresses(servers[:num_servers]), job, num_workers, specs, rounds, pipelined)
+
+
+# ---- logic: workers as threads, each with its own client ----
+
+
+def in_threads(*fns):
+    results, errors = [None] * len(fns), []
+
+    def call(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_fast_worker_many_rounds_ahead_of_slow_one(server, job_id):
+    rounds = 12
+
+    def fast():
+        with Client([server.address], job_id, 0, 2, timeout=30) as c:
+            futs = [c.push_pull(torch.full((100,), float(r)), 7) for r in range(rounds)]  # all at once
+            return [f.wait() for f in futs]
+
+    def slow():
+        with Client([server.address], job_id, 1, 2, timeout=30) as c:
+            out = []
+            for r in range(rounds):
+                time.sleep(0.02)
+                out.append(c.push_pull(torch.full((100,), 1000.0 * r), 7).wait())
+            return out
+
+    for sums in in_threads(fast, slow):
+        for r, got in enumerate(sums):
+            assert torch.equal(got, torch.full((100,), 1001.0 * r)), f"round {r} mixed: {got[:3]}"
+
+
+def test_out_and_in_place(server, job_id):
+    with Client([server.address], job_id, 0, 1) as c:
+        t = torch.arange(6, dtype=torch.int32)
+        out = torch.empty(6, dtype=torch.int32)
+        assert c.push_pull(t, 0, out=out).wait() is out
+        assert torch.equal(out, t)
+        assert c.push_pull(t, 0).wait() is t
+
+
+def test_size_mismatch_across_workers_fails_only_that_key(server, job_id):
+    addr = server.address
+    a = Client([addr], job_id, 0, 2, timeout=3)
+    b = Client([addr], job_id, 1, 2, timeout=10)
+    try:
+        first = a.push_pull(torch.zeros(10), 0)  # declares key 0: 10 float32
+        time.sleep(0.3)  # let a's INIT land first
+        with pytest.raises(ServerError) as info:
+            b.push_pull(torch.zeros(12), 0).wait()
+        assert info.value.status == Status.KEY_MISMATCH
+        message = str(info.value)
+        assert "key 0" in message and "40" in message and "48" in message and addr in message
+        # Other keys of the same workers still sum.
+        fa, fb = a.push_pull(torch.ones(4), 1), b.push_pull(torch.ones(4), 1)
+        assert torch.equal(fa.wait(), torch.full((4,), 2.0)) and torch.equal(fb.wait(), torch.full((4,), 2.0))
+        with pytest.raises(BpsTimeoutError):
+            first.wait()  # round 0 of key 0 never closes: b never pushed it
+    finally:
+        a.close()
+        b.close()
+
+
+def test_timeout_names_server_job_key_round_worker_and_command(server, job_id):
+    with Client([server.address], job_id, 1, 2, timeout=0.5) as c:
+        t0 = time.monotonic()
+        with pytest.raises(BpsTimeoutError) as info:
+            c.push_pull(torch.zeros(3), 42).wait()
+        assert time.monotonic() - t0 < 5
+    message = str(info.value)
+    for word in (server.address, f"{job_id:016x}", "key 42", "round 0", "worker 1 of 2", "PULL"):
+        assert word in message, (word, message)
+
+
+def test_callbacks_run_off_the_io_thread_and_may_block(server, job_id):
+    """A then-callback that waits on another push_pull of the same client (as PowerSGD does) completes."""
+    with Client([server.address], job_id, 0, 1, timeout=10) as c:
+        seen = {}
+
+        def chained(fut):
+            seen["thread"] = threading.get_ident()
+            return c.push_pull(fut.value() * 2, 1).wait()  # blocks this completion thread
+
+        chains = [c.push_pull(torch.ones(5) * i, 0).then(chained) for i in range(3)]
+        results = [f.wait() for f in chains]
+        assert [r[0].item() for r in results] == [0.0, 2.0, 4.0]
+        assert seen["thread"] != threading.get_ident()
+
+
+def test_server_stats_and_byte_counts(server, job_id):
+    n = 1000
+    with Client([server.address], job_id, 0, 1) as c:
+        before = c.server_stats(0)
+        assert set(before) == set(STATS_FIELDS)
+        sent0, recv0 = c.bytes_sent()[0], c.bytes_received()[0]
+        c.push_pull(torch.zeros(n), 3).wait()
+        # INIT + PUSH (+payload) + PULL out; their three replies back, the PULL's with the sum.
+        assert c.bytes_sent()[0] - sent0 == 3 * HEADER_SIZE + 4 * n
+        assert c.bytes_received()[0] - recv0 == 3 * HEADER_SIZE + 4 * n
+        c.push_pull(torch.zeros(n), 3).wait()  # no INIT the second time
+        assert c.bytes_sent()[0] - sent0 == 5 * HEADER_SIZE + 8 * n
+        after = c.server_stats(0)
+        assert after["pushes"] >= before["pushes"] + 2 and after["bytes_in"] >= before["bytes_in"] + 8 * n
+
+
+def test_bad_arguments_are_named():
+    free = unused_port()
+    with pytest.raises(ValueError, match="host:port"):
+        Client(["localhost"], 1, 0, 1)
+    with pytest.raises(ValueError, match="worker 2"):
+        Client([f"127.0.0.1:{free}"], 1, 2, 2)
+
+
+def test_bad_tensors_are_refused(server, job_id):
+    with Client([server.address], job_id, 0, 1) as c:
+        with pytest.raises(TypeError, match="complex64"):
+            c.push_pull(torch.zeros(3, dtype=torch.complex64), 0)
+        with pytest.raises(TypeError, match="bool"):
+            c.push_pull(torch.zeros(3, dtype=torch.bool), 0)
+        with pytest.raises(ValueError, match="not contiguous"):
+            c.push_pull(torch.zeros(4, 4).t(), 0)
+        with pytest.raises(ValueError, match="meta"):
+            c.push_pull(torch.zeros(3, device="meta"), 0)
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            c.push_pull([1.0, 2.0], 0)
+        with pytest.raises(ValueError, match="out"):
+            c.push_pull(torch.zeros(3), 0, out=torch.zeros(4))
+        with pytest.raises(ValueError, match="server index 5"):
+            c.push_pull(torch.zeros(3), 0, server=5)
+        with pytest.raises(ValueError, match="u64"):
+            c.push_pull(torch.zeros(3), -1)
+        c.push_pull(torch.zeros(3), 9).wait()
+        with pytest.raises(ValueError, match="key 9 was first used with 3 elements"):
+            c.push_pull(torch.zeros(4), 9)
+        with pytest.raises(ValueError, match="float64"):
+            c.push_pull(torch.zeros(3, dtype=torch.float64), 9)
+
+
+def test_job_id_from_name_is_a_stable_u64():
+    assert job_id_from_name("resnet") == job_id_from_name("resnet") != job_id_from_name("resnet2")
+    assert 0 <= job_id_from_name("x") < 2**64
+    assert job_id_from_name("") == 0xB4B2797457A0A6E4  # blake2b-64 of b"": pinned so it never drifts
+
+
+# ---- faults ----
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connect_timeout_names_every_silent_server(server):
+    silent = [f"127.0.0.1:{unused_port()}", f"127.0.0.1:{unused_port()}"]
+    t0 = time.monotonic()
+    with pytest.raises(BpsTimeoutError) as info:
+        Client([server.address, *silent], 5, 0, 1, connect_timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    message = str(info.value)
+    assert all(s in message for s in silent) and server.address not in message
+    assert "never connected" in message
+
+
+def test_hello_refused_is_a_server_error(server, job_id):
+    with Client([server.address], job_id, 0, 2):
+        with pytest.raises(ServerError) as info:
+            Client([server.address], job_id, 0, 3)  # the job was declared with 2 workers
+    assert info.value.status == Status.JOB_MISMATCH and server.address in str(info.value)
+
+
+def test_killed_server_fails_outstanding_requests_promptly(job_id):
+    dying = ServerProcess()
+    try:
+        with Client([dying.address], job_id, 0, 2, timeout=60) as c:
+            futs = [c.push_pull(torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            dying.kill()
+            for f in futs:
+                with pytest.raises(TransportError, match=dying.address):
+                    f.wait()
+            assert time.monotonic() - t0 < 10
+    finally:
+        dying.kill()
+
+
+def test_restarted_server_answers_wrong_incarnation(job_id):
+    srv = ServerProcess()
+    try:
+        with Client([srv.address], job_id, 0, 1, timeout=20) as c:
+            c.push_pull(torch.ones(8), 0).wait()
+            old = c.incarnations
+            srv.restart()
+            assert srv.incarnation != old[0]
+            with pytest.raises(ServerError) as info:
+                c.push_pull(torch.ones(8), 0).wait()
+            assert info.value.status == Status.WRONG_INCARNATION and srv.address in str(info.value)
+    finally:
+        srv.kill()
+
+
+def test_close_fails_outstanding_futures_and_never_hangs(server, job_id):
+    c = Client([server.address], job_id, 0, 2, timeout=60)
+    futs = [c.push_pull(torch.zeros(10), 0) for _ in range(3)]  # one in flight, two held back
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 5
+    for f in futs:
+        with pytest.raises(BpsError, match="closed"):
+            f.wait()
+    c.close()  # idempotent
+    with pytest.raises(BpsError, match="closed"):
+        c.push_pull(torch.zeros(10), 0)
