@@ -525,6 +525,9 @@ def test_local_sum_matches_torch_on_a_strided_view(dtype, parts):
     out = torch.empty(257, dtype=dtype)
     local_sum(view, out)
     assert_matches(out, view.double().sum(0), parts, f"{dtype} x{parts}")
+    as_list = torch.empty(257, dtype=dtype)
+    local_sum(list(view.unbind(0)), as_list)  # the sequence form gives the same bits
+    assert torch.equal(as_list, out)  # integer-valued data for the exact dtypes: order does not matter
 
 
 def test_segment_header_round_trip_and_layout_constants():

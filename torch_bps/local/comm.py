@@ -222,7 +222,7 @@ class LocalComm:
         ok = problem is None
         numel, dtype = (tensor.numel(), tensor.dtype) if ok else (0, torch.float32)
         with self._failure_guard():
-            me = self.local_rank
+            L, me = self.local_size, self.local_rank
             bounds = self._bounds(numel)
             lo_me, hi_me = bounds[me]
             result = torch.empty(hi_me - lo_me, dtype=dtype) if out is None or not ok else out.view(-1)
@@ -234,18 +234,23 @@ class LocalComm:
                 if j == 0:
                     self._board.write_desc(k, call, _REDUCE_SCATTER, DTYPE_CODES[dtype], numel, 0 if ok else 1)
                 if ok:  # my chunk of every destination's slice -> my block, one region per destination
-                    for region, (lo, hi) in zip(layout.rs_out[h], bounds, strict=True):
+                    for d, (region, (lo, hi)) in enumerate(zip(layout.rs_out[h], bounds, strict=True)):
                         lo += j * chunk
-                        if lo < hi:
+                        if lo < hi and (d != me or L > 2):  # with 2 ranks my own part is read from x
                             n = min(hi - lo, chunk)
                             region[:n].copy_(x[lo : lo + n])
                 self._barrier(k, "reduce_scatter", call, j)
                 if j == 0:
                     self._agree(k, call, _REDUCE_SCATTER, problem)
                 lo = lo_me + j * chunk
-                if lo < hi_me:  # everyone's region for me, as one (L, n) view, summed into my result
+                if lo < hi_me:  # everyone's contribution to my slice's chunk, in rank order
                     n = min(hi_me - lo, chunk)
-                    _reduce.local_sum(layout.rs_in[h][:, :n], result[j * chunk : j * chunk + n])
+                    if L > 2:  # one strided (L, n) view: a single pass for torch.sum
+                        parts = layout.rs_in[h][:, :n]
+                    else:  # a plain add either way; skipping my own staging copy saves a pass
+                        mine, theirs = x[lo : lo + n], layout.rs_in[h][1 - me, :n]
+                        parts = (mine, theirs) if me == 0 else (theirs, mine)
+                    _reduce.local_sum(parts, result[j * chunk : j * chunk + n])
         return result
 
     def all_gather(self, slice_: torch.Tensor, out: torch.Tensor) -> None:

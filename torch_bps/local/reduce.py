@@ -1,11 +1,16 @@
 """The local sum: the one place where a node's L staged contributions are added.
 
-`local_sum` is the swap point for a fused kernel (triton_kernels): it receives the L contributions as
-one strided (L, n) view of the shared segment and writes their sum into `out` in a single call.
+`local_sum` is the swap point for a fused kernel: it receives the L contributions as one strided (L, n)
+view of the shared segment (each row contiguous) and writes their sum into `out` in a single call.
+`triton_kernels.sum_scale_cast(list(parts.unbind(0)), out)` fits it for fp32/fp16/bf16 and L <= 8
+(it accumulates in fp32, where this function adds fp16/bf16 in their own dtype); LocalComm looks
+`local_sum` up on this module at every call, so replacing the attribute swaps it.
 May import: torch only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -14,18 +19,20 @@ import torch
 _CHAINED = (torch.float16, torch.bfloat16)
 
 
-def local_sum(parts: torch.Tensor, out: torch.Tensor) -> None:
-    """Write parts.sum(0) into out, in parts' dtype (integers wrap).
+def local_sum(parts: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Write the sum of the rows of `parts` into out, in their dtype (integers wrap).
 
     Args:
-        parts: (L, n) view, rows possibly strided (one row per local rank, in rank order).
-        out: (n,) contiguous tensor of parts' dtype; must not overlap parts.
+        parts: an (L, n) view whose rows are contiguous and may lie far apart, or a sequence of L (n,)
+            contiguous tensors; one row per local rank, in rank order.
+        out: (n,) contiguous tensor of the same dtype. With two parts it may be either of them (an
+            elementwise add in place); otherwise it must not overlap them.
     Example: `local_sum(torch.ones(3, 5), out := torch.empty(5))` -> out is all 3.
     """
-    n_parts = parts.shape[0]
+    n_parts = len(parts)
     if n_parts == 1:
         out.copy_(parts[0])
-    elif n_parts == 2 or parts.dtype in _CHAINED:
+    elif n_parts == 2 or parts[0].dtype in _CHAINED or not isinstance(parts, torch.Tensor):
         torch.add(parts[0], parts[1], out=out)
         for i in range(2, n_parts):
             out.add_(parts[i])
