@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.cluster.cli import main
+
+sys.exit(main())

@@ -1,0 +1,161 @@
+"""The byteps side of the sweep: a pluggable runner slot and the default runner for torch_bps push/pull.
+
+A runner is any callable `(BytepsJob) -> StepTime`: given the cluster, the worker hosts, the k server
+hosts of this point of the sweep and the tensor size, it measures seconds per push/pull step. It raises
+`BackendUnavailable` when it cannot run here (the sweep then reports byteps as unavailable and goes
+on), `MeasurementError` when a run fails. `run_torch_bps` is the default; pass another to
+`sweep.run(..., byteps_runner=...)` to measure a different implementation on the same network.
+
+Example:
+    def my_runner(job: BytepsJob) -> StepTime:
+        procs = [job.cluster.spawn(f"w{i}", h, [...]) for i, h in enumerate(job.workers)]
+        ...
+        return StepTime(seconds_per_step=1.23, cpu={"w0": {...}})
+May import: the standard library and benchmarks.cluster.{cpu,errors,placement,procs,topology}.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from benchmarks.cluster import placement, procs
+from benchmarks.cluster.cpu import process_cpu_seconds
+from benchmarks.cluster.errors import BackendUnavailable
+from benchmarks.cluster.topology import Cluster, Host
+
+SERVER_READY = "bps-server listening"
+SERVER_START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class BytepsJob:
+    """One point of the sweep, as handed to a runner."""
+
+    cluster: Cluster  # spawn processes in hosts with cluster.spawn(name, host, argv, env)
+    workers: tuple[Host, ...]  # the n worker hosts (each may also run a colocated server)
+    servers: tuple[Host, ...]  # the k dedicated server hosts of this point (k = len(servers))
+    size_bytes: int  # gradient bytes M summed per step (fp32)
+    steps: int  # timed steps
+    warmup: int  # untimed steps before them
+    timeout_s: float  # the whole measurement must finish within this
+
+    @property
+    def k(self) -> int:
+        return len(self.servers)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A runner's answer: mean seconds per step of the slowest worker, CPU use per host."""
+
+    seconds_per_step: float
+    cpu: dict = field(default_factory=dict)
+
+
+BytepsRunner = Callable[[BytepsJob], StepTime]
+
+
+@functools.cache
+def probe(what: str) -> str:
+    """Return "" if the torch_bps front door `what` ("client"/"backend") imports here, else why not.
+
+    Runs in a subprocess (a broken extension must not take the orchestrator down); cached per run.
+    """
+    argv = [sys.executable, "-m", "benchmarks.cluster.workers.probe", what]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=procs.REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return "probing torch_bps took over 120 s"
+    for line in done.stdout.splitlines():
+        if line.startswith(procs.RESULT_PREFIX):
+            return json.loads(line[len(procs.RESULT_PREFIX) :])["reason"]
+    return f"probe exited {done.returncode}: {done.stderr.strip()[-300:]}"
+
+
+def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[procs.Proc], list[str]]:
+    """Start one `python -m torch_bps.server` per host on `port`; wait until each listens.
+
+    Returns the server processes (kill them when done) and their addresses, "ip:port" per host.
+    """
+    started = [
+        cluster.spawn(
+            f"bps-server {h.name}",
+            h,
+            [sys.executable, "-m", "torch_bps.server", "--host", h.ip, "--port", str(port)],
+            {"OMP_NUM_THREADS": "1"},
+        )
+        for h in hosts
+    ]
+    try:
+        for proc in started:
+            procs.wait_for_line(proc, SERVER_READY, SERVER_START_TIMEOUT_S)
+    except BaseException:
+        for proc in started:
+            proc.kill()
+        raise
+    return started, [f"{h.ip}:{port}" for h in hosts]
+
+
+def run_torch_bps(
+    job: BytepsJob, placement_mode: str = "exact", partition_bytes: int = 4_096_000, port: int = 9000
+) -> StepTime:
+    """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
+
+    Servers: one on each of the k dedicated hosts and, when the split gives them bytes (k < n), one
+    colocated on each worker host. Every worker then runs workers/bps_pushpull.py. `placement_mode`
+    "exact" splits to the byte (benchmarks/cluster/placement.py); "library" places 4 MB partitions
+    with torch_bps.engine.placement. Either way no partition exceeds `partition_bytes` (BytePS's default
+    4096000). Bind the keywords with functools.partial to pass it as a runner.
+    """
+    reason = probe("client")
+    if reason:
+        raise BackendUnavailable(f"torch_bps.client is not usable: {reason}")
+    n, k = len(job.workers), job.k
+    port += k  # a fresh port per point: no wait for the previous point's sockets to close
+    colocated = list(job.workers) if placement.dedicated_fraction(n, k) < 1.0 else []
+    cluster = job.cluster
+    server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port)
+    by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
+    server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
+    # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
+    server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
+    try:
+        results = _run_workers(
+            job, server_list, ["--placement", placement_mode, "--partition-bytes", str(partition_bytes)]
+        )
+        wall = time.monotonic() - start
+        server_cores = [
+            (process_cpu_seconds(p.pid) - c0) / wall for p, c0 in zip(server_procs, server_cpu0, strict=True)
+        ]
+    finally:
+        for p in server_procs:
+            p.kill()
+    cpu = {h.name: r["cpu"] for h, r in zip(job.workers, results, strict=True)}
+    for p, cores in zip(server_procs, server_cores, strict=True):
+        cpu[f"{p.host} server (whole run)"] = {"process_cores": round(cores, 3)}
+    return StepTime(max(r["seconds_per_step"] for r in results), cpu)
+
+
+def _run_workers(job: BytepsJob, server_list: str, extra: list[str]) -> list[dict]:
+    n, k = len(job.workers), job.k
+    workers = [
+        job.cluster.spawn(
+            f"bps worker {i}",
+            h,
+            [
+                sys.executable, "-m", "benchmarks.cluster.workers.bps_pushpull",
+                "--worker", str(i), "--num-workers", str(n), "--k", str(k), "--servers", server_list,
+                "--size-bytes", str(job.size_bytes), "--steps", str(job.steps), "--warmup", str(job.warmup),
+                "--timeout", str(job.timeout_s), *extra,
+            ],
+            {"OMP_NUM_THREADS": "1"},
+        )
+        for i, h in enumerate(job.workers)
+    ]  # fmt: skip
+    return procs.wait_all(workers, job.timeout_s, f"torch_bps push/pull k={k}")

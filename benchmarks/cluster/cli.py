@@ -1,0 +1,119 @@
+"""`python -m benchmarks.cluster`: the emulated-cluster benchmark (root only; skips with a message otherwise).
+
+    python -m benchmarks.cluster --quick --json out.json --plot out.png    # n=2, k in {0,2}, < 3 min
+    python -m benchmarks.cluster                                            # n=4, k=0..4, 64 MiB, 500 Mbit/s
+    python -m benchmarks.cluster --cleanup-leftovers                        # remove namespaces of crashed runs
+
+May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report,sweep}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from benchmarks.cluster import netns, report
+from benchmarks.cluster.byteps import run_torch_bps
+from benchmarks.cluster.ddp import DdpSpec
+from benchmarks.cluster.sweep import Plan, run
+
+QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "calibration_s": 2.0, "ddp_layers": 3}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster",
+        description="Workers and summation servers as network namespaces behind tc-shaped links: gloo "
+        "all_reduce and torch_bps push/pull per number of server hosts k, next to the BytePS theory.",
+    )
+    p.add_argument("--quick", action="store_true", help="n=2, 16 MiB, k in {0, n}, fewer steps (< 3 minutes)")
+    p.add_argument("-n", "--workers", type=int, help="worker hosts (default 4; --quick 2)")
+    p.add_argument("--ks", help="comma-separated k values to sweep (default 0..n; --quick 0,n)")
+    p.add_argument("--size-mb", type=float, help="MiB summed per step (default 64; --quick 16)")
+    p.add_argument("--rate", type=float, default=500.0, help="link rate B in Mbit/s, each direction (default 500)")
+    p.add_argument("--steps", type=int, help="timed steps per measurement (default 5; --quick 3)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 2; --quick 1)")
+    p.add_argument(
+        "--placement",
+        choices=["exact", "library"],
+        default="exact",
+        help="byteps split: exact x / 1-x to the byte, or torch_bps's partition placement (default exact)",
+    )
+    p.add_argument("--partition-bytes", type=int, default=4_096_000, help="byteps partition size (default 4096000)")
+    p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
+    p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
+    p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048)")
+    p.add_argument("--ddp-layers", type=int, help="MLP depth (default 6 = 25 M params; --quick 3)")
+    p.add_argument("--ddp-batch", type=int, default=16, help="samples per rank per step (default 16)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: step time vs k, measured vs theory vs gloo")
+    p.add_argument("--cleanup-leftovers", action="store_true", help="delete bps-* namespaces of dead runs, exit")
+    return p.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Resolve the options (explicit values win over --quick, which wins over defaults) into a Plan."""
+
+    def pick(value, quick_key: str, default):
+        if value is not None:
+            return value
+        return QUICK[quick_key] if args.quick else default
+
+    n = pick(args.workers, "n", 4)
+    if n < 2:
+        raise SystemExit("need at least 2 workers")
+    if args.ks:
+        ks = tuple(int(k) for k in args.ks.split(","))
+    else:
+        ks = (0, n) if args.quick else tuple(range(n + 1))
+    if any(k < 0 for k in ks):
+        raise SystemExit(f"--ks {args.ks}: k must be >= 0")
+    steps, warmup = pick(args.steps, "steps", 5), pick(args.warmup, "warmup", 2)
+    ddp = None
+    if not args.no_ddp:
+        ddp = DdpSpec(hidden=args.ddp_hidden, layers=pick(args.ddp_layers, "ddp_layers", 6), batch=args.ddp_batch,
+                      steps=steps, warmup=warmup)  # fmt: skip
+    return Plan(
+        n=n,
+        ks=ks,
+        size_bytes=int(pick(args.size_mb, "size_mb", 64.0) * 2**20) // 4 * 4,
+        rate_mbit=args.rate,
+        steps=steps,
+        warmup=warmup,
+        calibration_s=QUICK["calibration_s"] if args.quick else 3.0,
+        ddp=ddp,
+        ddp_k=args.ddp_k if args.ddp_k is not None else n,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"benchmarks.cluster: SKIPPED: {reason}")
+        return 0
+    if args.cleanup_leftovers:
+        removed = netns.cleanup_leftovers()
+        print(f"removed {len(removed)} leftover namespace(s)")
+        return 0
+    plan = make_plan(args)
+    runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes)
+    try:
+        result = run(plan, runner)
+    except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
+        print("interrupted; the emulated cluster was torn down", file=sys.stderr)
+        return 130
+    result["plan"].update(placement=args.placement, partition_bytes=args.partition_bytes)
+    print(report.format_table(result), flush=True)
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        why_not = report.plot(result, args.plot)
+        print(f"plot not written: {why_not}" if why_not else f"wrote {args.plot}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""CPU accounting over a timed window, so a report can tell a link-bound run from a CPU-bound one.
+
+Namespaces share the machine's CPUs, so `/proc/stat` (all cores, softirq included: that is where the
+emulated links' packet work lands) is the machine-wide figure; `time.process_time()` is this process's.
+May import: the standard library only (it runs inside every worker).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def machine_jiffies() -> tuple[int, int, int]:
+    """Return (busy, softirq, total) jiffies of all cores since boot, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice; guest time is already in user.
+    total = sum(fields[:8])
+    idle = fields[3] + fields[4]
+    return total - idle, fields[6], total
+
+
+def machine_busy_over(seconds: float) -> float:
+    """Return the share of all cores busy during the next `seconds` (e.g. load from other jobs)."""
+    busy0, _, total0 = machine_jiffies()
+    time.sleep(seconds)
+    busy1, _, total1 = machine_jiffies()
+    return round((busy1 - busy0) / max(total1 - total0, 1), 3)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """Return user+system CPU seconds of process `pid` (all its threads), 0.0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # After the command name: state is field 0, utime 11, stime 12 (fields 14 and 15 of proc(5)).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWindow:
+    """Measure CPU use between `start()` and `stop()`.
+
+    Example: `w = CpuWindow().start(); work(); cpu = w.stop()` ->
+    `{"process_cores": 0.4, "machine_busy": 0.55, "machine_softirq": 0.1, "machine_cores": 2}`: this
+    process used 0.4 cores on average; all cores together were busy 55% of the time, 10% of it in
+    softirq (packet processing of the emulated links lands there). Machine-wide figures include
+    whatever else runs on the machine.
+    """
+
+    def start(self) -> CpuWindow:
+        self._wall = time.monotonic()
+        self._proc = time.process_time()
+        self._busy, self._softirq, self._total = machine_jiffies()
+        return self
+
+    def stop(self) -> dict:
+        wall = max(time.monotonic() - self._wall, 1e-9)
+        busy, softirq, total = machine_jiffies()
+        jiffies = max(total - self._total, 1)
+        return {
+            "process_cores": round((time.process_time() - self._proc) / wall, 3),
+            "machine_busy": round((busy - self._busy) / jiffies, 3),
+            "machine_softirq": round((softirq - self._softirq) / jiffies, 3),
+            "machine_cores": os.cpu_count(),
+        }

@@ -1,0 +1,102 @@
+"""The DDP part: samples/s of a communication-bound MLP on the worker hosts, gloo vs the "byteps" backend.
+
+The byteps run starts summation servers on `k` dedicated server hosts and hands them to the backend in
+BPS_SERVERS; the backend's runtime adds colocated servers itself when its placement wants them (k < n)
+and splits the bytes with the library's placement. It reports unavailable until `import torch_bps`
+registers a "byteps" process group.
+May import: the standard library and benchmarks.cluster.{byteps,errors,procs,topology}.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from benchmarks.cluster import byteps, procs
+from benchmarks.cluster.errors import BackendUnavailable
+from benchmarks.cluster.topology import IFNAME, Cluster, Host
+
+WORKER = "benchmarks.cluster.workers.ddp_train"
+
+
+@dataclass(frozen=True)
+class DdpSpec:
+    """The model and the run: `layers` x Linear(hidden, hidden), `batch` samples per rank per step."""
+
+    hidden: int = 2048
+    layers: int = 6
+    batch: int = 16
+    steps: int = 5
+    warmup: int = 2
+    timeout_s: float = 300.0
+
+    @property
+    def params(self) -> int:
+        return self.layers * (self.hidden * self.hidden + self.hidden)
+
+
+def run_ddp(
+    cluster: Cluster, backend: str, spec: DdpSpec, store_port: int, env_of: Callable[[int, Host], dict] | None = None
+) -> dict:
+    """Train `spec.steps` timed steps on every worker host; return samples/s (slowest rank) and CPU use.
+
+    `env_of(rank, host)` adds environment variables per rank.
+    """
+    store = f"{cluster.workers[0].ip}:{store_port}"
+    n = len(cluster.workers)
+    ranks = [
+        cluster.spawn(
+            f"ddp {backend} rank {r}",
+            h,
+            [
+                sys.executable, "-m", WORKER, "--backend", backend, "--rank", str(r), "--world", str(n),
+                "--store", store, "--hidden", str(spec.hidden), "--layers", str(spec.layers),
+                "--batch", str(spec.batch), "--steps", str(spec.steps), "--warmup", str(spec.warmup),
+                "--timeout", str(spec.timeout_s),
+            ],
+            {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env_of(r, h) if env_of else {})},
+        )
+        for r, h in enumerate(cluster.workers)
+    ]  # fmt: skip
+    results = procs.wait_all(ranks, spec.timeout_s + 30.0, f"DDP {backend}")
+    seconds = max(r["seconds"] for r in results)
+    return {
+        "samples_per_s": n * spec.batch * spec.steps / seconds,
+        "seconds_per_step": seconds / spec.steps,
+        "params": results[0]["params"],
+        "cpu": {h.name: r["cpu"] for h, r in zip(cluster.workers, results, strict=True)},
+    }
+
+
+def run_ddp_byteps(cluster: Cluster, spec: DdpSpec, store_port: int, k: int, server_port: int = 9500) -> dict:
+    """Run `run_ddp` with the "byteps" backend, servers on the first `k` server hosts (BPS_SERVERS)."""
+    reason = byteps.probe("backend")
+    if reason:
+        raise BackendUnavailable(f'"byteps" process group is not usable: {reason}')
+    hosts = cluster.servers[:k]
+    if not hosts:
+        raise BackendUnavailable("the byteps DDP run needs at least one server host (k >= 1)")
+    server_procs, addresses = byteps.start_servers(cluster, hosts, server_port)
+    n = len(cluster.workers)
+
+    def env_of(rank: int, host: Host) -> dict:
+        # One rank per emulated machine. Without torchrun's variables torch_bps takes all ranks for one
+        # machine and reduces among them locally (shared memory is shared between namespaces), which
+        # would bypass the links. BPS_HOST: the address its embedded server is reached at.
+        return {
+            "BPS_SERVERS": ",".join(addresses),
+            "BPS_HOST": host.ip,
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank),
+            "GROUP_WORLD_SIZE": str(n),
+            "MASTER_ADDR": cluster.workers[0].ip,
+            "MASTER_PORT": str(store_port),
+        }
+
+    try:
+        return run_ddp(cluster, "byteps", spec, store_port, env_of)
+    finally:
+        for p in server_procs:
+            p.kill()

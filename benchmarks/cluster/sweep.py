@@ -1,0 +1,238 @@
+"""The measurement plan: calibrate, gloo all_reduce, byteps push/pull per k, DDP; one report dict.
+
+Every measurement prints one progress line as it finishes and has a time budget derived from the
+theory (generous: startup plus five times the expected time), so a wedged run ends, it never hangs.
+May import: the standard library and benchmarks.cluster.{byteps,calibrate,cpu,ddp,errors,procs,report,theory,
+topology}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from benchmarks.cluster import procs, theory
+from benchmarks.cluster.byteps import BytepsJob, BytepsRunner, run_torch_bps
+from benchmarks.cluster.calibrate import calibrate
+from benchmarks.cluster.cpu import machine_busy_over
+from benchmarks.cluster.ddp import DdpSpec, run_ddp, run_ddp_byteps
+from benchmarks.cluster.errors import BackendUnavailable, ClusterError
+from benchmarks.cluster.report import cpu_summary
+from benchmarks.cluster.topology import IFNAME, Cluster
+
+STARTUP_ALLOWANCE_S = 90.0  # n Python processes importing torch on 2 shared cores
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure. `ks`: the numbers of dedicated server hosts to sweep."""
+
+    n: int = 4
+    ks: tuple[int, ...] = (0, 1, 2, 3, 4)
+    size_bytes: int = 64 << 20
+    rate_mbit: float = 500.0
+    steps: int = 5
+    warmup: int = 2
+    calibration_s: float = 3.0
+    ddp: DdpSpec | None = field(default_factory=DdpSpec)
+    ddp_k: int = 4  # server hosts of the byteps DDP run
+
+    @property
+    def rate_bps(self) -> float:
+        return self.rate_mbit * 1e6
+
+    def budget_s(self, expected_step_s: float) -> float:
+        return STARTUP_ALLOWANCE_S + 5.0 * (self.steps + self.warmup) * expected_step_s
+
+
+class Progress:
+    """Print `[  12.3 s] message` lines, timed from the start of the run."""
+
+    def __init__(self, out=sys.stdout):
+        self._t0 = time.monotonic()
+        self._out = out
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.monotonic() - self._t0:6.1f} s] {message}", file=self._out, flush=True)
+
+
+def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Callable[[str], None] | None = None) -> dict:
+    """Build the cluster, run every measurement of `plan`, tear the cluster down; return the report."""
+    say = progress or Progress()
+    # Other jobs on the machine compete for its cores: measure them once so the report can say so.
+    report: dict = {"plan": _plan_dict(plan), "errors": [], "background_busy": machine_busy_over(1.0)}
+    n_servers = max([*plan.ks, plan.ddp_k if plan.ddp else 0])
+    with Cluster(plan.n, n_servers, plan.rate_mbit) as cluster:
+        s = cluster.shaping
+        say(
+            f"cluster {cluster.run_id}: {plan.n} workers + {len(cluster.servers)} server hosts, tbf "
+            f"{s.rate_mbit:g} Mbit/s burst {s.burst_bytes} B limit {s.limit_bytes} B per direction"
+        )
+        report["calibration"] = _guard(report, "calibration", lambda: calibrate(cluster, plan.calibration_s))
+        if report["calibration"]:
+            c = report["calibration"]
+            say(f"calibration: TCP stream {c['from']} -> {c['to']}: {c['mbit_s']:.1f} Mbit/s = {c['ratio']:.3f} x rate")
+        gloo = _guard(report, "gloo all_reduce", lambda: _counting_drops(cluster, lambda: measure_gloo(cluster, plan)))
+        if gloo:
+            bound = theory.allreduce_bound_s(plan.n, plan.size_bytes, plan.rate_bps)
+            say(
+                f"gloo all_reduce n={plan.n} {plan.size_bytes / 2**20:g} MiB: {gloo['seconds_per_step']:.3f} "
+                f"s/step = {gloo['seconds_per_step'] / bound:.2f} x bound {bound:.3f} s; "
+                f"our processes {_cores(gloo['cpu']):.2f} cores, machine CPU {gloo['machine_busy']:.0%}; "
+                f"tbf drops {sum(gloo['tbf_drops'].values())}"
+            )
+        report["gloo"] = gloo
+        report["byteps"] = _sweep_byteps(cluster, plan, byteps_runner, say)
+        report["ddp"] = _ddp(cluster, plan, say, report) if plan.ddp else None
+        report["run_id"] = cluster.run_id
+    report["sweep"] = _rows(plan, gloo, report["byteps"])
+    report["cpu"] = cpu_summary(report)
+    return report
+
+
+def measure_gloo(cluster: Cluster, plan: Plan, store_port: int = 29500) -> dict:
+    """Time gloo all_reduce of plan.size_bytes on the worker hosts; return s/step of the slowest rank."""
+    store = f"{cluster.workers[0].ip}:{store_port}"
+    expected = theory.allreduce_bound_s(plan.n, plan.size_bytes, plan.rate_bps)
+    budget = plan.budget_s(expected)
+    ranks = [
+        cluster.spawn(
+            f"gloo rank {r}",
+            h,
+            [
+                sys.executable, "-m", "benchmarks.cluster.workers.gloo_allreduce", "--rank", str(r),
+                "--world", str(plan.n), "--store", store, "--size-bytes", str(plan.size_bytes),
+                "--steps", str(plan.steps), "--warmup", str(plan.warmup), "--timeout", str(budget),
+            ],
+            {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1"},
+        )
+        for r, h in enumerate(cluster.workers)
+    ]  # fmt: skip
+    results = procs.wait_all(ranks, budget, "gloo all_reduce")
+    return {
+        "seconds_per_step": max(r["seconds_per_step"] for r in results),
+        "machine_busy": max(r["cpu"]["machine_busy"] for r in results),
+        "cpu": {h.name: r["cpu"] for h, r in zip(cluster.workers, results, strict=True)},
+    }
+
+
+def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> dict:
+    points: dict = {"status": "ok", "reason": "", "points": {}}
+    for k in plan.ks:
+        t_opt = theory.t_opt_s(plan.n, k, plan.size_bytes, plan.rate_bps)
+        job = BytepsJob(
+            cluster, tuple(cluster.workers), tuple(cluster.servers[:k]), plan.size_bytes, plan.steps, plan.warmup,
+            plan.budget_s(t_opt),
+        )  # fmt: skip
+        try:
+            drops_before = cluster.link_drops()
+            got = runner(job)
+            drops = _delta(drops_before, cluster.link_drops())
+        except BackendUnavailable as e:
+            points.update(status="unavailable", reason=str(e))
+            say(f"byteps: unavailable ({e}); skipping the byteps points")
+            break
+        except ClusterError as e:
+            points["points"][k] = {"error": str(e)}
+            say(f"byteps push/pull k={k}: FAILED: {_first_line(e)}")
+            continue
+        busy = max((c.get("machine_busy", 0.0) for c in got.cpu.values()), default=0.0)  # runners may omit it
+        points["points"][k] = {
+            "seconds_per_step": got.seconds_per_step,
+            "machine_busy": busy,
+            "cpu": got.cpu,
+            "tbf_drops": drops,
+        }
+        say(
+            f"byteps push/pull n={plan.n} k={k} x={theory.dedicated_fraction(plan.n, k):.3f}: "
+            f"{got.seconds_per_step:.3f} s/step = {got.seconds_per_step / t_opt:.2f} x t_opt {t_opt:.3f} s; "
+            f"our processes {_cores(got.cpu):.2f} cores, machine CPU {busy:.0%}; tbf drops {sum(drops.values())}"
+        )
+    return points
+
+
+def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
+    # The budget follows the gradient bytes like every other measurement's.
+    expected = theory.allreduce_bound_s(plan.n, plan.ddp.params * 4, plan.rate_bps)
+    spec = dataclasses.replace(plan.ddp, timeout_s=plan.budget_s(expected))
+    out: dict = {"params": spec.params, "batch_per_rank": spec.batch, "k": plan.ddp_k}
+    gloo = _guard(report, "DDP gloo", lambda: _counting_drops(cluster, lambda: run_ddp(cluster, "gloo", spec, 29600)))
+    if gloo:
+        say(
+            f"DDP gloo: {gloo['samples_per_s']:.1f} samples/s ({gloo['seconds_per_step']:.3f} s/step, "
+            f"{spec.params / 1e6:.1f} M params); tbf drops {sum(gloo['tbf_drops'].values())}"
+        )
+    try:
+        k = min(plan.ddp_k, len(cluster.servers))
+        bps = _counting_drops(cluster, lambda: run_ddp_byteps(cluster, spec, 29700, k))
+        say(
+            f"DDP byteps (k={k}): {bps['samples_per_s']:.1f} samples/s ({bps['seconds_per_step']:.3f} s/step); "
+            f"tbf drops {sum(bps['tbf_drops'].values())}"
+        )
+    except BackendUnavailable as e:
+        bps, out["byteps_unavailable"] = None, str(e)
+        say(f"DDP byteps: unavailable ({e})")
+    except ClusterError as e:
+        bps = None
+        report["errors"].append({"what": "DDP byteps", "error": str(e)})
+        say(f"DDP byteps: FAILED: {_first_line(e)}")
+    out["gloo_samples_per_s"] = gloo["samples_per_s"] if gloo else None
+    out["byteps_samples_per_s"] = bps["samples_per_s"] if bps else None
+    out["cpu"] = {"gloo": gloo and gloo["cpu"], "byteps": bps and bps["cpu"]}
+    out["tbf_drops"] = {"gloo": gloo and gloo["tbf_drops"], "byteps": bps and bps["tbf_drops"]}
+    return out
+
+
+def _rows(plan: Plan, gloo: dict | None, bps: dict) -> list[dict]:
+    bound = theory.allreduce_bound_s(plan.n, plan.size_bytes, plan.rate_bps)
+    rows = []
+    for k in plan.ks:
+        point = bps["points"].get(k, {})
+        rows.append({
+            "k": k,
+            "x": theory.dedicated_fraction(plan.n, k),
+            "byteps_s": point.get("seconds_per_step"),
+            "gloo_s": gloo["seconds_per_step"] if gloo else None,
+            "t_opt_s": theory.t_opt_s(plan.n, k, plan.size_bytes, plan.rate_bps),
+            "allreduce_bound_s": bound,
+        })  # fmt: skip
+    return rows
+
+
+def _guard(report: dict, what: str, measure: Callable[[], dict]) -> dict | None:
+    """Run one measurement; on a ClusterError record it and go on with the others."""
+    try:
+        return measure()
+    except ClusterError as e:
+        report["errors"].append({"what": what, "error": str(e)})
+        print(f"{what}: FAILED: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def _counting_drops(cluster: Cluster, measure: Callable[[], dict]) -> dict:
+    """Run `measure` and add to its result the tbf drops per link it caused ("tbf_drops")."""
+    before = cluster.link_drops()
+    result = measure()
+    result["tbf_drops"] = _delta(before, cluster.link_drops())
+    return result
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {link: after[link] - before.get(link, 0) for link in after if after[link] != before.get(link, 0)}
+
+
+def _cores(cpu_by_host: dict) -> float:
+    return sum(c.get("process_cores", 0.0) for c in cpu_by_host.values())
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _plan_dict(plan: Plan) -> dict:
+    d = asdict(plan)
+    d["ks"] = list(plan.ks)
+    return d

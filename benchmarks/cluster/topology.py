@@ -1,0 +1,219 @@
+"""The emulated cluster: n worker hosts and k server hosts, each a network namespace, joined to one bridge.
+
+    bps-w0-<id> [bps0 10.77.0.1]--veth--[bps-w0]\
+    bps-w1-<id> [bps0 10.77.0.2]--veth--[bps-w1]-- bps-br (a bridge inside namespace bps-br-<id>)
+    bps-s0-<id> [bps0 10.77.0.101]-veth--[bps-s0]/
+
+The bridge lives in a namespace of its own and every veth is created inside our namespaces, so the
+root namespace (the machine's real interfaces, routes, firewall) is never touched and the private
+subnet exists only inside the run. Each link is shaped with tc tbf in both directions (host egress on
+`bps0`, bridge egress on the host's port) to the same rate, like a full-duplex NIC.
+
+`Cluster` is a context manager; leaving it by any path (exception, Ctrl-C, SIGTERM, SIGHUP, interpreter
+exit) kills the processes it started and deletes every namespace it created.
+May import: the standard library and benchmarks.cluster.{errors,netns,procs}.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from benchmarks.cluster import netns, procs
+from benchmarks.cluster.errors import NamespaceError
+
+IFNAME = "bps0"  # the interface of every host, inside its own namespace (GLOO_SOCKET_IFNAME uses it)
+BRIDGE = "bps-br"
+_GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated machine: `name` "w0"/"s0", its namespace and its address on the cluster subnet."""
+
+    name: str
+    role: str  # "worker" or "server"
+    netns: str
+    ip: str
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """tc tbf settings of every link direction, derived from the rate (see `for_rate`)."""
+
+    rate_mbit: float
+    burst_bytes: int
+    limit_bytes: int
+
+    @classmethod
+    def for_rate(cls, rate_mbit: float) -> Shaping:
+        """Pick burst and queue limit so that one TCP stream reaches the rate.
+
+        burst: a veth hands tbf GSO super-packets of up to 64 KiB; a bucket smaller than one makes tbf
+        split it (CPU) or stall, so it holds at least 128 KiB, or 2 ms of traffic at high rates.
+        limit: 20 ms of queue at the rate absorbs the incast of n workers pushing to one server at
+        once without tail drops that would cost TCP its window (RTT here is ~0.1 ms without queueing).
+        """
+        rate_bytes = rate_mbit * 1e6 / 8
+        burst = max(128 * 1024, int(rate_bytes * 0.002))
+        return cls(rate_mbit, burst, burst + int(rate_bytes * 0.020))
+
+    def tbf_args(self) -> list[str]:
+        return ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(self.burst_bytes), "limit", str(self.limit_bytes)]
+
+
+class Cluster:
+    """Build n worker hosts and k server hosts joined by shaped links; tear everything down on exit.
+
+    Example:
+        with Cluster(n_workers=2, n_servers=1, rate_mbit=500) as c:
+            p = c.spawn("probe", c.workers[0], [sys.executable, "-c", "print('RESULT {}')"])
+    """
+
+    def __init__(self, n_workers: int, n_servers: int, rate_mbit: float = 500.0, subnet: str = "10.77.0"):
+        if not 1 <= n_workers <= 99 or not 0 <= n_servers <= 99:
+            raise ValueError(f"need 1..99 workers and 0..99 servers, got {n_workers} and {n_servers}")
+        self.run_id = netns.new_run_id()
+        self.shaping = Shaping.for_rate(rate_mbit)
+        self.bridge_ns = netns.namespace_name("br", self.run_id)
+        self.workers = [self._host(f"w{i}", "worker", f"{subnet}.{1 + i}") for i in range(n_workers)]
+        self.servers = [self._host(f"s{j}", "server", f"{subnet}.{101 + j}") for j in range(n_servers)]
+        self.logdir = ""
+        self._created: list[str] = []
+        self._procs: list[procs.Proc] = []
+        self._old_handlers: dict[int, object] = {}
+        self._closed = False
+
+    def _host(self, name: str, role: str, ip: str) -> Host:
+        return Host(name, role, netns.namespace_name(name, self.run_id), ip)
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.workers + self.servers
+
+    def __enter__(self) -> Cluster:
+        self._install_guards()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def spawn(self, name: str, host: Host, argv: list[str], env: dict[str, str] | None = None) -> procs.Proc:
+        """Start `argv` inside `host`'s namespace; it is killed at the latest when the cluster closes."""
+        proc = procs.start(name, host.name, host.netns, argv, env or {}, self.logdir)
+        self._procs.append(proc)
+        return proc
+
+    # -- building ---------------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        self.logdir = tempfile.mkdtemp(prefix=f"bps-cluster-{self.run_id}-")
+        self._add_namespace(self.bridge_ns)
+        netns.ip("link", "add", BRIDGE, "type", "bridge", netns=self.bridge_ns)
+        netns.ip("link", "set", BRIDGE, "up", netns=self.bridge_ns)
+        for host in self.hosts:
+            self._add_host(host)
+
+    def _add_namespace(self, name: str) -> None:
+        if name in netns.list_namespaces():
+            raise NamespaceError(f"namespace {name} exists already: run id collision or a leftover")
+        netns.ip("netns", "add", name)
+        self._created.append(name)
+        netns.ip("link", "set", "lo", "up", netns=name)
+
+    def _add_host(self, host: Host) -> None:
+        self._add_namespace(host.netns)
+        port = _bridge_port(host)
+        # Created inside the host namespace with the peer placed straight into the bridge namespace:
+        # no interface ever appears in the root namespace, not even for a moment.
+        netns.ip("link", "add", IFNAME, "type", "veth", "peer", "name", port, "netns", self.bridge_ns, netns=host.netns)
+        netns.ip("addr", "add", f"{host.ip}/24", "dev", IFNAME, netns=host.netns)
+        netns.ip("link", "set", IFNAME, "up", netns=host.netns)
+        netns.ip("link", "set", port, "master", BRIDGE, netns=self.bridge_ns)
+        netns.ip("link", "set", port, "up", netns=self.bridge_ns)
+        tbf = self.shaping.tbf_args()
+        netns.tc("qdisc", "replace", "dev", IFNAME, "root", *tbf, netns=host.netns)  # host -> bridge
+        netns.tc("qdisc", "replace", "dev", port, "root", *tbf, netns=self.bridge_ns)  # bridge -> host
+
+    def link_drops(self) -> dict[str, int]:
+        """Return the packets each link's tbf dropped so far, per host and direction ("w0 up", "w0 down").
+
+        Drops mean a queue overflowed (incast onto one host): TCP then backs off, and the step slows.
+        """
+        drops = {}
+        for host in self.hosts:
+            for direction, dev, space in (("up", IFNAME, host.netns), ("down", _bridge_port(host), self.bridge_ns)):
+                stats = json.loads(netns.tc("-s", "-j", "qdisc", "show", "dev", dev, netns=space) or "[]")
+                drops[f"{host.name} {direction}"] = sum(q.get("drops", 0) for q in stats)
+        return drops
+
+    # -- tearing down -----------------------------------------------------------------------------------
+
+    def _install_guards(self) -> None:
+        with open(netns.pidfile_path(self.run_id), "w") as f:
+            f.write(str(os.getpid()))
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            for sig in _GUARDED_SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, _raise_system_exit)
+        # SIGINT already raises KeyboardInterrupt, which unwinds through __exit__.
+
+    def close(self) -> None:
+        """Kill our processes, delete our namespaces, remove pid file and logs. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        in_main = threading.current_thread() is threading.main_thread()
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short: ignore them while it runs.
+        held = (
+            {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *_GUARDED_SIGNALS)} if in_main else {}
+        )
+        try:
+            for p in self._procs:
+                p.kill()
+            for name in reversed(self._created):  # hosts first, the bridge namespace last
+                netns.delete_namespace(name)
+            left = self.leftovers()
+            for name in left:  # one more try, then say so loudly rather than leak silently
+                netns.delete_namespace(name)
+            if self.leftovers():
+                print(
+                    f"WARNING: could not delete {self.leftovers()}; run `python -m benchmarks.cluster "
+                    "--cleanup-leftovers`",
+                    file=sys.stderr,
+                )
+        finally:
+            try:
+                os.unlink(netns.pidfile_path(self.run_id))
+            except OSError:
+                pass
+            if self.logdir:
+                shutil.rmtree(self.logdir, ignore_errors=True)
+            atexit.unregister(self.close)
+            for sig, handler in [*held.items(), *self._old_handlers.items()]:  # the originals last
+                signal.signal(sig, handler)
+
+    def leftovers(self) -> list[str]:
+        """Return the namespaces of this run that still exist (empty once closed cleanly)."""
+        return [name for name in netns.list_namespaces() if name.endswith(f"-{self.run_id}")]
+
+
+def _bridge_port(host: Host) -> str:
+    """The bridge-side end of `host`'s veth, in the bridge namespace (15 characters at most)."""
+    return f"bps-{host.name}"
+
+
+def _raise_system_exit(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)

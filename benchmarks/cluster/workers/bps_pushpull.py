@@ -1,0 +1,106 @@
+"""One worker of the torch_bps push/pull measurement: S bytes of fp32 summed through the servers per step.
+
+    python -m benchmarks.cluster.workers.bps_pushpull --worker 0 --num-workers 4 --k 2 \
+        --servers 10.77.0.101:9000,10.77.0.102:9000,10.77.0.1:9000,... --size-bytes 67108864
+
+`--servers` lists the k dedicated servers, then the n colocated ones (worker host i's own server); a
+server that gets no bytes may be given as `-`. Which bytes go where (`--placement`):
+- `exact` (default): the paper's x / 1-x split to the byte (benchmarks/cluster/placement.py, a stand-in
+  until the library's placement is the reference);
+- `library`: partitions of `--partition-bytes` placed by torch_bps.engine.placement, as the library does.
+Uses `torch_bps.client.Client(servers, job_id, worker, num_workers).push_pull(tensor, key, server=i)`.
+The first step checks the sum (every worker pushes worker + 1).
+May import: the standard library, torch, torch_bps.client, torch_bps.engine.placement and
+benchmarks.cluster.{cpu,placement,workers}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks.cluster import placement
+from benchmarks.cluster.cpu import CpuWindow
+from benchmarks.cluster.workers.common import emit, fail
+
+
+def exact_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
+    """Return (server addresses, [(server index, key, start, length)]) under the exact split."""
+    parts = placement.split(numel, 4, n, k, partition_bytes)
+    used = sorted({p.server for p in parts})
+    if any(servers[s] == "-" for s in used):
+        fail(f"the split sends bytes to servers {used}, but some were not started: {servers}")
+    index = {s: i for i, s in enumerate(used)}
+    return [servers[s] for s in used], [(index[p.server], p.key, p.start, p.length) for p in parts]
+
+
+def library_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
+    """Return (server addresses, [(server index, key, start, length)]) as torch_bps's placement puts them."""
+    from torch_bps.engine.placement import Placement, server_weights
+
+    weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
+    where = Placement(weighted)
+    per_partition = max(1, partition_bytes // 4)
+    parts = []
+    for key, start in enumerate(range(0, numel, per_partition)):
+        length = min(per_partition, numel - start)
+        parts.append((where.assign(key, length * 4), key, start, length))
+    return [s.address for s in weighted], parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--worker", type=int, required=True)
+    p.add_argument("--num-workers", type=int, required=True)
+    p.add_argument("--k", type=int, required=True, help="number of dedicated servers")
+    p.add_argument("--servers", required=True, help="comma-separated ip:port: k dedicated, then n colocated")
+    p.add_argument("--size-bytes", type=int, required=True)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--placement", choices=["exact", "library"], default="exact")
+    p.add_argument("--job-id", type=int, default=1)
+    p.add_argument("--partition-bytes", type=int, default=4_096_000)
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from torch_bps.client import Client
+
+    torch.set_num_threads(1)
+    n, k = args.num_workers, args.k
+    servers = args.servers.split(",")
+    if len(servers) != k + n:
+        fail(f"worker {args.worker}: --servers has {len(servers)} entries, want k + n = {k + n}")
+    tensor = torch.full((args.size_bytes // 4,), float(args.worker + 1), dtype=torch.float32)
+    split = exact_partitions if args.placement == "exact" else library_partitions
+    addresses, parts = split(tensor.numel(), n, k, servers, args.partition_bytes)
+    slices = [(server, key, tensor[start : start + length]) for server, key, start, length in parts]
+
+    with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout) as client:
+
+        def step() -> None:
+            # Sums land in place; every partition's future is waited before the next round starts.
+            futures = [client.push_pull(t, key, server=server) for server, key, t in slices]
+            for f in futures:
+                f.wait()
+
+        step()
+        want = n * (n + 1) / 2  # worker i pushed i + 1 everywhere
+        if not bool((tensor == want).all()):
+            fail(f"worker {args.worker}: push_pull summed wrong: want {want}, got e.g. {tensor[0].item()}")
+        for _ in range(args.warmup - 1):
+            step()
+        cpu = CpuWindow().start()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        elapsed = time.perf_counter() - start
+        result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu.stop()}
+        result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received())
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

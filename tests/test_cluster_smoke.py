@@ -1,0 +1,111 @@
+"""Smoke tests of the emulated cluster (benchmarks/cluster): build, exchange bytes, leave nothing behind.
+
+The namespace tests need root and iproute2 and are skipped otherwise; the theory and split tests run
+everywhere. Together well under a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks.cluster import netns, placement, theory
+from benchmarks.cluster.calibrate import calibrate
+from benchmarks.cluster.topology import Cluster
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
+
+
+def _ours(run_id: str) -> tuple[list[str], str]:
+    """Return the namespaces and root-namespace links of run `run_id` that still exist."""
+    spaces = [ns for ns in netns.list_namespaces() if ns.endswith(f"-{run_id}")]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
+    return spaces, "\n".join(line for line in links.splitlines() if "bps" in line)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_two_workers_one_server_exchange_bytes_and_leave_nothing():
+    with Cluster(n_workers=2, n_servers=1, rate_mbit=500) as cluster:
+        run_id = cluster.run_id
+        assert len(_ours(run_id)[0]) == 4  # bridge + w0 + w1 + s0
+        got = calibrate(cluster, seconds=0.5)
+    # Shaped: a stream gets close to the rate, and not over it (a broken tbf would give GBit/s).
+    assert 0.6 < got["ratio"] < 1.02, got
+    spaces, links = _ours(run_id)
+    assert spaces == [] and links == ""
+    assert not os.path.exists(netns.pidfile_path(run_id))
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_exception_inside_the_block_still_cleans_up():
+    with pytest.raises(RuntimeError, match="boom"), Cluster(n_workers=2, n_servers=1) as cluster:
+        run_id = cluster.run_id
+        cluster.spawn("sleeper", cluster.servers[0], [sys.executable, "-c", "import time; time.sleep(60)"])
+        raise RuntimeError("boom")
+    assert _ours(run_id) == ([], "")
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_sigterm_cleans_up():
+    script = textwrap.dedent(
+        """
+        import time
+        from benchmarks.cluster.topology import Cluster
+        with Cluster(n_workers=2, n_servers=1) as c:
+            print(c.run_id, flush=True)
+            time.sleep(50)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        run_id = child.stdout.readline().strip()
+        assert len(_ours(run_id)[0]) == 4
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert _ours(run_id) == ([], "")
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_cleanup_leftovers_removes_a_dead_runs_namespace():
+    dead = netns.namespace_name("w0", netns.new_run_id())  # no pid file: as if its run was SIGKILLed
+    netns.ip("netns", "add", dead)
+    try:
+        assert dead in netns.cleanup_leftovers(verbose=False)
+    finally:
+        netns.ip("netns", "delete", dead, check=False)
+    assert dead not in netns.list_namespaces()
+
+
+def test_theory_endpoints():
+    n, size, rate = 4, 64 << 20, 500e6
+    assert theory.t_opt_s(n, 0, size, rate) == pytest.approx(theory.allreduce_bound_s(n, size, rate))
+    assert theory.t_opt_s(n, n, size, rate) == pytest.approx(size * 8 / rate)  # the PS time M/B
+    assert theory.t_opt_s(n, n + 3, size, rate) == pytest.approx(size * 8 / rate)  # x = 1 for k >= n
+    times = [theory.t_opt_s(n, k, size, rate) for k in range(n + 1)]
+    assert times == sorted(times, reverse=True)
+
+
+@pytest.mark.parametrize("n,k", [(2, 0), (2, 2), (4, 1), (4, 3), (3, 5)])
+def test_split_covers_the_tensor_with_the_paper_shares(n, k):
+    numel = 3_000_001
+    parts = placement.split(numel, 4, n, k, partition_bytes=1 << 20)
+    covered = sorted((p.start, p.start + p.length) for p in parts)
+    assert covered[0][0] == 0 and covered[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+    assert len({p.key for p in parts}) == len(parts)
+    x = theory.dedicated_fraction(n, k)
+    dedicated = sum(p.length for p in parts if p.server < k)
+    assert dedicated / numel == pytest.approx(x, abs=1e-6)
