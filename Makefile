@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 EXT    := $(wildcard cpp_ext/*.cpp cpp_ext/*.h)
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: test stress demo bench lint install zmq-dev clean
+.PHONY: test stress demo bench cluster lint install zmq-dev clean
 
 test: install
 	$(PYTEST) -q tests -m "not slow"
@@ -15,10 +15,14 @@ stress: install
 	$(PYTEST) -q tests -m slow
 
 demo: install
-	$(PY) examples/pushpull_demo.py
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 30
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 30 --backend gloo
 
 bench: install
 	$(PY) benchmarks/pushpull.py --quick
+
+cluster: install
+	$(PY) -m benchmarks.cluster --quick
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -30,7 +34,7 @@ $(STAMP): setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q "pyzmq>=25" numpy "triton==3.9.0" pytest pytest-timeout hypothesis ruff
+	$(PIP) install -q "pyzmq>=25" numpy "triton==3.9.0" pytest pytest-timeout hypothesis ruff matplotlib
 	touch $@
 
 zmq-dev:

@@ -97,7 +97,7 @@ class Runtime:
                 config.placement == "optimal" and len(dedicated) < topology.num_nodes
             )
             if needs_colocated:
-                server_proc, colocated = _colocated_servers(ns, topology, config, timeout)
+                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store))
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -189,12 +189,12 @@ def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None
         raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
 
 
-def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float):
+def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str):
     """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
         proc, port = _start_server(config, timeout)
-        ns.set(f"colocated/{topo.node_rank}", f"{_advertised_host(config)}:{port}")
+        ns.set(f"colocated/{topo.node_rank}", f"{_advertised_host(config, store_host)}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
@@ -214,13 +214,17 @@ def _start_server(config: Config, timeout: float) -> tuple[subprocess.Popen, int
     return proc, int(m.group(1))
 
 
-def _advertised_host(config: Config) -> str:
+def _store_host(store: dist.Store) -> str:
+    raw = raw_store(store)
+    return getattr(raw, "host", "") or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def _advertised_host(config: Config, store_host: str) -> str:
     if config.host:
         return config.host
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:  # the interface that routes to the store's host is one the other machines can reach
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            s.connect((socket.gethostbyname(store_host), 9))  # UDP connect: picks a route, sends nothing
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
