@@ -1,10 +1,15 @@
 """torch_bps: BytePS rebuilt PyTorch-native. Gradient summation on CPU summation servers.
 
 Front doors: `dist.init_process_group("byteps")`, `ddp.register_comm_hook(state, torch_bps.bps_hook)`,
-`bps-server`, and the data-plane `Client` used by both.
+`bps-server`, and the data-plane `Client` used by both. Importing registers the "byteps" backend.
 """
 
 from torch_bps.config import Config
 from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ProtocolError, ServerError, TransportError
+from torch_bps.hook import BpsHookState, bps_hook
+from torch_bps.process_group import ProcessGroupBPS, register_backend
 
-__all__ = ["BpsError", "BpsTimeoutError", "Config", "ConfigError", "ProtocolError", "ServerError", "TransportError"]
+register_backend()
+
+__all__ = ["BpsError", "BpsHookState", "BpsTimeoutError", "Config", "ConfigError", "ProcessGroupBPS", "ProtocolError",
+           "ServerError", "TransportError", "bps_hook", "register_backend"]  # fmt: skip

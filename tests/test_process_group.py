@@ -1,0 +1,571 @@
+"""The "byteps" ProcessGroup: every collective against gloo's result, in real processes; its logic (staging,
+completion threads, the PowerSGD trap) against an in-process fake Runtime whose ranks are threads.
+
+`run_ranks` (the spawned-job harness) is also used by test_ddp.py and test_hook.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import queue
+import re
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+import torch_bps
+from torch_bps.errors import BpsError, BpsTimeoutError, ServerError
+from torch_bps.pg.work import Completer, Transfer, launch
+from torch_bps.process_group import ProcessGroupBPS
+
+# ---------------------------------------------------------------------------------------------------------------
+# Harness: a job of spawned ranks with a "byteps" (or gloo) default group and a gloo group beside it.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, backend, env, args, results):
+    os.environ.update(env)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))  # fmt: skip
+        gloo = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        out = fn(rank, world, gloo, *args)
+        dist.barrier(group=gloo)  # rank 0 hosts the store: nobody leaves before everyone is done with it
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None = None, timeout: float = 150.0):
+    """Run `fn(rank, world, gloo_group, *args)` in `world` spawned processes; return its results by rank.
+
+    Each process joined a `backend` default group first (and a gloo group, passed as `gloo_group`). A rank's
+    exception fails the test with its traceback; a job still running after `timeout` seconds is killed.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, backend, env or {}, args, results), daemon=True)
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world:
+            left = deadline - time.monotonic()
+            if any(s == "error" for s, _ in outcome.values()):
+                left = min(left, 5.0)  # the others may be stuck in a collective with the failed rank
+            try:
+                rank, status, out = results.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                break
+            outcome[rank] = (status, out)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(outcome) == world else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}:\n{out}" for r, (s, out) in sorted(outcome.items()) if s == "error"]
+    missing = sorted(set(range(world)) - set(outcome))
+    if errors or missing:
+        pytest.fail("\n".join(errors) + (f"\nranks {missing} did not finish within {timeout}s" if missing else ""))
+    return [outcome[r][1] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: every collective, byteps against gloo, in the same processes.
+# ---------------------------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+          torch.int8]  # fmt: skip
+# Floats: the servers and gloo add in different orders (and gloo's fp16/bf16 rounding differs), hence tolerances.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
+       torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}  # fmt: skip
+
+
+def _close(a, b, what):
+    tol = TOL.get(a.real.dtype if a.is_complex() else a.dtype, dict(rtol=0, atol=0))  # integers: exact
+    torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def _rand(shape, dtype, gen):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    lo, hi = (0, 50) if dtype == torch.uint8 else (-20, 20)
+    return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+
+
+def _reference_allreduce(x, op, gloo, world):
+    """op over the ranks by way of a gloo all_gather (gloo has no AVG; bf16 products are gloo's own business)."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=gloo)
+    rows = torch.stack(parts)
+    if op == dist.ReduceOp.AVG:
+        return (rows / world).sum(0).to(x.dtype)
+    return {dist.ReduceOp.MAX: lambda: rows.amax(0), dist.ReduceOp.MIN: lambda: rows.amin(0)}[op]()
+
+
+def _check_reductions(rank, world, gloo, gen):
+    for dtype in DTYPES:
+        x = _rand((4, 5), dtype, gen)
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]
+        ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR] if not dtype.is_floating_point else []
+        for op in ops:
+            if dtype == torch.bfloat16 and op == dist.ReduceOp.PRODUCT:
+                continue  # gloo's bf16 product rounds at every step, ours once: not comparable
+            a, b = x.clone(), x.clone()
+            dist.all_reduce(a, op=op)
+            dist.all_reduce(b, op=op, group=gloo)
+            _close(a, b, f"all_reduce {op} {dtype}")
+        if dtype.is_floating_point:
+            a = x.clone()
+            dist.all_reduce(a, op=dist.ReduceOp.AVG)
+            _close(a, _reference_allreduce(x, dist.ReduceOp.AVG, gloo, world), f"all_reduce AVG {dtype}")
+        # async: the work and its future both see the sum
+        a, b = x.clone(), x.clone()
+        work = dist.all_reduce(a, async_op=True)
+        dist.all_reduce(b, group=gloo)
+        fut = work.get_future()
+        assert work.wait() is True and work.is_completed() and work.is_success() and work.exception() is None
+        assert fut.value()[0] is a
+        _close(a, b, f"async all_reduce {dtype}")
+        # reduce: only the root's tensor changes
+        a, b = x.clone(), x.clone()
+        dist.reduce(a, dst=world - 1)
+        dist.reduce(b, dst=world - 1, group=gloo)
+        _close(a, b if rank == world - 1 else x, f"reduce {dtype}")
+
+
+def _check_movement(rank, world, gloo, gen):
+    for dtype in DTYPES:
+        x = _rand((3, 4), dtype, gen)
+        for root in range(world):
+            a, b = x.clone(), x.clone()
+            dist.broadcast(a, root)
+            dist.broadcast(b, root, group=gloo)
+            assert torch.equal(a, b), f"broadcast {dtype} from {root}"
+        outs = [torch.empty_like(x) for _ in range(world)]
+        ref = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(outs, x)
+        dist.all_gather(ref, x, group=gloo)
+        assert all(torch.equal(o, r) for o, r in zip(outs, ref, strict=True)), f"all_gather {dtype}"
+        out, ref1 = torch.empty((world * 3, 4), dtype=dtype), torch.empty((world * 3, 4), dtype=dtype)
+        dist.all_gather_single(out, x)
+        dist.all_gather_single(ref1, x, group=gloo)
+        assert torch.equal(out, ref1), f"all_gather_single {dtype}"
+        big = _rand((world * 2, 3), dtype, gen)
+        a, b = torch.empty((2, 3), dtype=dtype), torch.empty((2, 3), dtype=dtype)
+        dist.reduce_scatter_single(a, big)
+        ref_full = big.clone()
+        dist.all_reduce(ref_full, group=gloo)  # gloo has no reduce_scatter: its all_reduce, sliced
+        _close(a, ref_full[rank * 2 : rank * 2 + 2], f"reduce_scatter_single {dtype}")
+        chunks = list(big.chunk(world))
+        dist.reduce_scatter(b, chunks)
+        _close(b, ref_full[rank * 2 : rank * 2 + 2], f"reduce_scatter {dtype}")
+        assert torch.equal(torch.cat(chunks), big), "reduce_scatter must not touch its input"
+    # broadcast keeps every bit of the root's data: inf, nan, denormals. Our side keeps -0.0 too (the other
+    # ranks add -0.0, see test_logic_on_threaded_ranks), but the engine's local reduce may not: -0.0 == 0.0 here.
+    special = torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), float("nan"), 1e-45])
+    a = special.clone() if rank == 0 else torch.randn(6)
+    dist.broadcast(a, 0)
+    assert torch.equal(a[1:].view(torch.int32), special[1:].view(torch.int32)) and a[0] == 0, a
+    # in-place all_gather_single: the input is this rank's slice of the output
+    out = torch.zeros(world * 5)
+    out[rank * 5 : rank * 5 + 5] = rank + 1.0
+    dist.all_gather_single(out, out[rank * 5 : rank * 5 + 5])
+    assert torch.equal(out, torch.arange(1, world + 1).float().repeat_interleave(5))
+    # uneven all_gather
+    outs = [torch.empty(r + 1) for r in range(world)]
+    dist.all_gather(outs, torch.full((rank + 1,), float(rank)))
+    assert all(torch.equal(o, torch.full((r + 1,), float(r))) for r, o in enumerate(outs))
+    # gather / scatter
+    g_out = [torch.empty(4) for _ in range(world)] if rank == 1 else None
+    dist.gather(torch.full((4,), rank * 2.0), g_out, dst=1)
+    if rank == 1:
+        assert all(torch.equal(o, torch.full((4,), r * 2.0)) for r, o in enumerate(g_out))
+    s_out = torch.empty(3, dtype=torch.int64)
+    dist.scatter(s_out, [torch.full((3,), 10 + r) for r in range(world)] if rank == 0 else None, src=0)
+    assert torch.equal(s_out, torch.full((3,), 10 + rank))
+
+
+def _check_layouts(rank, world, gloo, gen):
+    # non-contiguous tensors: summed into the caller's strides
+    x = _rand((6, 4), torch.float32, gen)
+    a, b = x.t(), x.clone().t()
+    assert not a.is_contiguous()
+    dist.all_reduce(a)
+    dist.all_reduce(b, group=gloo)
+    _close(a, b, "non-contiguous all_reduce")
+    c = torch.zeros(4, 6)[:, ::2]
+    if rank == 0:
+        c.copy_(x[:4, :3])
+    dist.broadcast(c, 0)
+    expect = x[:4, :3].clone()
+    dist.broadcast(expect, 0, group=gloo)
+    assert torch.equal(c, expect)
+    outs = [torch.zeros(4, 2)[:, 0] for _ in range(world)]
+    dist.all_gather(outs, torch.full((4,), float(rank)))
+    assert all(torch.equal(o, torch.full((4,), float(r))) for r, o in enumerate(outs))
+    # complex travels as pairs of reals
+    z = torch.randn(5, dtype=torch.complex64, generator=gen)
+    a, b = z.clone(), z.clone()
+    dist.all_reduce(a)
+    dist.all_reduce(b, group=gloo)
+    _close(a, b, "complex all_reduce")
+    # a parameter that requires grad can be overwritten, as DDP's constructor does
+    p = torch.nn.Parameter(torch.full((3,), float(rank)))
+    dist.broadcast(p, 0)
+    assert torch.equal(p.detach(), torch.zeros(3))
+    # zero elements: nothing to send, nothing to wait for
+    e = torch.empty(0)
+    dist.all_reduce(e)
+    dist.broadcast(e, 0)
+
+
+def _check_coalesced_and_objects(rank, world, gloo, gen):
+    ts = [_rand((3,), torch.float32, gen), _rand((2, 2), torch.int64, gen), _rand((5,), torch.float32, gen)]
+    ref = [t.clone() for t in ts]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    for t in ref:
+        dist.all_reduce(t, group=gloo)
+    for t, r in zip(ts, ref, strict=True):
+        _close(t, r, "coalesced all_reduce")
+    x = _rand((4,), torch.float32, gen)
+    outs = [torch.empty(world * 4), torch.empty(world * 4)]
+    with dist._coalescing_manager():
+        dist.all_gather_single(outs[0], x)
+        dist.all_gather_single(outs[1], x * 2)
+    ref1 = torch.empty(world * 4)
+    dist.all_gather_single(ref1, x, group=gloo)
+    assert torch.equal(outs[0], ref1) and torch.equal(outs[1], ref1 * 2)
+    big = _rand((world * 2,), torch.float64, gen)
+    rs = [torch.empty(2), torch.empty(2, dtype=torch.float64)]
+    with dist._coalescing_manager():
+        dist.reduce_scatter_single(rs[0], big.float())
+        dist.reduce_scatter_single(rs[1], big)
+    full = big.clone()
+    dist.all_reduce(full, group=gloo)
+    _close(rs[1], full[rank * 2 : rank * 2 + 2], "coalesced reduce_scatter_single")
+    # object collectives ride on all_gather / broadcast / gather / scatter
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "tag": "x" * rank})
+    assert objs == [{"rank": r, "tag": "x" * r} for r in range(world)]
+    lst = [{"from": "root"}, [1, 2, 3]] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == [{"from": "root"}, [1, 2, 3]]
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(("r", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("r", r) for r in range(world)]
+    got = [None]
+    dist.scatter_object_list(got, [f"to {r}" for r in range(world)] if rank == 0 else None, src=0)
+    assert got == [f"to {rank}"]
+
+
+def _check_groups(rank, world, gloo, gen):
+    pg = dist.group.WORLD
+    assert isinstance(pg, ProcessGroupBPS) and dist.get_backend() == "byteps" and pg.name() == "byteps"
+    assert pg.group_name == "0" and pg.group_desc == "default_pg"
+    assert dist.get_backend(gloo) == "gloo" and not isinstance(gloo, ProcessGroupBPS)
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+    members = [0, world - 1]
+    sub = dist.new_group(members)
+    if rank not in members:
+        assert sub == dist.GroupMember.NON_GROUP_MEMBER
+    else:
+        assert isinstance(sub, ProcessGroupBPS) and dist.get_backend(sub) == "byteps" and sub.size() == 2
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=sub)
+        assert torch.equal(t, torch.full((3,), float(1 + world)))
+        out = [torch.empty(1), torch.empty(1)]
+        dist.all_gather(out, torch.tensor([float(rank)]), group=sub)
+        assert [o.item() for o in out] == [0.0, float(world - 1)]
+    # the default group still works after a subgroup was made
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(world)))
+
+
+def _all_collectives(rank, world, gloo):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for check in (_check_reductions, _check_movement, _check_layouts, _check_coalesced_and_objects, _check_groups):
+        check(rank, world, gloo, gen)
+    return "done"
+
+
+@pytest.mark.timeout(240)
+def test_every_collective_matches_gloo():
+    """Three ranks (an odd world: no power-of-two luck in the sums), every collective and dtype, sync and async."""
+    assert run_ranks(_all_collectives, 3, timeout=220) == ["done"] * 3
+
+
+def _bad_input(rank, world, gloo):
+    # unsupported dtype and op: refused on the caller's side, naming what and who
+    with pytest.raises(TypeError, match=r"dtype torch.bool .*'byteps' backend"):
+        dist.all_reduce(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"AVG of integer dtype torch.int64"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    with pytest.raises(ValueError, match=r"PREMUL_SUM is not supported by the 'byteps' backend"):
+        dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))
+    with pytest.raises(NotImplementedError, match=r"send is not offered by the 'byteps' backend"):
+        dist.send(torch.ones(1), dst=1 - rank)
+    with pytest.raises(NotImplementedError, match=r"all_to_all_single is not offered by the 'byteps' backend"):
+        dist.all_to_all_single(torch.empty(2), torch.ones(2))
+    with pytest.raises(ValueError, match=r"world_size \(2\) x input elements"):
+        dist.all_gather_single(torch.empty(3), torch.ones(2))
+    # Work.wait honours its timeout, and the collective still completes once the peer joins
+    t = torch.ones(2)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        start = time.monotonic()
+        with pytest.raises(BpsTimeoutError, match="all_reduce|allreduce"):
+            work.wait(timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 5 and not work.is_completed()
+        dist.barrier(group=gloo)
+        assert work.wait()
+    else:
+        dist.barrier(group=gloo)
+        dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), 2.0))
+    # different shapes on different ranks: the service's size check fails the collective, in time, loudly
+    start = time.monotonic()
+    work = dist.all_reduce(torch.ones(4 + rank), async_op=True)
+    with pytest.raises(BpsError) as err:
+        work.wait()
+    elapsed = time.monotonic() - start
+    assert work.is_completed() and not work.is_success() and work.exception() is err.value
+    with pytest.raises(BpsError):
+        work.get_future().wait()  # the future fails too: nothing is swallowed
+    return type(err.value).__name__, str(err.value), elapsed
+
+
+@pytest.mark.timeout(150)
+def test_bad_input_fails_clearly():
+    results = run_ranks(_bad_input, 2, env={"BPS_TIMEOUT": "20", "BPS_CONNECT_TIMEOUT": "20"}, timeout=130)
+    for _, message, elapsed in results:
+        assert elapsed < 20 + 10, f"the size mismatch took {elapsed:.1f}s to surface: {message}"
+    # The rank whose declaration lost is told about sizes; the other may only see its round time out
+    # (naming server, key and round), since its peer never pushed.
+    assert any(re.search(r"size|mismatch|bytes|numel|disagree", m, re.I) for _, m, _ in results), results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logic, in one process: ranks as threads over a fake Runtime (same interface, one completion thread).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Hub:
+    """Sums the k-th push_pull of every rank; completes every future from ONE thread, like a Runtime may."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._lock = threading.Lock()
+        self._rounds: dict[int, list] = {}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._complete, daemon=True).start()
+
+    def push_pull(self, rank: int, index: int, tensor: torch.Tensor, fut: torch.futures.Future) -> None:
+        with self._lock:
+            entries = self._rounds.setdefault(index, [])
+            entries.append((tensor, fut))
+            if len(entries) < self.world:
+                return
+            del self._rounds[index]
+        if len({t.numel() for t, _ in entries}) > 1:
+            for _, f in entries:
+                self._done.put((f, ServerError(8, f"key {index}: size mismatch {[t.numel() for t, _ in entries]}")))
+            return
+        total = functools.reduce(torch.add, [t.to(torch.float64) for t, _ in entries])  # keeps -0.0, like the server
+        for t, f in entries:
+            t.copy_(total)
+            self._done.put((f, t))
+
+    def _complete(self) -> None:
+        while True:
+            f, value = self._done.get()
+            f.set_exception(value) if isinstance(value, BaseException) else f.set_result(value)
+
+
+class _FakeRuntime:
+    def __init__(self, hub: _Hub, rank: int):
+        self.hub, self.rank, self.world_size, self.name = hub, rank, hub.world, f"fake{rank}"
+        self.config = torch_bps.Config.resolve()
+        self.calls = 0
+
+    def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
+        assert tensor.device.type == "cpu" and tensor.dim() == 1 and tensor.is_contiguous()
+        fut = torch.futures.Future()
+        self.calls += 1
+        self.hub.push_pull(self.rank, self.calls, tensor, fut)
+        return fut
+
+    def close(self) -> None:
+        pass
+
+
+def _threaded_groups(world: int) -> list[ProcessGroupBPS]:
+    hub = _Hub(world)
+    return [ProcessGroupBPS(_FakeRuntime(hub, r), r, world, timeout=timedelta(seconds=30)) for r in range(world)]
+
+
+def _on_threads(groups, fn):
+    """Run fn(pg) for every rank's group on its own thread; return the results by rank."""
+    out, errors = [None] * len(groups), []
+
+    def body(r):
+        try:
+            out[r] = fn(groups[r])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _opts(cls, **fields):
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+@pytest.mark.timeout(60)
+def test_nested_blocking_callbacks_do_not_deadlock():
+    """The PowerSGD trap: a callback launches a collective and blocks on it. With the Runtime's single
+    completion thread running callbacks this would hang; the Completer starts another thread instead."""
+    groups = _threaded_groups(2)
+
+    def chain(pg):
+        t = torch.ones(4)
+        fut = pg.allreduce([t], _opts(dist.AllreduceOptions)).get_future()
+
+        def nested(f):
+            inner = torch.full((2,), 3.0)
+            pg.allreduce([inner], _opts(dist.AllreduceOptions)).get_future().wait()
+            deeper = torch.ones(1)
+            pg.allreduce([deeper], _opts(dist.AllreduceOptions)).wait()
+            return f.value()[0] + inner.sum() + deeper
+
+        return fut.then(nested).wait(), pg.completer.threads
+
+    results = _on_threads(groups, chain)
+    for value, threads in results:
+        assert torch.equal(value, torch.full((4,), 2.0 + 12.0 + 2.0))
+        assert threads >= 2  # a callback was blocked, so a second completion thread had to take over
+
+
+@pytest.mark.timeout(60)
+def test_logic_on_threaded_ranks():
+    groups = _threaded_groups(3)
+
+    def body(pg):
+        r = pg.rank()
+        t = torch.arange(6.0).view(2, 3).t() * (r + 1)  # non-contiguous
+        pg.allreduce([t], _opts(dist.AllreduceOptions)).wait()
+        assert torch.equal(t, torch.arange(6.0).view(2, 3).t() * 6)
+        m = torch.tensor([float(r), -float(r)])
+        pg.allreduce([m], _opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MAX)).wait()
+        assert torch.equal(m, torch.tensor([2.0, 0.0]))
+        avg = torch.full((2,), float(r))
+        pg.allreduce([avg], _opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.AVG)).wait()
+        assert torch.allclose(avg, torch.ones(2))
+        b = torch.full((2,), -0.0 if r == 1 else 5.0)
+        pg.broadcast([b], _opts(dist.BroadcastOptions, rootRank=1)).wait()
+        assert torch.signbit(b).all() and (b == 0).all()  # -0.0 arrives as -0.0
+        out = torch.empty(6)
+        pg.all_gather_single(out, torch.full((2,), float(r)), _opts(c10d.AllgatherOptions)).wait()
+        assert torch.equal(out, torch.tensor([0.0, 0, 1, 1, 2, 2]))
+        rs = torch.empty(1)
+        pg.reduce_scatter_single(rs, torch.arange(3.0), _opts(dist.ReduceScatterOptions)).wait()
+        assert rs.item() == 3 * r
+        work = pg.allreduce([torch.ones(1 + r)], _opts(dist.AllreduceOptions))  # sizes differ across ranks
+        with pytest.raises(ServerError, match="size mismatch") as err:
+            work.wait()
+        assert "while running allreduce on 'byteps' group" in "".join(getattr(err.value, "__notes__", []))
+        return True
+
+    assert _on_threads(groups, body) == [True] * 3
+
+
+def test_completer_grows_when_busy_and_shrinks_when_idle():
+    c = Completer("test", keepalive=0.2)
+    release, started = threading.Event(), threading.Semaphore(0)
+    for _ in range(3):
+        c.submit(lambda: (started.release(), release.wait(10)))
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    assert c.threads == 3
+    release.set()
+    deadline = time.monotonic() + 5
+    while c.threads > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.threads == 1
+    ran = threading.Event()
+    c.submit(ran.set)
+    assert ran.wait(5)
+
+
+def test_work_wait_timeout_and_failure_without_processes():
+    class Never:
+        def push_pull(self, tensor, *, priority=0):
+            return torch.futures.Future()
+
+    work = launch(Never(), Completer("t"), "allreduce", [Transfer(torch.ones(2))], [], where="here", timeout=0.2)
+    start = time.monotonic()
+    with pytest.raises(BpsTimeoutError, match="allreduce here did not complete within 0.2s"):
+        work.wait()
+    assert time.monotonic() - start < 2 and not work.is_completed()
+
+    class Failing:
+        def push_pull(self, tensor, *, priority=0):
+            f = torch.futures.Future()
+            f.set_exception(ServerError(8, "key 7 round 0: nbytes 8 != 16"))
+            return f
+
+    work = launch(Failing(), Completer("t"), "broadcast", [Transfer(torch.ones(2))], [], where="here", timeout=5)
+    with pytest.raises(ServerError, match="key 7 round 0"):
+        work.wait()
+    assert isinstance(work.exception(), ServerError) and not work.is_success()
+
+
+def test_errors_name_op_dtype_and_backend_without_processes():
+    (pg,) = _threaded_groups(1)
+    with pytest.raises(TypeError, match=r"allreduce: dtype torch.bool is not supported by the 'byteps' backend"):
+        pg.allreduce([torch.ones(2, dtype=torch.bool)], _opts(dist.AllreduceOptions))
+    with pytest.raises(ValueError, match=r"sparse"):
+        pg.broadcast([torch.ones(2).to_sparse()], _opts(dist.BroadcastOptions))
+    with pytest.raises(TypeError, match=r"BXOR needs an integer dtype, got torch.float32"):
+        pg.allreduce([torch.ones(2)], _opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.BXOR))
+    with pytest.raises(NotImplementedError, match=r"all_to_all is not offered by the 'byteps' backend"):
+        pg.alltoall([torch.empty(1)], [torch.ones(1)])
+    assert "byteps" in dist.Backend.backend_list
+    torch_bps.register_backend()  # idempotent
+    assert dist.Backend.backend_list.count("byteps") == 1

@@ -1,0 +1,117 @@
+"""`bps_hook`: a DDP communication hook that averages gradient buckets on the summation servers.
+
+The DDP group itself can be anything (gloo, or "byteps"): DDP keeps using it for its broadcasts, and only
+the gradient buckets go through torch_bps.
+
+    state = torch_bps.BpsHookState()              # the default group; its Runtime is made on first use
+    ddp.register_comm_hook(state, torch_bps.bps_hook)
+
+May import: torch, torch_bps.config, torch_bps.pg, torch_bps.process_group; torch_bps.runtime on first use.
+"""
+
+# No `from __future__ import annotations` here: DDP checks bps_hook's annotations against the real types
+# (dist.GradBucket, torch.futures.Future[torch.Tensor]) and refuses strings.
+import threading
+
+import torch
+import torch.distributed as dist
+
+from torch_bps.config import Config
+from torch_bps.pg.staging import Staged
+from torch_bps.pg.work import Completer, Transfer, launch
+from torch_bps.process_group import ProcessGroupBPS
+
+
+class _Connection:
+    """A Runtime made for hooks, shared by every state of this process that names it (refcounted)."""
+
+    def __init__(self, runtime, completer: Completer):
+        self.runtime, self.completer, self.users = runtime, completer, 0
+
+
+# Two states with the same name (two hooked models on one group) must share one Runtime: a second rendezvous
+# in the same store namespace would race with the first one's keys.
+_CONNECTIONS: dict[str, _Connection] = {}
+_CONNECTIONS_LOCK = threading.Lock()
+
+
+class BpsHookState:
+    """What bps_hook needs: the group whose ranks average together and, made on first use, its Runtime.
+
+    Args:
+        process_group: DDP's group (None: the default group). A "byteps" group lends its own Runtime; any other
+            (gloo...) gets a Runtime, which meets the other ranks through the job's c10d store.
+        config: settings of that Runtime (None: the BPS_* environment variables).
+        name: the Runtime's job namespace, default "hook" ("hook-<group name>" for a subgroup). States with the
+            same name share one Runtime: every rank must then run their hooks in the same order.
+
+    Example: `ddp.register_comm_hook(BpsHookState(process_group=gloo_group), bps_hook)`.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, config: Config | None = None,
+                 name: str | None = None):  # fmt: skip
+        self.process_group = process_group
+        self.config = config
+        self.name = name
+        self._lock = threading.Lock()
+        self._runtime = None
+        self._completer: Completer | None = None
+        self._shared: str | None = None  # the _CONNECTIONS entry this state holds a reference to
+
+    def runtime(self):
+        """The Runtime (made on the first call: a blocking rendezvous every rank of the group must join)."""
+        with self._lock:
+            if self._runtime is None:
+                self._runtime, self._completer = self._connect()
+            return self._runtime
+
+    def close(self) -> None:
+        """Drop this state's Runtime; the last state using a hook Runtime closes it (a "byteps" group's own
+        Runtime is left to the group)."""
+        with self._lock, _CONNECTIONS_LOCK:
+            conn = _CONNECTIONS.get(self._shared) if self._shared is not None else None
+            if conn is not None:
+                conn.users -= 1
+                if conn.users == 0:
+                    del _CONNECTIONS[self._shared]
+                    conn.runtime.close()
+            self._runtime, self._completer, self._shared = None, None, None
+
+    def _connect(self):
+        default = dist.distributed_c10d._get_default_group()
+        pg = self.process_group if self.process_group is not None else default
+        if isinstance(pg, ProcessGroupBPS):
+            return pg.runtime, pg.completer
+        name = self.name or ("hook" if pg is default else f"hook-{pg.group_name}")
+        with _CONNECTIONS_LOCK:
+            conn = _CONNECTIONS.get(name)
+            if conn is None:
+                from torch_bps.runtime import Runtime  # loads the C++ client: only when a hook really runs
+
+                # Any store of the job will do: the Runtime strips torch's prefixes, keeps to its own namespace.
+                store = dist.distributed_c10d._get_default_store()
+                runtime = Runtime.create(store, pg.rank(), pg.size(), name=name, config=self.config)
+                conn = _CONNECTIONS[name] = _Connection(runtime, Completer(f"bps-{name}"))
+            conn.users += 1
+        self._shared = name
+        return conn.runtime, conn.completer
+
+
+def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average DDP's gradient bucket over the group on the summation servers; the future holds the bucket.
+
+    Divides first, then sums: the servers add in the bucket's own dtype, and under `fp16_compress_wrapper`
+    a float16 sum of undivided gradients can overflow where the sum of divided ones does not. DDP's
+    built-in path also scales each gradient by 1/world before summing, so results match DDP without a hook.
+    Later buckets (the first layers, needed first by the next forward pass) get the higher priority.
+
+    Example: `ddp.register_comm_hook(BpsHookState(), bps_hook)`.
+    """
+    runtime = state.runtime()
+    buffer = bucket.buffer()
+    staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
+    staged.flat.div_(runtime.world_size)
+    work = launch(runtime, state._completer, "bps_hook", [Transfer(staged.flat, staged.write_back)], buffer,
+                  where=f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})",
+                  timeout=runtime.config.timeout, priority=bucket.index(), device=buffer.device)  # fmt: skip
+    return work.get_future()

@@ -1,0 +1,10 @@
+"""Building blocks of the "byteps" front doors (the ProcessGroup in torch_bps.process_group, and bps_hook).
+
+- `staging`: the caller's tensors seen as the flat CPU buffers a Runtime sums, and the sums copied back;
+  dtype and layout checks with errors that name the op and the backend.
+- `work`: `launch` (push_pull a collective's buffers, finish on our own threads), the `BpsWork` handed to
+  torch, and the `Completer` threads that complete user-visible futures.
+
+May import: torch, torch_bps.wire (the dtype table), torch_bps.errors. Never torch_bps.runtime: a Runtime is
+passed in, so this package loads without the C++ client.
+"""

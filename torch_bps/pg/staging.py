@@ -1,0 +1,125 @@
+"""The caller's tensors as flat CPU buffers a Runtime can sum in place, and the sums back where they belong.
+
+A contiguous CPU tensor is summed in its own storage (no copy). Anything else (non-contiguous, CUDA) is
+copied into a fresh CPU buffer and copied back when the sum arrives. Complex tensors travel as their real
+view (a sum of complex numbers is the sum of their parts). Every check raises an error naming the op,
+the dtype and the backend. All in-place work goes through `.detach()` views: torch's own backends write
+into parameters that require grad, and so must we. No `.numpy()` anywhere: it would pin the storage
+(DDP buckets get `resize_`d by batched PowerSGD).
+
+May import: torch, torch_bps.wire (the protocol's dtype table).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_bps.wire import DTYPES
+
+BACKEND = "byteps"
+SUPPORTED_DTYPES = frozenset(DTYPES.values())
+_REAL_OF_COMPLEX = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+_SUM_OPS = ("SUM", "AVG")
+_GATHERED_OPS = ("MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR")  # served by an all-gather and a local reduce
+
+
+def op_name(op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> str:
+    """The name ("SUM", "MAX"...) of a ReduceOp as found in torch's option structs."""
+    return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
+
+
+def check_reduce_op(name: str, dtype: torch.dtype, op: str) -> None:
+    """Refuse reductions the service cannot compute exactly, naming the op, the dtype and the backend."""
+    if op not in _SUM_OPS + _GATHERED_OPS:
+        raise ValueError(f"{name}: ReduceOp.{op} is not supported by the '{BACKEND}' backend "
+                         f"(supported: {', '.join(_SUM_OPS + _GATHERED_OPS)})")  # fmt: skip
+    if dtype.is_complex and op not in _SUM_OPS:
+        raise TypeError(f"{name}: ReduceOp.{op} is not defined on complex dtype {dtype} ('{BACKEND}' backend)")
+    integral = not dtype.is_floating_point and not dtype.is_complex
+    if op == "AVG" and integral:
+        raise TypeError(f"{name}: ReduceOp.AVG of integer dtype {dtype} is not supported by the '{BACKEND}' "
+                        "backend (the average is not an integer): use SUM and divide")  # fmt: skip
+    if op in ("BAND", "BOR", "BXOR") and not integral:
+        raise TypeError(f"{name}: ReduceOp.{op} needs an integer dtype, got {dtype} ('{BACKEND}' backend)")
+
+
+def check_tensor(name: str, t: torch.Tensor) -> None:
+    """Raise a clear error if the summation service cannot carry `t`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__} ('{BACKEND}' backend)")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: {t.layout} tensors are not supported by the '{BACKEND}' backend (dense only)")
+    if _REAL_OF_COMPLEX.get(t.dtype, t.dtype) not in SUPPORTED_DTYPES:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported by the '{BACKEND}' backend "
+                        f"(supported: {names}, and complex types as pairs of their real type)")  # fmt: skip
+
+
+def real(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached, complex tensors seen as (..., 2) real views: what travels on the wire."""
+    t = t.detach()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def neutral(dtype: torch.dtype) -> float | int:
+    """The addend that leaves any value bit-for-bit unchanged: -0.0 for floats (x + -0.0 == x, even for
+    x == -0.0), 0 for integers. Ranks that do not contribute to a slot fill it with this."""
+    return -0.0 if dtype.is_floating_point else 0
+
+
+def cpu_flat(t: torch.Tensor) -> torch.Tensor:
+    """A fresh 1-D contiguous CPU copy of `real(t)`."""
+    r = real(t)
+    return r.to("cpu", copy=True, memory_format=torch.contiguous_format).reshape(-1)
+
+
+def fill_except(buf: torch.Tensor, start: int, stop: int) -> None:
+    """Fill `buf` with the neutral addend outside [start, stop)."""
+    buf[:start].fill_(neutral(buf.dtype))
+    buf[stop:].fill_(neutral(buf.dtype))
+
+
+class Staged:
+    """One caller tensor as a flat CPU buffer: its own storage when contiguous on CPU, else a copy.
+
+    `flat` is what to push_pull; `write_back()` (a no-op for the zero-copy case) puts `flat` into the tensor.
+    With `load=False` a copy starts uninitialised (for tensors the collective only writes).
+    """
+
+    def __init__(self, name: str, tensor: torch.Tensor, load: bool = True):
+        check_tensor(name, tensor)
+        self.tensor = tensor
+        self._real = real(tensor)
+        self.zero_copy = self._real.device.type == "cpu" and self._real.is_contiguous()
+        if self.zero_copy:
+            self.flat = self._real.view(-1)
+        elif load:
+            self.flat = cpu_flat(tensor)
+        else:
+            self.flat = torch.empty(self._real.numel(), dtype=self._real.dtype)
+
+    def write_back(self) -> None:
+        if not self.zero_copy:
+            self._real.copy_(self.flat.view(self._real.shape))
+
+
+def copy_into(dst: torch.Tensor, src_flat: torch.Tensor) -> None:
+    """Copy a flat slice of a sum into a caller's tensor (any device, any strides)."""
+    r = real(dst)
+    r.copy_(src_flat.view(r.shape))
+
+
+def reduce_gathered(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Reduce the (world, n) rows of an all-gather with MIN/MAX/PRODUCT/BAND/BOR/BXOR."""
+    if op == "MIN":
+        return rows.amin(dim=0)
+    if op == "MAX":
+        return rows.amax(dim=0)
+    if op == "PRODUCT":
+        return rows.prod(dim=0).to(rows.dtype)  # prod promotes small integers to int64; wrap like the others
+    fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+    out = rows[0].clone()
+    for row in rows[1:]:
+        fn(out, row, out=out)
+    return out

@@ -1,0 +1,356 @@
+"""The "byteps" torch.distributed backend: every collective is a sum on the summation servers.
+
+`import torch_bps` registers it; then `dist.init_process_group("byteps")`, and `dist.new_group(ranks)` for
+subgroups. Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
+
+| collective | as a sum |
+| --- | --- |
+| all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first) |
+| all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
+| broadcast | the root's data; the other ranks add -0.0 (x + -0.0 == x bit for bit) |
+| all_gather, all_gather_single, gather | each rank fills its slot of a (world * n) buffer, -0.0 elsewhere |
+| reduce_scatter, reduce_scatter_single | the whole input summed; each rank keeps its slice (world x ideal traffic) |
+| scatter | a broadcast of the root's concatenated list; each rank keeps its slice |
+| reduce | an all-reduce; only the root's tensor is written |
+| barrier | a 1-element sum |
+
+Point-to-point and all-to-all are refused with an error naming the op (a summation service has no cheap
+way to do them): use a gloo group for those. Collectives are launched under a per-group lock, so one
+collective's push_pulls stay contiguous even when several threads use the group (DDP's autograd thread and
+a comm hook's callbacks); ranks must still call collectives in the same order, as with any backend.
+
+Subgroups go through torch's own per-group creator path (this class deliberately has no `new_group`
+method: torch 2.13 would then route every `dist.new_group` to it, losing its `backend=` argument, so
+`new_group(backend="gloo")` under a "byteps" default group would silently become a byteps group).
+
+May import: torch, torch_bps.config, torch_bps.errors, torch_bps.pg; torch_bps.runtime only when a group is
+created (it loads the C++ client, which `import torch_bps` must not).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torch_bps.config import Config
+from torch_bps.errors import ConfigError
+from torch_bps.pg import staging
+from torch_bps.pg.staging import BACKEND, Staged, check_tensor, copy_into, cpu_flat, fill_except, neutral, real
+from torch_bps.pg.work import BpsWork, Completer, Transfer, launch
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
+
+
+class ProcessGroupBPS(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on a torch_bps Runtime. Created by torch, not by hand."""
+
+    def __init__(self, runtime, rank: int, size: int, timeout: timedelta = _DEFAULT_TIMEOUT):
+        super().__init__(rank, size)
+        self.runtime = runtime
+        self._timeout = timeout.total_seconds()
+        self._launch_lock = threading.Lock()
+        self.completer = Completer(f"bps-{getattr(runtime, 'name', 'pg')}")
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- identity -------------------------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupBPS(name={self._group_name!r}, rank={self.rank()}, size={self.size()})"
+
+    def shutdown(self) -> None:
+        """Leave the summation job (torch calls this from destroy_process_group)."""
+        self.runtime.close()
+
+    def abort(self) -> None:
+        self.runtime.close()
+
+    # -- reductions -----------------------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+        t = self._single("allreduce", tensors)
+        op = self._op("allreduce", opts, t)
+        s = Staged("allreduce", t)
+        return self._launch("allreduce", [self._reduction(s.flat, op, s.write_back)], tensors, device=t.device)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+        """One push_pull per dtype: the tensors of that dtype flattened end to end."""
+        name = "allreduce_coalesced"
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            self._op(name, opts, t)
+            by_dtype.setdefault(real(t).dtype, []).append(t)
+        op = staging.op_name(opts.reduceOp) if opts is not None else "SUM"
+        transfers = []
+        for group in by_dtype.values():
+            flat = torch.cat([cpu_flat(t) for t in group])
+            transfers.append(self._reduction(flat, op, lambda g=group, f=flat: _scatter_back(g, f)))
+        return self._launch(name, transfers, tensors, device=_device(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+        t = self._single("reduce", tensors)
+        op = self._op("reduce", opts, t)
+        if self.rank() == opts.rootRank:
+            s = Staged("reduce", t)
+            transfer = self._reduction(s.flat, op, s.write_back)
+        else:  # the sum is computed everywhere; only the root's tensor is written
+            transfer = self._reduction(cpu_flat(t), op, None)
+        return self._launch("reduce", [transfer], tensors, device=t.device)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> BpsWork:
+        return self._launch("reduce_scatter_single", self._reduce_scatter_plan(output, input, opts), [output],
+                            device=output.device)  # fmt: skip
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts=None) -> BpsWork:  # fmt: skip
+        plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._reduce_scatter_plan(o, i, opts)]
+        return self._launch("reduce_scatter_single_coalesced", plans, outputs, device=_device(outputs))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> BpsWork:
+        name = "reduce_scatter"
+        out = self._single(name, outputs)
+        inputs = self._single(name, input_lists, what="input list")
+        self._check_world_list(name, inputs)
+        for t in inputs:
+            self._op(name, opts, t)
+        flat = torch.cat([cpu_flat(t) for t in inputs])
+        start = sum(real(t).numel() for t in inputs[: self.rank()])
+        mine = flat[start : start + real(out).numel()]
+        transfer = self._reduction(flat, staging.op_name(opts.reduceOp), lambda: copy_into(out, mine))
+        return self._launch(name, [transfer], outputs, device=out.device)
+
+    # -- data movement --------------------------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+        t = self._single("broadcast", tensors)
+        root = opts.rootRank if opts is not None else 0
+        s = Staged("broadcast", t, load=self.rank() == root)
+        if self.rank() != root:
+            s.flat.fill_(neutral(s.flat.dtype))
+        return self._launch("broadcast", [Transfer(s.flat, s.write_back)], tensors, device=t.device)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> BpsWork:
+        return self._launch("all_gather", self._allgather_plan(output_lists, inputs), output_lists,
+                            device=_device(inputs))  # fmt: skip
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts=None) -> BpsWork:  # fmt: skip
+        plans = [t for outs, i in zip(output_lists, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
+        return self._launch("all_gather_coalesced", plans, output_lists, device=_device(inputs))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> BpsWork:
+        return self._launch("all_gather_single", self._gather_single_plan(output, input), [output],
+                            device=output.device)  # fmt: skip
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts=None) -> BpsWork:  # fmt: skip
+        plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._gather_single_plan(o, i)]
+        return self._launch("all_gather_single_coalesced", plans, outputs, device=_device(outputs))
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> BpsWork:
+        name = "gather"
+        inp = self._single(name, inputs)
+        check_tensor(name, inp)
+        is_root = self.rank() == opts.rootRank
+        outs = self._single(name, output_lists, what="output list") if is_root else []
+        if is_root:
+            self._check_world_list(name, outs, like=inp)
+        n = real(inp).numel()  # every rank's input has this size: the other ranks cannot know otherwise
+        buf = torch.empty(self.size() * n, dtype=real(inp).dtype)
+        fill_except(buf, self.rank() * n, (self.rank() + 1) * n)
+        buf[self.rank() * n : (self.rank() + 1) * n].copy_(real(inp).reshape(-1))
+        finish = (lambda: [copy_into(o, buf[i * n : (i + 1) * n]) for i, o in enumerate(outs)]) if is_root else None
+        return self._launch(name, [Transfer(buf, finish)], output_lists, device=inp.device)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> BpsWork:
+        name = "scatter"
+        out = self._single(name, outputs)
+        check_tensor(name, out)
+        n = real(out).numel()
+        if self.rank() == opts.rootRank:
+            inputs = self._single(name, input_lists, what="input list")
+            self._check_world_list(name, inputs, like=out)
+            buf = torch.cat([cpu_flat(t) for t in inputs])
+        else:
+            buf = torch.full((self.size() * n,), neutral(real(out).dtype), dtype=real(out).dtype)
+        mine = buf[self.rank() * n : (self.rank() + 1) * n]
+        return self._launch(name, [Transfer(buf, lambda: copy_into(out, mine))], outputs, device=out.device)
+
+    def barrier(self, opts=None) -> BpsWork:
+        return self._launch("barrier", [Transfer(torch.zeros(1, dtype=torch.int32))], [])
+
+    # -- refused ----------------------------------------------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        raise _refused("send")
+
+    def recv(self, tensors, src, tag=0):
+        raise _refused("recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        raise _refused("recv_anysource")
+
+    def alltoall(self, outputs, inputs, opts=None):
+        raise _refused("all_to_all")
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        raise _refused("all_to_all_single")
+
+    alltoall_base = all_to_all_single
+
+    # -- plans: the transfers of one collective ------------------------------------------------------------------
+    def _reduction(self, flat: torch.Tensor, op: str, finish) -> Transfer:
+        """Reduce `flat` (1-D contiguous CPU) over the group with `op`, then run `finish` (may be None)."""
+        if op in ("SUM", "AVG"):
+            if op == "AVG":
+                # Divide first: the servers sum in the tensor's own dtype, and a float16 sum of undivided
+                # values can overflow where the sum of divided ones does not.
+                flat.div_(self.size())
+            return Transfer(flat, finish)
+        n, r = flat.numel(), self.rank()
+        rows = torch.empty(self.size() * n, dtype=flat.dtype)
+        fill_except(rows, r * n, (r + 1) * n)
+        rows[r * n : (r + 1) * n].copy_(flat)
+
+        def reduce_rows() -> None:
+            flat.copy_(staging.reduce_gathered(rows.view(self.size(), n), op))
+            if finish is not None:
+                finish()
+
+        return Transfer(rows, reduce_rows)
+
+    def _reduce_scatter_plan(self, output: torch.Tensor, input: torch.Tensor, opts) -> list[Transfer]:
+        name = "reduce_scatter_single"
+        op = self._op(name, opts, input)
+        check_tensor(name, output)
+        n = real(output).numel()
+        if real(input).numel() != self.size() * n or output.dtype != input.dtype:
+            raise ValueError(f"{name}: input must hold world_size ({self.size()}) x output elements of the same "
+                             f"dtype, got input {tuple(input.shape)} {input.dtype}, output {tuple(output.shape)} "
+                             f"{output.dtype} ('{BACKEND}' backend)")  # fmt: skip
+        flat = cpu_flat(input)  # a copy: the caller's input must stay untouched
+        mine = flat[self.rank() * n : (self.rank() + 1) * n]
+        return [self._reduction(flat, op, lambda: copy_into(output, mine))]
+
+    def _allgather_plan(self, output_lists, inputs) -> list[Transfer]:
+        name = "all_gather"
+        inp = self._single(name, inputs)
+        outs = self._single(name, output_lists, what="output list")
+        self._check_world_list(name, outs, like=inp, same_size=False)
+        sizes = [real(o).numel() for o in outs]
+        if sizes[self.rank()] != real(inp).numel():
+            raise ValueError(f"{name}: output tensor {self.rank()} has {outs[self.rank()].numel()} elements, the "
+                             f"input {inp.numel()} ('{BACKEND}' backend)")  # fmt: skip
+        start = sum(sizes[: self.rank()])
+        buf = torch.empty(sum(sizes), dtype=real(inp).dtype)
+        fill_except(buf, start, start + sizes[self.rank()])
+        buf[start : start + sizes[self.rank()]].copy_(real(inp).reshape(-1))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+        def unpack() -> None:
+            for o, off, size in zip(outs, offsets, sizes, strict=True):
+                copy_into(o, buf[off : off + size])
+
+        return [Transfer(buf, unpack)]
+
+    def _gather_single_plan(self, output: torch.Tensor, input: torch.Tensor) -> list[Transfer]:
+        name = "all_gather_single"
+        check_tensor(name, input)
+        n = real(input).numel()
+        if real(output).numel() != self.size() * n or output.dtype != input.dtype:
+            raise ValueError(f"{name}: output must hold world_size ({self.size()}) x input elements of the same "
+                             f"dtype, got output {tuple(output.shape)} {output.dtype}, input {tuple(input.shape)} "
+                             f"{input.dtype} ('{BACKEND}' backend)")  # fmt: skip
+        s = Staged(name, output, load=False)
+        lo, hi = self.rank() * n, (self.rank() + 1) * n
+        s.flat[lo:hi].copy_(real(input).reshape(-1))  # first: `input` may be this very slice of `output`
+        fill_except(s.flat, lo, hi)
+        return [Transfer(s.flat, s.write_back)]
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> BpsWork:
+        where = f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"
+        with self._launch_lock:
+            return launch(self.runtime, self.completer, op, transfers, result, where=where, timeout=self._timeout,
+                          device=device)  # fmt: skip
+
+    def _single(self, name: str, items: list, what: str = "tensor"):
+        if len(items) != 1:
+            raise ValueError(f"{name}: the '{BACKEND}' backend takes exactly one {what} per process, got {len(items)}")
+        return items[0]
+
+    def _op(self, name: str, opts, t: torch.Tensor) -> str:
+        check_tensor(name, t)
+        op = staging.op_name(opts.reduceOp) if opts is not None else "SUM"
+        staging.check_reduce_op(name, t.dtype, op)
+        return op
+
+    def _check_world_list(self, name: str, tensors: list[torch.Tensor], like: torch.Tensor | None = None,
+                          same_size: bool = True) -> None:  # fmt: skip
+        if len(tensors) != self.size():
+            raise ValueError(f"{name}: expected a list of world_size ({self.size()}) tensors, got {len(tensors)} "
+                             f"('{BACKEND}' backend)")  # fmt: skip
+        for t in tensors:
+            check_tensor(name, t)
+            if like is not None and t.dtype != like.dtype:
+                raise TypeError(f"{name}: tensors of dtype {t.dtype} and {like.dtype} mixed ('{BACKEND}' backend)")
+            if like is not None and same_size and t.numel() != like.numel():
+                raise ValueError(f"{name}: every tensor must have {like.numel()} elements, one has {t.numel()} "
+                                 f"('{BACKEND}' backend)")  # fmt: skip
+
+
+def _scatter_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in tensors:
+        n = real(t).numel()
+        copy_into(t, flat[offset : offset + n])
+        offset += n
+
+
+def _device(tensors) -> torch.device | None:
+    return tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else None
+
+
+def _refused(op: str) -> NotImplementedError:
+    return NotImplementedError(f"{op} is not offered by the '{BACKEND}' backend: it computes collectives as sums on "
+                               f"summation servers and has no point-to-point path; run {op} on a gloo group "
+                               f"(dist.new_group(backend='gloo'))")  # fmt: skip
+
+
+def _config(pg_options) -> Config:
+    if pg_options is None:
+        return Config.resolve()
+    if isinstance(pg_options, Config):
+        return pg_options
+    raise ConfigError(f"pg_options for the '{BACKEND}' backend must be a torch_bps.Config, got {type(pg_options)}")
+
+
+def _create(opts, pg_options) -> ProcessGroupBPS:
+    """torch's creator (extended API): one Runtime per group; the default group's is named "default"."""
+    from torch_bps.runtime import Runtime  # loads the C++ client: only when a group is really created
+
+    is_default = len(opts.global_ranks_in_group) == 0  # torch passes no ranks for the default group
+    name = "default" if is_default else f"group-{opts.group_id}"
+    runtime = Runtime.create(opts.store, opts.group_rank, opts.group_size, name=name, config=_config(pg_options))
+    return ProcessGroupBPS(runtime, opts.group_rank, opts.group_size, timeout=opts.timeout)
+
+
+def register_backend() -> None:
+    """Make "byteps" a torch.distributed backend for CPU and CUDA tensors. Idempotent."""
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
