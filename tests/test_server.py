@@ -124,14 +124,28 @@ def test_mismatched_size_or_dtype_is_refused_and_others_keep_working(server, job
     declare([a], 4, t)
     status, msg = error_of(b.request(Command.INIT, key=4, nbytes=64, dtype=DTYPE_CODES[torch.float32]))
     assert status == Status.KEY_MISMATCH and "expected 32 bytes of float32" in msg and "received 64 bytes" in msg
-    status, msg = error_of(push(b, 4, 0, torch.ones(8, dtype=torch.float64)))
-    assert status == Status.KEY_MISMATCH and "key 4" in msg and "float64" in msg
-    bad_len = b.request(Command.PUSH, b"\0" * 31, key=4, round=0, nbytes=32, dtype=DTYPE_CODES[torch.float32])
-    assert error_of(bad_len)[0] == Status.KEY_MISMATCH
-    # The key still works for correct pushes.
+    # a pushed round 0 and waits for the sum; b's push has the wrong dtype: refused, and a's pull fails
+    # at once instead of waiting for a push that can never come.
     push(a, 4, 0, t)
-    push(b, 4, 0, t)
-    assert torch.equal(pull(b, 4, 0, t), 2 * t)
+    rid = a.send(Command.PULL, key=4, round=0, nbytes=32, dtype=DTYPE_CODES[torch.float32])
+    status, msg = error_of(push(b, 4, 0, torch.ones(4, dtype=torch.float64)))
+    assert status == Status.KEY_MISMATCH and "key 4" in msg and "float64" in msg
+    status, msg = error_of(a.recv(rid))
+    assert status == Status.KEY_MISMATCH and "another worker's push was refused" in msg and "float64" in msg
+    status, _ = error_of(b.request(Command.PULL, key=4, round=0, nbytes=32, dtype=DTYPE_CODES[torch.float32]))
+    assert status == Status.KEY_MISMATCH
+    bad_len = b.request(Command.PUSH, b"\0" * 31, key=4, round=1, nbytes=32, dtype=DTYPE_CODES[torch.float32])
+    assert error_of(bad_len)[0] == Status.KEY_MISMATCH
+    # The failed rounds close and free; the key works again once the workers agree.
+    error_of(a.request(Command.PULL, key=4, round=1, nbytes=32, dtype=DTYPE_CODES[torch.float32]))
+    push(a, 4, 2, t)
+    push(b, 4, 2, t)
+    assert torch.equal(pull(b, 4, 2, t), 2 * t)
+    assert torch.equal(pull(a, 4, 2, t), 2 * t)
+    other = peers(server, job_id + 99, 1)
+    declare(other, 4, t)
+    push(other[0], 4, 0, t)
+    assert torch.equal(pull(other[0], 4, 0, t), t)  # other jobs never noticed
 
 
 def test_unknown_key_job_and_incarnation(server, job_id):

@@ -8,8 +8,8 @@ embedded server stops with the job: at close, after every rank is done with it, 
 process that started it dies.
 
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
-Groups other than the default one reuse the servers of the process's default Runtime if there is one,
-and treat every rank as its own machine (no local reduction).
+Groups other than the default one reuse the servers of the process's default Runtime if there is one;
+subgroups treat every rank as its own machine (no local reduction).
 May import: torch, torch_bps.config, errors, topology, registry, client, local, engine.
 """
 
@@ -79,9 +79,10 @@ class Runtime:
         config = config or Config.resolve()
         timeout = timeout or config.connect_timeout
         base = _RUNTIMES.get("default")
-        if name == "default" or base is None:
+        whole_job = world_size == int(os.environ.get("WORLD_SIZE", world_size))
+        if name == "default" or (base is None and whole_job):
             topology = Topology.from_env(rank, world_size)
-        else:
+        else:  # a subgroup: torchrun's variables describe the whole job, not it
             topology = Topology(rank, world_size, 0, 1, rank, world_size)  # every rank its own machine
         ns = dist.PrefixStore(f"torch_bps/{name}/{_attempt()}", raw_store(store))
         job_id = _agree_job_id(ns, rank, timeout)

@@ -24,6 +24,7 @@ class Round:
     pushed: set[int] = field(default_factory=set)
     pulled: set[int] = field(default_factory=set)
     waiting: list = field(default_factory=list)  # pulls that arrived before the round closed
+    failure: str | None = None  # a worker's push was refused: the round can only end in an error
     # The sum so far. The first push is kept as it arrived (a view of the received frame, no copy); the
     # second push allocates the sum with one fused read-read-write pass; later pushes add in place.
     total: torch.Tensor | None = None
@@ -46,12 +47,33 @@ class KeyRounds:
         self.rounds: dict[int, Round] = {}
         self._counters = counters
 
+    def refuse(self, worker: int, rnd: int, reason: str) -> list[object]:
+        """Record that worker's push of rnd was refused (wrong size or dtype): the round fails for everyone.
+
+        Return the waiting pulls, to be answered with the failure now: without this, the workers whose
+        pushes were accepted would wait for a sum that can never be right. The failed round still closes and
+        frees as usual (the refused push counts as pushed, each error-answered pull as pulled), so later
+        rounds of the key work again once the workers agree.
+        """
+        r = self._live(rnd, worker, "push")
+        r.failure = r.failure or reason
+        r.pushed.add(worker)
+        waiting = [token for token, _ in r.waiting]
+        r.pulled.update(puller for _, puller in r.waiting)
+        r.waiting.clear()
+        self._free_done()
+        return waiting
+
     def push(self, worker: int, rnd: int, data: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
         """Fold worker's data into round rnd. Return the (pull token, sum) pairs that can now be answered.
 
         Raises ProtocolError(BAD_ROUND) for a freed round or one too far ahead.
         """
         r = self._live(rnd, worker, "push")
+        if r.failure is not None:
+            r.pushed.add(worker)
+            self._free_done()
+            raise ProtocolError(Status.KEY_MISMATCH, f"push of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if worker in r.pushed:
             return []  # a resent push: acknowledged, never added twice
         self._add(r, data)
@@ -68,6 +90,10 @@ class KeyRounds:
     def pull(self, worker: int, rnd: int, token: object) -> torch.Tensor | None:
         """Return the sum of round rnd if it closed (the caller answers now), else queue token and return None."""
         r = self._live(rnd, worker, "pull")
+        if r.failure is not None:
+            r.pulled.add(worker)
+            self._free_done()
+            raise ProtocolError(Status.KEY_MISMATCH, f"pull of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if not self._closed(r):
             r.waiting.append((token, worker))
             return None

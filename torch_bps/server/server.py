@@ -65,6 +65,9 @@ class Engine(threading.Thread):
         try:
             while (item := self.inbox.get()) is not None:
                 ident, header, payload, num_workers = item
+                if ident is None:  # the front thread refused a push of this key: its round fails for everyone
+                    self._refuse(out, header, payload, num_workers)
+                    continue
                 try:
                     for frames in self._handle(ident, header, payload, num_workers):
                         out.send_multipart(frames, copy=False)
@@ -76,11 +79,26 @@ class Engine(threading.Thread):
         finally:
             out.close()
 
-    def _handle(self, ident, header: Header, payload, num_workers: int):
+    def _rounds(self, header: Header, num_workers: int) -> KeyRounds:
         rounds = self._keys.get((header.job_id, header.key))
         if rounds is None:
             name = f"job {header.job_id:#x} key {header.key}"
             rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, num_workers, self.counters)
+        return rounds
+
+    def _refuse(self, out, header: Header, reason: str, num_workers: int) -> None:
+        reason = f"the round failed because another worker's push was refused ({reason})"
+        try:
+            waiting = self._rounds(header, num_workers).refuse(header.worker, header.round, reason)
+        except ProtocolError as e:  # the refused push named a round that is not alive: nothing to fail
+            log.info("%s", e)
+            return
+        for ident, pull in waiting:
+            message = f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}: {reason}"
+            out.send_multipart(_error(ident, pull, Status.KEY_MISMATCH, message))
+
+    def _handle(self, ident, header: Header, payload, num_workers: int):
+        rounds = self._rounds(header, num_workers)
         if header.command == Command.PUSH:
             ready = rounds.push(header.worker, header.round, _as_tensor(payload, header))
             yield [ident, header.reply().pack()]
@@ -197,6 +215,11 @@ class SummationServer:
         except ProtocolError as e:
             log.info("refused request from %r: %s", bytes(ident.bytes), e)
             self._send(_error(ident, header, e.status, str(e)))
+            if e.status == Status.KEY_MISMATCH and header.command == Command.PUSH:
+                info = self._keys.get((header.job_id, header.key))
+                job = self._jobs.get(header.job_id)
+                if info is not None and job is not None and header.worker < job.num_workers:
+                    self._engines[info.engine].inbox.put((None, header, str(e), job.num_workers))
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("front thread failed on %s", header)
             self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
