@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -27,8 +28,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError
-from torch_bps.local import LocalComm, LocalInputError, local_sum, shm, split_range
+from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, TransportError
+from torch_bps.local import LocalComm, LocalInputError, local_sum, shm, split_range, sync
 from torch_bps.local import comm as local_comm
 from torch_bps.local import reduce as local_reduce
 
@@ -141,7 +142,7 @@ def expect_ok(out, scenario, count):
 # -- scenarios (run inside the spawned ranks) -----------------------------------------------------
 def _sc_no_name_left(lc, store, options):
     """Once set up, the segment has no name any more: a crash from here on cannot leak it."""
-    return bps_entries(lc.node_id)
+    return bps_entries(lc.node_id), lc.unwatched_peers
 
 
 def _sc_correctness(lc, store, options):
@@ -298,7 +299,7 @@ def test_two_nodes_of_two_local_ranks():
     token = uuid.uuid4().hex[:8]
     specs = [(f"a{token}", r, 2, {}) for r in range(2)] + [(f"b{token}", r, 2, {}) for r in range(2)]
     out, codes = run_group(specs, ["no_name_left", "correctness", "steps"])
-    assert expect_ok(out, "no_name_left", 4) == {i: [] for i in range(4)}
+    assert expect_ok(out, "no_name_left", 4) == {i: ([], []) for i in range(4)}
     assert all(n == len(ALL_DTYPES) * 7 for n in expect_ok(out, "correctness", 4).values())
     expect_ok(out, "steps", 4)
     assert codes == [0] * 4 and bps_entries(token) == []
@@ -492,6 +493,35 @@ def test_sweep_removes_only_dead_expired_segments(tmp_path):
         "torch_bps_dead_in_setup",
         "torch_bps_not_ours",
     ]
+
+
+@pytest.mark.parametrize("same_namespace", [True, False])
+def test_dead_peer_is_named_unless_its_pid_namespace_differs(same_namespace):
+    """Two Boards over one buffer; rank 1's recorded pid is a finished process's."""
+    import subprocess
+    import sys
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    buf = mmap.mmap(-1, sync.control_bytes(2))
+    boards = [sync.Board(buf, 2, r, "n0", timeout=0.5, wait_mode="futex") for r in range(2)]
+    for b in boards:
+        b.announce()
+    ns = sync._pid_ns() if same_namespace else 12345
+    struct.pack_into("<QQQ", buf, sync.CONTROL_OFFSET + sync.SLOT_BYTES + sync._PID, dead_pid, 0, ns)
+    assert boards[0].find_visible_peers() == ([] if same_namespace else [1])
+    boards[0].arrive(1)
+    started = time.monotonic()
+    died = r"local rank 1 \(pid \d+\) died"
+    expected = (
+        (TransportError, died)
+        if same_namespace
+        else (BpsTimeoutError, r"timed out after 0.5 s waiting for local rank 1")
+    )
+    with pytest.raises(expected[0], match=r"node 'n0' local rank 0: step 7: " + expected[1]):
+        boards[0].wait_all(1, "step 7")
+    assert time.monotonic() - started < (0.3 if same_namespace else 1.0)
+    for b in boards:
+        b.close()
 
 
 def test_process_liveness_sees_zombies_and_recycled_pids():

@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,7 @@ class LocalComm:
         self._views: dict[torch.dtype, _Layout] = {}
         self.capacity_bytes = 0
         self.wait_mode = "none"
+        self.unwatched_peers: list[int] = []  # peers whose death we cannot detect (other pid namespace)
         if local_size == 1:
             return  # a pass-through: no segment, no store traffic
         minimum = 2 * local_size * local_size * _ALIGN
@@ -161,6 +163,13 @@ class LocalComm:
             ready = self._store_get(store, f"{key}/ready", "every local rank to map the shared segment")
             if ready.startswith("!"):
                 raise BpsError(f"{self._who()}: set-up failed on another local rank: {ready[1:]}")
+            self.unwatched_peers = self._board.find_visible_peers()
+            if self.unwatched_peers:
+                warnings.warn(
+                    f"{self._who()}: the processes of local ranks {self.unwatched_peers} are not visible from "
+                    f"here (another pid namespace?): a crash of one is only noticed after timeout={self.timeout} s",
+                    stacklevel=3,
+                )
         except BaseException as e:
             if not isinstance(e, BpsError) or "set-up failed on another" not in str(e):
                 try:  # let the other local ranks fail now rather than at their timeout

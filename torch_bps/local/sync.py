@@ -15,8 +15,9 @@ double-buffered the same way.
 Waiting: peers' counters are polled; between polls a rank sleeps on a futex (the peer's counter word,
 woken by the peer's arrive) or, where futexes are unavailable or `wait_mode="poll"`, with an
 exponential backoff of 20 us .. 1 ms. Every wait checks, at least every 50 ms, that the peer has not
-closed, aborted or died (pid and start time from /proc, so a zombie or recycled pid counts as dead),
-and gives up at its deadline. Errors name the node, this rank, the operation and round, and the peer.
+closed, aborted or died (pid and start time from /proc, so a zombie or recycled pid counts as dead;
+peers whose pid is not visible from here, in another pid namespace, are left to the timeout), and
+gives up at its deadline. Errors name the node, this rank, the operation and round, and the peer.
 
 Memory ordering: counters are aligned 32-bit stores from Python after the data copies returned, which
 x86-64's total store order makes sufficient; a weakly ordered CPU would need a release fence here.
@@ -39,7 +40,7 @@ from torch_bps.local.shm import process_alive, process_start_time
 
 CONTROL_OFFSET = 256  # the segment header lives below
 SLOT_BYTES = 256
-_SEQ, _STATE, _PID = 0, 64, 72  # byte offsets in a slot; PID field is u64 pid, u64 start time
+_SEQ, _STATE, _PID = 0, 64, 72  # byte offsets in a slot; at _PID: u64 pid, start time, pid namespace
 _DESC = (128, 160)  # descriptor by round parity
 DESC = struct.Struct("<QIIQI")  # call number, op, dtype code, numel, error code
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
@@ -56,6 +57,14 @@ class State(enum.IntEnum):
 def control_bytes(local_size: int) -> int:
     """Bytes taken by the header and the control slots of `local_size` ranks."""
     return CONTROL_OFFSET + local_size * SLOT_BYTES
+
+
+def _pid_ns() -> int:
+    """Return the inode of this process's pid namespace (0 if unknown): equal inodes, comparable pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _reached(seq: int, target: int) -> bool:
@@ -120,6 +129,7 @@ class Board:
             base = ctypes.addressof(self._anchor)
             self._seq_addr = [base + CONTROL_OFFSET + p * SLOT_BYTES + _SEQ for p in range(local_size)]
         self.wait_mode = "futex" if self._futex is not None else "poll"
+        self._watch = [False] * local_size  # whose liveness we check: see find_visible_peers
 
     # -- own slot --------------------------------------------------------------------------------
     def _slot(self, p: int) -> int:
@@ -127,11 +137,20 @@ class Board:
 
     def announce(self) -> None:
         """Record this process (pid, start time) in its slot and mark it READY; seq starts at 0."""
-        struct.pack_into(
-            "<QQ", self._buf, self._slot(self.rank) + _PID, os.getpid(), process_start_time(os.getpid()) or 0
-        )
+        me = os.getpid()
+        struct.pack_into("<QQQ", self._buf, self._slot(self.rank) + _PID, me, process_start_time(me) or 0, _pid_ns())
         self._words[self._seq_index[self.rank]] = 0
         self.set_state(State.READY)
+
+    def find_visible_peers(self) -> list[int]:
+        """Decide, once every rank announced, which peers' liveness we can watch; return the others.
+
+        A peer in another pid namespace (e.g. another container sharing /dev/shm) has a pid we cannot
+        see, or one that names an unrelated process here: waits on it rely on the timeout alone.
+        """
+        mine = _pid_ns()
+        self._watch = [p != self.rank and mine != 0 and self._pid_ns_of(p) == mine for p in range(self.local_size)]
+        return [p for p in range(self.local_size) if p != self.rank and not self._watch[p]]
 
     def set_state(self, state: State) -> None:
         self._words[(self._slot(self.rank) + _STATE) // 4] = int(state)
@@ -142,7 +161,11 @@ class Board:
         return State(self._words[(self._slot(p) + _STATE) // 4])
 
     def pid(self, p: int) -> tuple[int, int]:
+        """Return (pid, start time) of local rank p's process, as it recorded them."""
         return struct.unpack_from("<QQ", self._buf, self._slot(p) + _PID)
+
+    def _pid_ns_of(self, p: int) -> int:
+        return struct.unpack_from("<Q", self._buf, self._slot(p) + _PID + 16)[0]
 
     def seq(self, p: int) -> int:
         return self._words[self._seq_index[p]]
@@ -184,7 +207,7 @@ class Board:
                 self._fail(p, target, v, what)
             now = time.monotonic()
             if now >= next_check:  # reading /proc costs ~20 us: not on every poll
-                if now >= deadline or not process_alive(*self.pid(p)):
+                if now >= deadline or (self._watch[p] and not process_alive(*self.pid(p))):
                     self._fail(p, target, v, what)
                 next_check = min(now + _CHECK_PERIOD, deadline)
             if self._futex is not None:
@@ -202,7 +225,7 @@ class Board:
         if state in (State.CLOSED, State.ABORTED):
             verb = "closed its LocalComm" if state == State.CLOSED else "gave up after an error of its own"
             raise TransportError(f"{who}: {peer} {verb} before reaching sequence {target} (it is at {seq})")
-        if not process_alive(pid, start):
+        if self._watch[p] and not process_alive(pid, start):
             raise TransportError(f"{who}: {peer} died (crashed or killed) before reaching sequence {target} "
                                  f"(it is at {seq})")  # fmt: skip
         raise BpsTimeoutError(f"{who}: timed out after {self.timeout:.1f} s waiting for {peer} to reach "
