@@ -22,7 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -190,17 +189,21 @@ def human(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def rate(n: float) -> str:
+    return human(n) + "/s"
+
+
 def print_header() -> None:
-    print(f"{'size':>9} | {'push_pull':>11} {'raw TCP':>11} {'ratio':>6} | {'server sum':>11} {'torch add_':>11} {'ratio':>6}")
+    left = f"{'push_pull':>11} {'raw TCP':>11} {'ratio':>6}"
+    right = f"{'server sum':>11} {'torch add_':>11} {'ratio':>6}"
+    print(f"{'size':>9} | {left} | {right}")
 
 
 def print_row(r: dict) -> None:
     size = f"{r['size'] // MB} MB" if r["size"] >= MB else f"{r['size'] // KB} KB"
-    print(
-        f"{size:>9} | {human(r['pushpull_Bps']) + '/s':>11} {human(r['tcp_Bps']) + '/s':>11} {r['goodput_vs_tcp']:>6.2f}"
-        f" | {human(r['server_sum_Bps']) + '/s':>11} {human(r['torch_add_Bps']) + '/s':>11} {r['sum_vs_torch_add']:>6.2f}",
-        flush=True,
-    )
+    left = f"{rate(r['pushpull_Bps']):>11} {rate(r['tcp_Bps']):>11} {r['goodput_vs_tcp']:>6.2f}"
+    right = f"{rate(r['server_sum_Bps']):>11} {rate(r['torch_add_Bps']):>11} {r['sum_vs_torch_add']:>6.2f}"
+    print(f"{size:>9} | {left} | {right}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

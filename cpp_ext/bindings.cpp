@@ -121,7 +121,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("data"));
 
   m.def("install_buffer_cache", &bps::installBufferCache,
-        "Recycle libzmq's big receive buffers; returns '' on success, else why not (see buffer_cache.h).");
+        "Recycle the big receive buffers of a loaded libzmq (default: the one this extension links); returns "
+        "'' on success, else why not (see cpp_ext/buffer_cache.h).",
+        py::arg("library_path") = "");
   m.def("set_buffer_cache_limit", &bps::setBufferCacheLimit, "Keep at most this many bytes of freed big buffers.",
         py::arg("bytes"));
   m.def("buffer_cache_stats", [] {
@@ -136,12 +138,17 @@ PYBIND11_MODULE(_C, m) {
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
-          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src,
-             at::Tensor dst) { c.get().pushPull(token, server, key, dtype, std::move(src), std::move(dst)); },
+          // detach(): the client holds its own TensorImpls, never the ones owned by Python objects, so
+          // dropping them (on ZeroMQ's thread, for a sent payload) never needs the GIL.
+          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, const at::Tensor& src,
+             const at::Tensor& dst) { c.get().pushPull(token, server, key, dtype, src.detach(), dst.detach()); },
           py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("src"), py::arg("dst"),
           release())
       .def(
-          "stats", [](PyClient& c, uint64_t token, size_t server, at::Tensor dst) { c.get().stats(token, server, dst); },
+          "stats",
+          [](PyClient& c, uint64_t token, size_t server, const at::Tensor& dst) {
+            c.get().stats(token, server, dst.detach());
+          },
           py::arg("token"), py::arg("server"), py::arg("dst"), release())
       .def("incarnations", [](PyClient& c) { return c.get().incarnations(); }, release())
       .def("bytes_sent", [](PyClient& c) { return c.get().bytesSent(); }, release())

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -140,6 +141,15 @@ struct Patch {
   std::string error;
 };
 
+// The path with symlinks resolved: the loader names a library by the path it opened, /proc by its target.
+std::string canonical(const std::string& path) {
+  char* resolved = realpath(path.c_str(), nullptr);
+  if (resolved == nullptr) return path;
+  std::string out(resolved);
+  std::free(resolved);
+  return out;
+}
+
 bool isInside(const dl_phdr_info* info, uintptr_t address) {
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     const ElfW(Phdr)& ph = info->dlpi_phdr[i];
@@ -160,7 +170,9 @@ void writeSlot(void** slot, void* value) {
 
 int patchObject(dl_phdr_info* info, size_t, void* data) {
   auto* patch = static_cast<Patch*>(data);
-  if (info->dlpi_name == nullptr || patch->libraryPath != info->dlpi_name) return 0;
+  if (info->dlpi_name == nullptr || info->dlpi_name[0] == '\0' || canonical(info->dlpi_name) != patch->libraryPath) {
+    return 0;
+  }
   const ElfW(Dyn)* dynamic = nullptr;
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     if (info->dlpi_phdr[i].p_type == PT_DYNAMIC) {
@@ -206,28 +218,34 @@ int patchObject(dl_phdr_info* info, size_t, void* data) {
 
 }  // namespace
 
-std::string installBufferCache() {
-  static std::once_flag once;
-  static std::string result;
-  std::call_once(once, [] {
-#if !defined(__x86_64__)
-    result = "the buffer cache is implemented for x86_64 only";
-#else
+std::string installBufferCache(const std::string& libraryPath) {
+  static std::mutex mutex;
+  static std::map<std::string, std::string> results;  // library -> outcome of patching it
+  std::lock_guard<std::mutex> lock(mutex);
+  Patch patch;
+  patch.libraryPath = libraryPath;
+  if (patch.libraryPath.empty()) {
     Dl_info where;
     if (dladdr(reinterpret_cast<void*>(&zmq_msg_init_size), &where) == 0 || where.dli_fname == nullptr) {
-      result = "cannot locate libzmq";
-      return;
+      return "cannot locate libzmq";
     }
-    Patch patch;
     patch.libraryPath = where.dli_fname;
-    dl_iterate_phdr(patchObject, &patch);
-    if (!patch.error.empty()) {
-      result = patch.error;
-    } else if (patch.patched < 2) {
-      result = "found no malloc/free imports in " + patch.libraryPath;
-    }
+  }
+  patch.libraryPath = canonical(patch.libraryPath);
+  auto done = results.find(patch.libraryPath);
+  if (done != results.end()) return done->second;
+  std::string& result = results[patch.libraryPath];
+#if !defined(__x86_64__)
+  result = "the buffer cache is implemented for x86_64 only";
+#else
+  if (dl_iterate_phdr(patchObject, &patch) == 0) {
+    result = patch.libraryPath + " is not loaded";
+  } else if (!patch.error.empty()) {
+    result = patch.error;
+  } else if (patch.patched < 2) {
+    result = "found no malloc/free imports in " + patch.libraryPath;
+  }
 #endif
-  });
   return result;
 }
 

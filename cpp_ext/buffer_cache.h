@@ -21,9 +21,10 @@ struct BufferCacheStats {
   uint64_t cachedBytes = 0;  // held now, free for reuse
 };
 
-// Patch libzmq's GOT (idempotent). Returns an empty string on success, else why it could not (the
-// client then works as before, only slower for big messages).
-std::string installBufferCache();
+// Patch the GOT of the libzmq at `libraryPath` (as the dynamic linker names it, see /proc/self/maps),
+// by default the one this extension links. Idempotent per library. Returns an empty string on success,
+// else why it could not (ZeroMQ then works as before, only slower for big messages).
+std::string installBufferCache(const std::string& libraryPath = "");
 
 // At most this many bytes of freed blocks are kept; 0 releases everything and stops caching.
 void setBufferCacheLimit(size_t bytes);

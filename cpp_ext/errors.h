@@ -2,7 +2,9 @@
 // mapping, so nothing below this header knows about Python.
 #pragma once
 
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -40,5 +42,16 @@ class Error : public std::runtime_error {
  private:
   ErrorInfo info_;
 };
+
+// printf into a std::string, for error messages (which stay well under the buffer).
+inline std::string formatText(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline std::string formatText(const char* fmt, ...) {
+  char text[1024];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(text, sizeof(text), fmt, args);
+  va_end(args);
+  return text;
+}
 
 }  // namespace bps

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import ServerProcess
+from torch_bps import _C
 from torch_bps.client import Client, job_id_from_name
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError, TransportError
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Status
@@ -206,8 +207,10 @@ def test_size_mismatch_across_workers_fails_only_that_key(server, job_id):
         # Other keys of the same workers still sum.
         fa, fb = a.push_pull(torch.ones(4), 1), b.push_pull(torch.ones(4), 1)
         assert torch.equal(fa.wait(), torch.full((4,), 2.0)) and torch.equal(fb.wait(), torch.full((4,), 2.0))
-        with pytest.raises(BpsTimeoutError):
-            first.wait()  # round 0 of key 0 never closes: b never pushed it
+        # The server fails round 0 of key 0 for every worker at once: it can never close.
+        with pytest.raises(ServerError) as info:
+            first.wait()
+        assert info.value.status == Status.KEY_MISMATCH and "key 0" in str(info.value)
     finally:
         a.close()
         b.close()
@@ -253,6 +256,21 @@ def test_server_stats_and_byte_counts(server, job_id):
         assert c.bytes_sent()[0] - sent0 == 5 * HEADER_SIZE + 8 * n
         after = c.server_stats(0)
         assert after["pushes"] >= before["pushes"] + 2 and after["bytes_in"] >= before["bytes_in"] + 8 * n
+
+
+def test_big_replies_reuse_receive_buffers(server, job_id):
+    """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right."""
+    assert _C.install_buffer_cache() == ""
+    sizes = {key: (1 << 20) + key * 4096 for key in range(4)}  # ~4 MB float32 each, all in flight at once
+    with Client([server.address], job_id, 0, 1) as c:
+        before = _C.buffer_cache_stats()
+        for rnd in range(3):
+            tensors = {key: torch.full((n,), float(rnd * 10 + key)) for key, n in sizes.items()}
+            futs = {key: c.push_pull(t, key) for key, t in tensors.items()}
+            for key, fut in futs.items():
+                assert torch.equal(fut.wait(), torch.full((sizes[key],), float(rnd * 10 + key)))
+        after = _C.buffer_cache_stats()
+    assert after["hits"] - before["hits"] >= 8  # rounds 1 and 2 reuse round 0's buffers
 
 
 def test_bad_arguments_are_named():

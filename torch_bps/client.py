@@ -173,7 +173,7 @@ class Client:
         token = next(self._tokens)
         self._pending.add(token, future, out)
         try:
-            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor.detach(), out.detach())
+            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor, out)
         except BaseException:
             self._pending.futures.pop(token, None)
             raise
@@ -219,7 +219,8 @@ class Client:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"Client(servers={self._servers}, job_id={self.job_id:#x}, worker={self.worker}/{self.num_workers}, {state})"
+        who = f"job_id={self.job_id:#x}, worker={self.worker}/{self.num_workers}"
+        return f"Client(servers={self._servers}, {who}, {state})"
 
 
 __all__ = ["Client", "job_id_from_name"]

@@ -1,0 +1,278 @@
+// The client's IO thread (see client.h): it owns every socket and all request state. Other threads only
+// touch the submission queue and the HELLO results, each under its mutex.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+
+#include "client.h"
+
+namespace bps {
+
+void Client::ioLoop() {
+  size_t n = links_.size();
+  // Poll order: the wake-up eventfd, then per server its DEALER and its monitor.
+  std::vector<zmq_pollitem_t> items(1 + 2 * n);
+  items[0] = {nullptr, wakeFd_, ZMQ_POLLIN, 0};
+  for (size_t i = 0; i < n; ++i) {
+    items[1 + 2 * i] = {links_[i]->socket(), 0, ZMQ_POLLIN, 0};
+    items[2 + 2 * i] = {links_[i]->monitor(), 0, ZMQ_POLLIN, 0};
+  }
+  try {
+    for (;;) {
+      int rc = zmq_poll(items.data(), static_cast<int>(items.size()), pollTimeoutMs());
+      if (rc < 0 && zmq_errno() != EINTR) {
+        throw Error(ErrorKind::kTransport, std::string("zmq_poll failed: ") + zmq_strerror(zmq_errno()));
+      }
+      if (rc > 0 && (items[0].revents & ZMQ_POLLIN)) {
+        uint64_t count;
+        ssize_t got = ::read(wakeFd_, &count, sizeof(count));
+        (void)got;
+        {
+          std::lock_guard<std::mutex> lock(submitMutex_);
+          if (closing_) break;
+        }
+        takeSubmissions();
+      }
+      for (size_t i = 0; i < n; ++i) {
+        // Replies first: those that arrived before a disconnect still count.
+        for (;;) {
+          Message message;
+          if (!links_[i]->receive(message)) break;
+          onReply(i, message);
+        }
+        LinkEvent event;
+        while ((event = links_[i]->readMonitor()) != LinkEvent::kNothing) {
+          if (event == LinkEvent::kDisconnected) onDisconnect(i);
+        }
+      }
+      expireDeadlines();
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torch_bps: the client's IO thread stopped: %s\n", e.what());
+  }
+  failEverything();
+  for (auto& link : links_) link->close();
+}
+
+void Client::takeSubmissions() {
+  std::vector<OpPtr> ops;
+  {
+    std::lock_guard<std::mutex> lock(submitMutex_);
+    ops.swap(submitted_);
+  }
+  for (auto& op : ops) start(op);
+}
+
+void Client::start(const OpPtr& op) {
+  if (op->kind != kPush) {
+    sendRequest(op, op->kind, Clock::now() + op->timeout);
+    return;
+  }
+  KeyState& key = keys_[op->key];
+  if (key.busy) {
+    key.waiting.push_back(op);
+    return;
+  }
+  key.busy = true;
+  op->holdsKey = true;
+  op->round = key.nextRound++;
+  auto deadline = Clock::now() + op->timeout;
+  // INIT, PUSH and PULL are pipelined: the server handles one peer's messages in order.
+  if (!key.initSent) {
+    key.initSent = true;
+    if (!sendRequest(op, kInit, deadline)) return;
+  }
+  if (!sendRequest(op, kPush, deadline)) return;
+  sendRequest(op, kPull, deadline);
+}
+
+bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline) {
+  Header h;
+  h.command = command;
+  h.dtype = op->dtype;
+  h.worker = options_.worker;
+  h.numWorkers = command == kHello ? options_.numWorkers : 0;
+  h.incarnation = command == kHello ? 0 : ioIncarnations_[op->server];
+  h.jobId = options_.jobId;
+  h.key = op->key;
+  h.round = op->round;
+  h.requestId = nextRequestId_++;
+  h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
+  ServerLink& link = *links_[op->server];
+  if (!link.send(h, command == kPush ? &op->src : nullptr)) {
+    failOp(op, {ErrorKind::kTransport, 0,
+                formatText("cannot send %s to server %s: %s (%s)", commandName(command), link.address().c_str(),
+                       zmq_strerror(zmq_errno()), describe(*op).c_str())});
+    return false;
+  }
+  inflight_.emplace(h.requestId, Request{op, command, deadline});
+  deadlines_.emplace(deadline, h.requestId);
+  op->requests.push_back(h.requestId);
+  return true;
+}
+
+void Client::onReply(size_t server, Message& message) {
+  const ServerLink& link = *links_[server];
+  Header h;
+  try {
+    h = unpackHeader(message.header.data(), message.header.size());
+  } catch (const Error& e) {
+    // Nothing to fail: a header we cannot parse names no request.
+    std::fprintf(stderr, "torch_bps: dropped a malformed reply from server %s: %s\n", link.address().c_str(), e.what());
+    return;
+  }
+  auto it = inflight_.find(h.requestId);
+  // Late replies (to requests failed by a deadline or a disconnect) are dropped here.
+  if (it == inflight_.end() || it->second.op->server != server) return;
+  OpPtr op = it->second.op;
+  uint16_t command = it->second.command;
+  forget(h.requestId);
+  op->requests.erase(std::find(op->requests.begin(), op->requests.end(), h.requestId));
+
+  if (h.command != (command | kReplyFlag) || h.jobId != options_.jobId || h.key != op->key || h.round != op->round) {
+    failOp(op, {ErrorKind::kProtocol, kBadFrame,
+                formatText("server %s answered %s with a reply that does not match it (command 0x%x, job 0x%016" PRIx64
+                       ", key %" PRIu64 ", round %" PRIu64 "; %s)",
+                       link.address().c_str(), commandName(command), h.command, h.jobId, h.key, h.round,
+                       describe(*op).c_str())});
+    return;
+  }
+  if (h.status != kOk) {
+    std::string text(reinterpret_cast<const char*>(message.payload.data()), message.payload.size());
+    if (text.empty()) text = "(no message)";
+    failOp(op, {ErrorKind::kServer, h.status,
+                text + formatText(" [%s from server %s to %s; %s]", statusName(h.status), link.address().c_str(),
+                              commandName(command), describe(*op).c_str())});
+    return;
+  }
+  if (command == kHello) {
+    ioIncarnations_[server] = h.incarnation;
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    incarnations_[server] = h.incarnation;
+  } else if (command == kPull || command == kStats) {
+    size_t expected = command == kPull ? op->nbytes : kStatsCounters * sizeof(uint64_t);
+    size_t got = message.frames == 2 ? message.payload.size() : 0;
+    if (message.frames != 2 || got != expected) {
+      failOp(op, {ErrorKind::kProtocol, kBadFrame,
+                  formatText("server %s answered %s with %zu frames and %zu payload bytes, expected 2 and %zu (%s)",
+                         link.address().c_str(), commandName(command), message.frames, got, expected,
+                         describe(*op).c_str())});
+      return;
+    }
+    // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
+    if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload.data(), expected);
+  }
+  if (op->requests.empty()) finishOp(op);
+}
+
+void Client::onDisconnect(size_t server) {
+  std::vector<OpPtr> lost;
+  for (auto& entry : inflight_) {
+    if (entry.second.op->server == server) lost.push_back(entry.second.op);
+  }
+  const std::string& address = links_[server]->address();
+  for (auto& op : lost) {
+    if (op->done) continue;
+    uint16_t command = inflight_.at(op->requests.front()).command;
+    failOp(op, {ErrorKind::kTransport, 0,
+                formatText("lost the connection to server %s while waiting for the %s reply (%s)", address.c_str(),
+                       commandName(command), describe(*op).c_str())});
+  }
+}
+
+void Client::expireDeadlines() {
+  auto now = Clock::now();
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    const Request& request = inflight_.at(deadlines_.begin()->second);
+    OpPtr op = request.op;
+    uint16_t command = request.command;
+    const std::string& address = links_[op->server]->address();
+    double seconds = std::chrono::duration<double>(op->timeout).count();
+    failOp(op, {ErrorKind::kTimeout, 0,
+                formatText("%s timed out: no %s reply within %g s from server %s (%s)",
+                       op->kind == kPush ? "push_pull" : commandName(op->kind), commandName(command), seconds,
+                       address.c_str(), describe(*op).c_str())});
+  }
+}
+
+int Client::pollTimeoutMs() const {
+  if (deadlines_.empty()) return -1;
+  auto left = deadlines_.begin()->first - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  // Round up: waking a little late is fine, spinning on a not-yet-due deadline is not.
+  return static_cast<int>(std::min<int64_t>(std::chrono::ceil<std::chrono::milliseconds>(left).count(), 1 << 30));
+}
+
+void Client::forget(uint64_t requestId) {
+  auto it = inflight_.find(requestId);
+  if (it == inflight_.end()) return;
+  deadlines_.erase({it->second.deadline, requestId});
+  inflight_.erase(it);
+}
+
+void Client::failOp(const OpPtr& op, ErrorInfo error) {
+  if (op->done) return;
+  for (uint64_t id : op->requests) forget(id);
+  op->requests.clear();
+  op->error = std::move(error);
+  finishOp(op);
+}
+
+void Client::finishOp(const OpPtr& op) {
+  op->done = true;
+  if (op->kind == kHello) {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    helloErrors_[op->server] = op->error;
+    --helloPending_;
+    helloDone_.notify_all();
+    return;
+  }
+  if (op->holdsKey) {
+    KeyState& key = keys_[op->key];
+    key.busy = false;
+    if (!stopping_ && !key.waiting.empty()) {
+      OpPtr next = std::move(key.waiting.front());
+      key.waiting.pop_front();
+      start(next);
+    }
+  }
+  // The op (and its tensor references) dies on the pool thread, after its completion ran.
+  pool_.post([this, op] { onComplete_(op->token, op->error); });
+}
+
+void Client::failEverything() {
+  stopping_ = true;  // finishing an op starts no waiting one any more
+  std::vector<OpPtr> ops;
+  {
+    std::lock_guard<std::mutex> lock(submitMutex_);
+    ops.swap(submitted_);
+  }
+  for (auto& entry : keys_) {
+    for (auto& op : entry.second.waiting) ops.push_back(op);
+    entry.second.waiting.clear();
+  }
+  for (auto& entry : inflight_) ops.push_back(entry.second.op);
+  for (auto& op : ops) {
+    if (op->done) continue;
+    std::string pending = op->requests.empty()
+                              ? std::string("before it was sent")
+                              : formatText("before the %s reply from server %s",
+                                       commandName(inflight_.at(op->requests.front()).command),
+                                       links_[op->server]->address().c_str());
+    failOp(op, {ErrorKind::kClosed, 0,
+                formatText("the torch_bps client was closed %s (%s)", pending.c_str(), describe(*op).c_str())});
+  }
+}
+
+std::string Client::describe(const Op& op) const {
+  if (op.kind != kPush) {
+    return formatText("job 0x%016" PRIx64 ", worker %u of %u", options_.jobId, options_.worker, options_.numWorkers);
+  }
+  return formatText("job 0x%016" PRIx64 ", key %" PRIu64 ", round %" PRIu64 ", worker %u of %u", options_.jobId, op.key,
+                op.round, options_.worker, options_.numWorkers);
+}
+
+}  // namespace bps
