@@ -212,10 +212,16 @@ class LocalComm:
 
         Args:
             tensor: contiguous CPU tensor (read as 1-D); same numel and dtype on every local rank.
-            out: optional contiguous destination of the slice's length; default a fresh tensor.
+            out: optional contiguous destination of the slice's length; default a fresh tensor. It may be
+                this rank's slice of `tensor` itself (in place, saves an allocation), no other part of it.
         Returns:
             A tensor owned by the caller (`out` or a fresh one), never a view of shared memory. With
-            local_size == 1 and no `out` it is `tensor` itself, flattened, without a copy.
+            local_size == 1 and no `out` it is `tensor` itself, flattened, without a copy. fp16/bf16 are
+            added in their own dtype (one rounding per add), integers wrap.
+        Raises:
+            LocalInputError on every local rank if any passed a bad or mismatching tensor (usable after);
+            TransportError / BpsTimeoutError if a peer died, left or is late (the LocalComm is then broken).
+        Example: `lo, hi = lc.slice_range(x.numel()); lc.reduce_scatter(x, out=x[lo:hi])`.
         """
         call = self._begin()
         problem = _tensor_problem(tensor, "tensor")
@@ -237,7 +243,8 @@ class LocalComm:
             result = torch.empty(hi_me - lo_me, dtype=dtype) if out is None or not ok else out.view(-1)
             layout = self._layout(dtype)
             chunk, x = layout.rs_chunk, tensor.view(-1) if ok else None
-            for j in range(max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))):
+            rounds = max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))  # slice 0 is the longest
+            for j in range(rounds):
                 k = self._round + 1
                 h = k % 2  # this round's half of the data area
                 if j == 0:
@@ -248,7 +255,7 @@ class LocalComm:
                         if lo < hi and (d != me or L > 2):  # with 2 ranks my own part is read from x
                             n = min(hi - lo, chunk)
                             region[:n].copy_(x[lo : lo + n])
-                self._barrier(k, "reduce_scatter", call, j)
+                self._barrier(k, "reduce_scatter", call, j, rounds)
                 if j == 0:
                     self._agree(k, call, _REDUCE_SCATTER, problem)
                 lo = lo_me + j * chunk
@@ -266,8 +273,11 @@ class LocalComm:
         """Write every local rank's slice into `out`, so that every rank holds the full tensor.
 
         Args:
-            slice_: this rank's slice, of length `slice_range(out.numel())`; may be a view of `out`.
-            out: contiguous CPU tensor, same numel and dtype on every local rank.
+            slice_: this rank's slice, of length `slice_range(out.numel())`; may be that slice of `out`
+                itself (in place: saves a copy).
+            out: contiguous CPU tensor, same numel and dtype on every local rank; unspecified on error.
+        Raises: as reduce_scatter.
+        Example: `lc.all_gather(x[lo:hi], x)` after the in-place reduce_scatter above.
         """
         call = self._begin()
         problem = _tensor_problem(out, "out") or _tensor_problem(slice_, "slice_")
@@ -290,7 +300,8 @@ class LocalComm:
             mine = slice_.view(-1) if ok else None
             layout = self._layout(dtype)
             chunk = layout.ag_chunk
-            for j in range(max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))):
+            rounds = max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))
+            for j in range(rounds):
                 k = self._round + 1
                 blocks = layout.ag_blocks[k % 2]  # one block per source rank in this round's half
                 if j == 0:
@@ -299,7 +310,7 @@ class LocalComm:
                 if ok and lo < mine.numel():
                     n = min(mine.numel() - lo, chunk)
                     blocks[me][:n].copy_(mine[lo : lo + n])
-                self._barrier(k, "all_gather", call, j)
+                self._barrier(k, "all_gather", call, j, rounds)
                 if j == 0:
                     self._agree(k, call, _ALL_GATHER, problem)
                     lo_me, hi_me = bounds[me]
@@ -362,9 +373,9 @@ class LocalComm:
             self._views[dtype] = _Layout(self._data, self._half, self._block, self.local_size, self.local_rank, dtype)
         return self._views[dtype]
 
-    def _barrier(self, k: int, op: str, call: int, j: int) -> None:
+    def _barrier(self, k: int, op: str, call: int, j: int, rounds: int) -> None:
         self._board.arrive(k)
-        self._board.wait_all(k, f"{op} call #{call} round {j + 1}")
+        self._board.wait_all(k, f"{op} call #{call} round {j + 1}/{rounds}")
         self._round = k
 
     def _agree(self, k: int, call: int, op: int, problem: str | None) -> None:

@@ -136,7 +136,7 @@ class Board:
         return CONTROL_OFFSET + p * SLOT_BYTES
 
     def announce(self) -> None:
-        """Record this process (pid, start time) in its slot and mark it READY; seq starts at 0."""
+        """Record this process (pid, start time, pid namespace) in its slot, mark it READY; seq starts at 0."""
         me = os.getpid()
         struct.pack_into("<QQQ", self._buf, self._slot(self.rank) + _PID, me, process_start_time(me) or 0, _pid_ns())
         self._words[self._seq_index[self.rank]] = 0
@@ -166,9 +166,6 @@ class Board:
 
     def _pid_ns_of(self, p: int) -> int:
         return struct.unpack_from("<Q", self._buf, self._slot(p) + _PID + 16)[0]
-
-    def seq(self, p: int) -> int:
-        return self._words[self._seq_index[p]]
 
     def write_desc(self, k: int, call: int, op: int, dtype: int, numel: int, error: int) -> None:
         """Describe the operation starting at round k (read by peers after round k's wait)."""
