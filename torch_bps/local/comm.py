@@ -37,8 +37,8 @@ from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError
 from torch_bps.local import reduce as _reduce  # looked up per call, so `local_sum` can be swapped
 from torch_bps.local.shm import Segment, SegmentHeader, process_start_time, segment_name, sweep_stale
 from torch_bps.local.sync import Board, State, control_bytes
+from torch_bps.wire import DTYPE_CODES  # every dtype the wire carries (uint8/int8 too: object collectives)
 
-DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int32: 5, torch.int64: 6}
 _DTYPE_OF = {code: dt for dt, code in DTYPE_CODES.items()}
 _REDUCE_SCATTER, _ALL_GATHER = 1, 2
 _OP_NAMES = {_REDUCE_SCATTER: "reduce_scatter", _ALL_GATHER: "all_gather"}
