@@ -12,11 +12,21 @@
 #include "buffer_cache.h"
 
 namespace bps {
+namespace {
+
+// Seconds to a clock duration; absurd values (inf, 1e30) are clamped so deadlines never overflow.
+std::chrono::steady_clock::duration toDuration(double seconds) {
+  constexpr double kLongest = 1e8;  // three years
+  double clamped = seconds > 0 ? (seconds < kLongest ? seconds : kLongest) : 0.0;
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(clamped));
+}
+
+}  // namespace
 
 Client::Client(ClientOptions options, CompletionHandler onComplete)
     : options_(std::move(options)),
       onComplete_(std::move(onComplete)),
-      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeoutSeconds))) {
+      timeout_(toDuration(options_.timeoutSeconds)) {
   size_t n = options_.servers.size();
   if (n == 0) throw Error(ErrorKind::kValue, "no servers given");
   if (options_.worker >= options_.numWorkers) {
@@ -88,7 +98,7 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
     helloPending_ = n;
     helloErrors_.assign(n, ErrorInfo{});
   }
-  auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeoutSeconds));
+  auto timeout = toDuration(timeoutSeconds);
   for (size_t i = 0; i < n; ++i) {
     auto op = std::make_shared<Op>();
     op->kind = kHello;

@@ -1,6 +1,7 @@
 // See completion_pool.h.
 #include "completion_pool.h"
 
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -21,8 +22,20 @@ void CompletionPool::post(Task task) {
   if (s.idle >= s.tasks.size()) {
     s.ready.notify_one();
   } else if (s.threads.size() < kMaxThreads) {
-    std::thread t(run, state_);
-    s.threads.emplace(t.get_id(), std::move(t));
+    try {
+      std::thread t(run, state_);
+      s.threads.emplace(t.get_id(), std::move(t));
+    } catch (const std::system_error&) {
+      // Out of threads. The busy ones pick the task up when they return; with none at all, the task
+      // runs here rather than never.
+      if (s.threads.empty()) {
+        Task inline_task = std::move(s.tasks.back());
+        s.tasks.pop_back();
+        lock.unlock();
+        inline_task();
+        return;
+      }
+    }
   }
   lock.unlock();
   for (auto& t : finished) t.join();

@@ -6,6 +6,8 @@ workers as threads, each with its own Client and sockets. Nothing is mocked.
 
 from __future__ import annotations
 
+import gc
+import os
 import socket
 import threading
 import time
@@ -140,6 +142,19 @@ def test_sums_hypothesis(pool, servers, job_id, num_workers, num_servers, dtype,
     run_job(pool, addresses(servers[:num_servers]), job, num_workers, specs, rounds, pipelined)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stress_many_keys_many_rounds(pool, servers, job_id):
+    """`make stress`: 3 worker processes x 3 servers, 60 keys of mixed dtypes and sizes, 15 pipelined rounds."""
+    g = torch.Generator().manual_seed(7)
+    specs = []
+    for key in range(60):
+        dtype = ALL_DTYPES[key % len(ALL_DTYPES)]
+        numel = int(torch.randint(1, 200_000, (1,), generator=g))
+        specs.append((key, dtype, (numel,)))
+    run_job(pool, addresses(servers), job_id, 3, specs, rounds=15, pipelined=True)
+
+
 # ---- logic: workers as threads, each with its own client ----
 
 
@@ -198,7 +213,7 @@ def test_size_mismatch_across_workers_fails_only_that_key(server, job_id):
     b = Client([addr], job_id, 1, 2, timeout=10)
     try:
         first = a.push_pull(torch.zeros(10), 0)  # declares key 0: 10 float32
-        time.sleep(0.3)  # let a's INIT land first
+        a.server_stats(0)  # answered after a's INIT on the same connection: a declared first
         with pytest.raises(ServerError) as info:
             b.push_pull(torch.zeros(12), 0).wait()
         assert info.value.status == Status.KEY_MISMATCH
@@ -382,3 +397,24 @@ def test_close_fails_outstanding_futures_and_never_hangs(server, job_id):
     c.close()  # idempotent
     with pytest.raises(BpsError, match="closed"):
         c.push_pull(torch.zeros(10), 0)
+
+
+def test_close_from_inside_a_callback(server, job_id):
+    c = Client([server.address], job_id, 0, 1)
+    done = c.push_pull(torch.ones(3), 0).then(lambda fut: c.close())
+    done.wait()
+    assert c.closed
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_dropping_a_client_joins_its_threads(server, job_id):
+    before = thread_count()
+    c = Client([server.address], job_id, 0, 1)
+    c.push_pull(torch.ones(3), 0).wait()
+    assert thread_count() > before  # IO thread, completion thread, ZeroMQ's own
+    del c
+    gc.collect()
+    assert thread_count() == before

@@ -3,7 +3,15 @@
 `Client` wraps the C++ client of `torch_bps._C` (cpp_ext/): one IO thread owns a ZeroMQ DEALER per
 server, sends payloads zero-copy from the caller's tensor and copies each sum straight into the
 destination tensor. Each `push_pull` returns a `torch.futures.Future` completed on a completion thread,
-never the IO thread, so `then` callbacks may block, even on other push_pulls of the same client.
+never the IO thread, so `then` callbacks may block, even on other push_pulls of the same client: the
+completion pool starts another thread whenever all of its threads are busy, up to 64 callbacks blocked
+at once (beyond that, further completions wait for one to return).
+
+Failures: a timeout names the server, job, key, round, worker and the reply waited for; a dropped
+connection fails that server's outstanding requests at once (TransportError); a server's error reply
+becomes ServerError(status, message). After a failure the key's rounds may be out of step with the
+other workers (the job is broken, as after a collective error), and a timed-out push may still be
+leaving: do not reuse that tensor's memory for anything the server must not see.
 
 May import: the standard library, torch, torch_bps.wire, torch_bps.errors and torch_bps._C.
 """
@@ -104,7 +112,7 @@ class Client:
             raise ValueError(f"job_id {job_id} is not a u64")
         if not 0 < num_workers < 1 << 32 or not 0 <= worker < num_workers:
             raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
-        if timeout <= 0 or connect_timeout <= 0:
+        if not (timeout > 0 and connect_timeout > 0):  # also refuses NaN
             raise ValueError(f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout})")
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
