@@ -249,13 +249,14 @@ std::string installBufferCache(const std::string& libraryPath) {
   return result;
 }
 
-void setBufferCacheLimit(size_t bytes) {
+namespace {
+
+void trimTo(size_t keep) {
   Cache& c = cache();
   std::vector<void*> release;
   {
     std::lock_guard<std::mutex> lock(c.mutex);
-    c.limit = bytes;
-    while (c.freeBytes > c.limit) {
+    while (c.freeBytes > keep) {
       release.push_back(c.free.front().ptr);
       c.freeBytes -= c.free.front().capacity;
       c.free.erase(c.free.begin());
@@ -263,6 +264,18 @@ void setBufferCacheLimit(size_t bytes) {
   }
   for (void* r : release) std::free(r);
 }
+
+}  // namespace
+
+void setBufferCacheLimit(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(cache().mutex);
+    cache().limit = bytes;
+  }
+  trimTo(bytes);
+}
+
+void releaseCachedBuffers() { trimTo(0); }
 
 BufferCacheStats bufferCacheStats() {
   Cache& c = cache();

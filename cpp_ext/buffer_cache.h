@@ -29,6 +29,9 @@ std::string installBufferCache(const std::string& libraryPath = "");
 // At most this many bytes of freed blocks are kept; 0 releases everything and stops caching.
 void setBufferCacheLimit(size_t bytes);
 
+// Free every cached block now (the limit stays); the client calls it when its last instance closes.
+void releaseCachedBuffers();
+
 BufferCacheStats bufferCacheStats();
 
 }  // namespace bps

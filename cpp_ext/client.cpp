@@ -14,6 +14,8 @@
 namespace bps {
 namespace {
 
+std::atomic<int> openClients{0};  // the last one to close releases the cached receive buffers
+
 // Seconds to a clock duration; absurd values (inf, 1e30) are clamped so deadlines never overflow.
 std::chrono::steady_clock::duration toDuration(double seconds) {
   constexpr double kLongest = 1e8;  // three years
@@ -55,6 +57,7 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   incarnations_.assign(n, 0);
   ioIncarnations_.assign(n, 0);
   ioThread_ = std::thread([this] { ioLoop(); });
+  ++openClients;
 }
 
 Client::~Client() { close(); }
@@ -70,6 +73,7 @@ void Client::close() {
   pool_.shutdown();  // runs those completions
   zmq_ctx_term(context_);  // every socket is closed by now, so this returns at once
   ::close(wakeFd_);
+  if (--openClients == 0) releaseCachedBuffers();
 }
 
 void Client::submit(OpPtr op) {
