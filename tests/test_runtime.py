@@ -131,11 +131,11 @@ def test_emulated_machines_each_start_a_colocated_server():
 def test_killed_server_fails_the_collective_not_hangs():
     server = ServerProcess()
     try:
-        env = lambda r: {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "20"}  # noqa: E731
+        env = lambda r: {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "8"}  # noqa: E731
         out = run(2, env, "server_killed", on_ready=server.kill)
         for rank in range(2):
             assert out[rank]["error"] is not None and server.address.split(":")[1] in out[rank]["error"], out[rank]
-            assert out[rank]["seconds"] < 25
+            assert out[rank]["seconds"] < 15
     finally:
         server.stop()
 

@@ -118,7 +118,10 @@ class Runtime:
 
             node = f"{job_id:x}-{topology.node_rank}"
             local = tuple(
-                LocalComm(ns, topology.local_rank, topology.local_size, f"{node}-{stage}", timeout=config.timeout)
+                # 16 MiB each: bigger tensors go through in chunks, and two channels stay well inside a
+                # container's default 64 MiB /dev/shm.
+                LocalComm(ns, topology.local_rank, topology.local_size, f"{node}-{stage}", timeout=config.timeout,
+                          capacity_bytes=16 << 20)  # fmt: skip
                 for stage in ("rs", "ag")
             )
         slices = local[0].slice_range if local is not None else None

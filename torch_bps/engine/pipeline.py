@@ -97,7 +97,9 @@ class PushPullEngine:
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                op.slice_ = self.local[0].reduce_scatter(op.tensor)
+                lo, hi = self.local[0].slice_range(op.tensor.numel())
+                # In place: my slice of the sum lands in my own tensor (no allocation: big fresh buffers page-fault).
+                op.slice_ = self.local[0].reduce_scatter(op.tensor, out=op.tensor[lo:hi])
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
                 self._fail(op, e)
                 op.net_done.set()
