@@ -569,3 +569,24 @@ def test_errors_name_op_dtype_and_backend_without_processes():
     assert "byteps" in dist.Backend.backend_list
     torch_bps.register_backend()  # idempotent
     assert dist.Backend.backend_list.count("byteps") == 1
+
+
+def test_staging_dispatch_by_device():
+    """Which staging a tensor gets. The CUDA branch is written but never ran here (no GPU): see pg/device.py."""
+    from torch_bps.pg.device import staging_kind
+    from torch_bps.pg.staging import Staged
+
+    assert staging_kind(torch.device("cuda", 1), True) == "device"
+    assert staging_kind(torch.device("cuda"), False) == "device"
+    assert staging_kind(torch.device("cpu"), True) == "in_place"
+    assert staging_kind(torch.device("cpu"), False) == "host_copy"
+    with pytest.raises(TypeError, match="meta"):
+        staging_kind(torch.device("meta"), True)
+    t = torch.arange(12.0).view(3, 4)
+    s = Staged("allreduce", t)
+    assert s.kind == "in_place" and s.flat.data_ptr() == t.data_ptr()
+    s = Staged("allreduce", t.t())
+    assert s.kind == "host_copy" and s.flat.data_ptr() != t.data_ptr()
+    s.flat.mul_(2)
+    s.write_back()
+    assert torch.equal(t, torch.arange(12.0).view(3, 4) * 2)

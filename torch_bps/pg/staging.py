@@ -1,13 +1,13 @@
 """The caller's tensors as flat CPU buffers a Runtime can sum in place, and the sums back where they belong.
 
-A contiguous CPU tensor is summed in its own storage (no copy). Anything else (non-contiguous, CUDA) is
-copied into a fresh CPU buffer and copied back when the sum arrives. Complex tensors travel as their real
+A contiguous CPU tensor is summed in its own storage (no copy). A non-contiguous one is copied into a
+fresh CPU buffer and back when the sum arrives; a CUDA one goes through pinned memory (pg/device.py). Complex tensors travel as their real
 view (a sum of complex numbers is the sum of their parts). Every check raises an error naming the op,
 the dtype and the backend. All in-place work goes through `.detach()` views: torch's own backends write
 into parameters that require grad, and so must we. No `.numpy()` anywhere: it would pin the storage
 (DDP buckets get `resize_`d by batched PowerSGD).
 
-May import: torch, torch_bps.wire (the protocol's dtype table).
+May import: torch, torch_bps.wire (the protocol's dtype table), torch_bps.pg.device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_bps.pg.device import DeviceStaging, staging_kind
 from torch_bps.wire import DTYPES
 
 BACKEND = "byteps"
@@ -91,8 +92,13 @@ class Staged:
         check_tensor(name, tensor)
         self.tensor = tensor
         self._real = real(tensor)
-        self.zero_copy = self._real.device.type == "cpu" and self._real.is_contiguous()
-        if self.zero_copy:
+        self.kind = staging_kind(self._real.device, self._real.is_contiguous())
+        self.zero_copy = self.kind == "in_place"
+        self._device = None
+        if self.kind == "device":
+            self._device = DeviceStaging(self._real, load)
+            self.flat = self._device.flat
+        elif self.zero_copy:
             self.flat = self._real.view(-1)
         elif load:
             self.flat = cpu_flat(tensor)
@@ -100,7 +106,9 @@ class Staged:
             self.flat = torch.empty(self._real.numel(), dtype=self._real.dtype)
 
     def write_back(self) -> None:
-        if not self.zero_copy:
+        if self._device is not None:
+            self._device.write_back()
+        elif not self.zero_copy:
             self._real.copy_(self.flat.view(self._real.shape))
 
 
