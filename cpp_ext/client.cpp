@@ -32,7 +32,8 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   size_t n = options_.servers.size();
   if (n == 0) throw Error(ErrorKind::kValue, "no servers given");
   if (options_.worker >= options_.numWorkers) {
-    throw Error(ErrorKind::kValue, formatText("worker %u is not below num_workers %u", options_.worker, options_.numWorkers));
+    throw Error(ErrorKind::kValue,
+                formatText("worker %u is not below num_workers %u", options_.worker, options_.numWorkers));
   }
   // Big pulls would otherwise fault in fresh pages for every reply (see buffer_cache.h). If the patch
   // cannot be installed the client still works, only slower for big messages.
@@ -81,6 +82,7 @@ void Client::submit(OpPtr op) {
   {
     std::lock_guard<std::mutex> lock(submitMutex_);
     if (closing_) throw Error(ErrorKind::kClosed, "the torch_bps client is closed");
+    if (!ioFailure_.empty()) throw Error(ErrorKind::kTransport, "the torch_bps client failed: " + ioFailure_);
     wasEmpty = submitted_.empty();
     submitted_.push_back(std::move(op));
   }

@@ -117,7 +117,7 @@ class Client {
   void forget(uint64_t requestId);
   void failOp(const OpPtr& op, ErrorInfo error);
   void finishOp(const OpPtr& op);
-  void failEverything();
+  void failEverything(const std::string& why);
   std::string describe(const Op& op) const;
 
   ClientOptions options_;
@@ -133,6 +133,7 @@ class Client {
   std::mutex submitMutex_;
   std::vector<OpPtr> submitted_;
   bool closing_ = false;
+  std::string ioFailure_;  // set if the IO thread stopped on an error: nothing is accepted any more
 
   // HELLO results and incarnations, guarded by stateMutex_.
   std::mutex stateMutex_;

@@ -52,8 +52,11 @@ void Client::ioLoop() {
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torch_bps: the client's IO thread stopped: %s\n", e.what());
+    std::lock_guard<std::mutex> lock(submitMutex_);
+    ioFailure_ = std::string("its IO thread stopped: ") + e.what();
   }
-  failEverything();
+  failEverything(ioFailure_.empty() ? "the torch_bps client was closed"
+                                    : "the torch_bps client failed (" + ioFailure_ + ")");
   for (auto& link : links_) link->close();
 }
 
@@ -243,7 +246,7 @@ void Client::finishOp(const OpPtr& op) {
   pool_.post([this, op] { onComplete_(op->token, op->error); });
 }
 
-void Client::failEverything() {
+void Client::failEverything(const std::string& why) {
   stopping_ = true;  // finishing an op starts no waiting one any more
   std::vector<OpPtr> ops;
   {
@@ -262,8 +265,8 @@ void Client::failEverything() {
                               : formatText("before the %s reply from server %s",
                                        commandName(inflight_.at(op->requests.front()).command),
                                        links_[op->server]->address().c_str());
-    failOp(op, {ErrorKind::kClosed, 0,
-                formatText("the torch_bps client was closed %s (%s)", pending.c_str(), describe(*op).c_str())});
+    failOp(op, {ioFailure_.empty() ? ErrorKind::kClosed : ErrorKind::kTransport, 0,
+                formatText("%s %s (%s)", why.c_str(), pending.c_str(), describe(*op).c_str())});
   }
 }
 
