@@ -6,6 +6,7 @@ May import: the standard library, torch and torch_bps.server.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s bps-server %(levelname)s %(message)s")
     # Parallelism comes from engine threads owning disjoint keys; one torch thread each avoids oversubscription.
     torch.set_num_threads(1)
+    _keep_freed_memory()
     try:
         server = SummationServer(args.host, args.port, args.engine_threads)
     except Exception as e:  # e.g. the port is taken: say which
@@ -74,6 +76,20 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     server.serve_forever(parent_pid=os.getppid() if args.exit_with_parent else None)
     return 0
+
+
+def _keep_freed_memory() -> None:
+    """Make glibc reuse freed big blocks instead of unmapping them (M_MMAP_MAX=0, M_TRIM_THRESHOLD high).
+
+    Every push arrives in a buffer ZeroMQ mallocs; past 32 MiB glibc maps each one afresh, and touching
+    new pages costs more than the summation itself.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except OSError:  # not glibc: keep the defaults
+        pass
 
 
 def register(store_address: str, my_address: str, timeout: float = 300.0) -> None:

@@ -1,17 +1,19 @@
 """The summation server: a ZeroMQ ROUTER front thread and engine threads that own disjoint keys.
 
 The front thread receives every message, checks what can be checked from metadata alone (header,
-incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itself. PUSH and PULL go
-to the engine that owns the key (the least loaded by bytes when the key was declared), so one key's
-requests stay in order and big partitions of different keys are summed in parallel: torch's add
+incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itself. PUSH and PULL of a
+big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
+key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
 releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
-touch the ROUTER.
+touch the ROUTER. Small keys (INLINE_BYTES) are summed on the front thread: there a thread hand-off
+costs more than the addition.
 
 May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -30,6 +32,8 @@ log = logging.getLogger("torch_bps.server")
 
 _REPLIES = "inproc://bps-replies-{}"
 _POLL_MS = 200  # how often the front thread looks at the stop flag
+INLINE_BYTES = 64 << 10  # keys up to this size are summed on the front thread itself
+_FRONT = -1  # KeyInfo.engine of an inline key
 
 
 @dataclass
@@ -42,42 +46,33 @@ class Job:
 class KeyInfo:
     nbytes: int
     dtype: int
-    engine: int
+    engine: int  # index of the owning engine, or _FRONT
 
 
-class Engine(threading.Thread):
-    """Owns the rounds of its keys: folds pushes into sums and answers pulls."""
+class KeyOwner:
+    """The rounds of a set of keys: folds pushes into sums and answers pulls. Used by one thread only."""
 
-    def __init__(self, index: int, ctx: zmq.Context, reply_address: str):
-        super().__init__(name=f"bps-engine-{index}", daemon=True)
-        self.index = index
-        self.inbox: queue.Queue = queue.Queue()
-        self.bytes_owned = 0  # load measure used to place new keys
+    def __init__(self, name: str):
+        self.name = name
         self.counters = SumCounters()
-        self._ctx = ctx
-        self._reply_address = reply_address
         self._keys: dict[tuple[int, int], KeyRounds] = {}
 
-    def run(self) -> None:
-        out = self._ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(self._reply_address)
+    def handle(self, item: tuple, send) -> None:
+        """Process one (ident, header, payload, num_workers) item; `send(frames)` each reply.
+
+        ident None means the front thread refused a push of this key: its round fails for everyone.
+        """
+        ident, header, payload, num_workers = item
+        if ident is None:
+            return self._refuse(send, header, payload, num_workers)
         try:
-            while (item := self.inbox.get()) is not None:
-                ident, header, payload, num_workers = item
-                if ident is None:  # the front thread refused a push of this key: its round fails for everyone
-                    self._refuse(out, header, payload, num_workers)
-                    continue
-                try:
-                    for frames in self._handle(ident, header, payload, num_workers):
-                        out.send_multipart(frames, copy=False)
-                except ProtocolError as e:
-                    out.send_multipart(_error(ident, header, e.status, str(e)))
-                except Exception as e:  # a bug: answer it, keep serving everyone else
-                    log.exception("engine %d failed on %s", self.index, header)
-                    out.send_multipart(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
-        finally:
-            out.close()
+            for frames in self._handle(ident, header, payload, num_workers):
+                send(frames)
+        except ProtocolError as e:
+            send(_error(ident, header, e.status, str(e)))
+        except Exception as e:  # a bug: answer it, keep serving everyone else
+            log.exception("%s failed on %s", self.name, header)
+            send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _rounds(self, header: Header, num_workers: int) -> KeyRounds:
         rounds = self._keys.get((header.job_id, header.key))
@@ -86,7 +81,7 @@ class Engine(threading.Thread):
             rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, num_workers, self.counters)
         return rounds
 
-    def _refuse(self, out, header: Header, reason: str, num_workers: int) -> None:
+    def _refuse(self, send, header: Header, reason: str, num_workers: int) -> None:
         reason = f"the round failed because another worker's push was refused ({reason})"
         try:
             waiting = self._rounds(header, num_workers).refuse(header.worker, header.round, reason)
@@ -95,7 +90,7 @@ class Engine(threading.Thread):
             return
         for ident, pull in waiting:
             message = f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}: {reason}"
-            out.send_multipart(_error(ident, pull, Status.KEY_MISMATCH, message))
+            send(_error(ident, pull, Status.KEY_MISMATCH, message))
 
     def _handle(self, ident, header: Header, payload, num_workers: int):
         rounds = self._rounds(header, num_workers)
@@ -108,6 +103,30 @@ class Engine(threading.Thread):
             total = rounds.pull(header.worker, header.round, (ident, header))
             if total is not None:
                 yield _sum_reply(ident, header, total)
+
+
+class Engine(threading.Thread):
+    """A thread owning the keys placed on it; replies go back to the front thread over inproc."""
+
+    def __init__(self, index: int, ctx: zmq.Context, reply_address: str):
+        super().__init__(name=f"bps-engine-{index}", daemon=True)
+        self.index = index
+        self.inbox: queue.Queue = queue.Queue()
+        self.bytes_owned = 0  # load measure used to place new keys
+        self.owner = KeyOwner(self.name)
+        self._ctx = ctx
+        self._reply_address = reply_address
+
+    def run(self) -> None:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self._reply_address)
+        send = functools.partial(out.send_multipart, copy=False)
+        try:
+            while (item := self.inbox.get()) is not None:
+                self.owner.handle(item, send)
+        finally:
+            out.close()
 
 
 def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
@@ -150,6 +169,7 @@ class SummationServer:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(reply_address)
         self._engines = [Engine(i, self._ctx, reply_address) for i in range(max(1, engine_threads))]
+        self._inline = KeyOwner("front thread")  # small keys: a hand-off to an engine costs more than the sum
         self._jobs: dict[int, Job] = {}
         self._keys: dict[tuple[int, int], KeyInfo] = {}
         self._counts = dict.fromkeys(("pushes", "pulls", "bytes_in", "bytes_out", "errors"), 0)
@@ -219,7 +239,7 @@ class SummationServer:
                 info = self._keys.get((header.job_id, header.key))
                 job = self._jobs.get(header.job_id)
                 if info is not None and job is not None and header.worker < job.num_workers:
-                    self._engines[info.engine].inbox.put((None, header, str(e), job.num_workers))
+                    self._to_owner(info, (None, header, str(e), job.num_workers))
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("front thread failed on %s", header)
             self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
@@ -258,10 +278,16 @@ class SummationServer:
                 )
             self._counts["pushes"] += 1
             self._counts["bytes_in"] += got
-            self._engines[info.engine].inbox.put((ident, h, payload[0], job.num_workers))
+            self._to_owner(info, (ident, h, payload[0], job.num_workers))
         else:
             self._counts["pulls"] += 1
-            self._engines[info.engine].inbox.put((ident, h, None, job.num_workers))
+            self._to_owner(info, (ident, h, None, job.num_workers))
+
+    def _to_owner(self, info: KeyInfo, item: tuple) -> None:
+        if info.engine == _FRONT:
+            self._inline.handle(item, self._send)
+        else:
+            self._engines[info.engine].inbox.put(item)
 
     def _hello(self, ident, h: Header) -> None:
         job = self._jobs.get(h.job_id)
@@ -290,9 +316,12 @@ class SummationServer:
             )
         info = self._keys.get((h.job_id, h.key))
         if info is None:
-            engine = min(self._engines, key=lambda e: e.bytes_owned)
-            engine.bytes_owned += h.nbytes
-            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, engine.index)
+            owner = _FRONT
+            if h.nbytes > INLINE_BYTES:
+                engine = min(self._engines, key=lambda e: e.bytes_owned)
+                engine.bytes_owned += h.nbytes
+                owner = engine.index
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, owner)
         else:
             self._check_key(h)
         self._send([ident, h.reply().pack()])
@@ -312,9 +341,9 @@ class SummationServer:
 
     def _stats(self) -> bytes:
         values = {**self._counts, "bytes_summed": 0, "sum_ns": 0}
-        for e in self._engines:
-            values["bytes_summed"] += e.counters.bytes_summed
-            values["sum_ns"] += e.counters.sum_ns
+        for owner in [self._inline, *(e.owner for e in self._engines)]:
+            values["bytes_summed"] += owner.counters.bytes_summed
+            values["sum_ns"] += owner.counters.sum_ns
         return struct.pack(f"<{len(STATS_FIELDS)}Q", *(values[f] for f in STATS_FIELDS))
 
 
