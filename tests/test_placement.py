@@ -79,3 +79,14 @@ def test_keybook_slots_and_agreement():
     assert keys(p0).isdisjoint(keys(p1))  # concurrent same-size collectives use other keys
     assert p3 == p0  # the third same-size call reuses slot 0
     assert sum(part.numel for part in p0[0]) == 50 and all(part.numel * 4 <= 64 for part in p0[1])
+
+
+def test_partition_size_shrinks_so_every_server_pipelines():
+    servers = server_weights(["a:1", "b:1"], [])
+    book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)])
+    assert book.partition_size(1 << 30) == 4 << 20  # big tensors: the configured maximum
+    assert book.partition_size(16 << 20) == 512 << 10  # 16 partitions per server
+    assert book.partition_size(1 << 20) == 256 << 10  # floor: per-message overhead stays small
+    assert book.partition_size(1000) == 256 << 10
+    parts = book.plan((16 << 20) // 4, torch.float32)[0]
+    assert len(parts) == 32 and [p.server for p in parts].count(0) == 16

@@ -36,9 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2; --quick 1)")
     p.add_argument(
         "--placement",
-        choices=["exact", "library"],
-        default="exact",
-        help="byteps split: exact x / 1-x to the byte, or torch_bps's partition placement (default exact)",
+        choices=["engine", "exact", "library"],
+        default="engine",
+        help="byteps side: the library's engine (partitioning, placement, credit scheduler; default), or a "
+        "hand-made split: exact x / 1-x to the byte, or the library's placement of plain partitions",
     )
     p.add_argument("--partition-bytes", type=int, default=4_096_000, help="byteps partition size (default 4096000)")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")

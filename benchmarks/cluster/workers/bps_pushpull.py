@@ -8,6 +8,8 @@ server that gets no bytes may be given as `-`. Which bytes go where (`--placemen
 - `exact` (default): the paper's x / 1-x split to the byte (benchmarks/cluster/placement.py, a stand-in
   until the library's placement is the reference);
 - `library`: partitions of `--partition-bytes` placed by torch_bps.engine.placement, as the library does.
+- `engine` (the default): the library's whole worker pipeline, torch_bps.engine's PushPullEngine (its
+  partitioning, placement, credit scheduler), exactly what the "byteps" backend runs per collective.
 Uses `torch_bps.client.Client(servers, job_id, worker, num_workers).push_pull(tensor, key, server=i)`.
 The first step checks the sum (every worker pushes worker + 1).
 May import: the standard library, torch, torch_bps.client, torch_bps.engine.placement and
@@ -48,6 +50,18 @@ def library_partitions(numel: int, n: int, k: int, servers: list[str], partition
     return [s.address for s in weighted], parts
 
 
+def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int, credit_bytes: int):
+    """The library's pipeline over `client`, whose servers are in library_partitions' order."""
+    from torch_bps.engine.partition import KeyBook
+    from torch_bps.engine.pipeline import PushPullEngine
+    from torch_bps.engine.placement import Placement, server_weights
+    from torch_bps.engine.scheduler import CreditScheduler
+
+    weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
+    keys = KeyBook(Placement(weighted), partition_bytes, lambda numel: [(0, numel)])
+    return PushPullEngine(client, keys, CreditScheduler(credit_bytes))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--worker", type=int, required=True)
@@ -57,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-bytes", type=int, required=True)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--placement", choices=["exact", "library"], default="exact")
+    p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
+    p.add_argument("--credit-bytes", type=int, default=64 << 20)
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
@@ -74,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"worker {args.worker}: --servers has {len(servers)} entries, want k + n = {k + n}")
     tensor = torch.full((args.size_bytes // 4,), float(args.worker + 1), dtype=torch.float32)
     split = exact_partitions if args.placement == "exact" else library_partitions
-    addresses, parts = split(tensor.numel(), n, k, servers, args.partition_bytes)
+    addresses, parts = split(tensor.numel(), n, k, servers, args.partition_bytes)  # engine: same servers as library
     slices = [(server, key, tensor[start : start + length]) for server, key, start, length in parts]
 
+    engine = None
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout) as client:
+        if args.placement == "engine":
+            engine = library_engine(client, n, k, servers, args.partition_bytes, args.credit_bytes)
 
         def step() -> None:
+            if engine is not None:
+                engine.push_pull(tensor).wait()
+                return
             # Sums land in place; every partition's future is waited before the next round starts.
             futures = [client.push_pull(t, key, server=server) for server, key, t in slices]
             for f in futures:
