@@ -33,7 +33,7 @@ from torch_bps.client import Client, job_id_from_name  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
-QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB, 64 * MB]
+QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB, 64 * MB, 256 * MB]
 
 # A store-and-forward echo: read an 8-byte length, then that many bytes, then send them all back.
 ECHO_SERVER = r"""
