@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     args = p.parse_args(argv)
 
     dist.init_process_group(args.backend)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d} loss {loss.item():.4f}", flush=True)
     elapsed = time.perf_counter() - start if start is not None else float("nan")
     timed = args.steps - 1

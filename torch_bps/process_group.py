@@ -53,6 +53,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         self.runtime = runtime
         self._timeout = timeout.total_seconds()
         self._launch_lock = threading.Lock()
+        self._launched = 0  # collectives launched so far: the priority of the next one
         self.completer = Completer(f"bps-{getattr(runtime, 'name', 'pg')}")
         self._group_name = ""
         self._group_desc = ""
@@ -286,8 +287,11 @@ class ProcessGroupBPS(dist.ProcessGroup):
     def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> BpsWork:
         where = f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"
         with self._launch_lock:
+            # Newest first: DDP all-reduces its buckets in gradient-arrival order, last layers first, so the
+            # latest bucket holds the earliest layers, which the next forward pass needs first.
+            self._launched += 1
             return launch(self.runtime, self.completer, op, transfers, result, where=where, timeout=self._timeout,
-                          device=device)  # fmt: skip
+                          priority=self._launched, device=device)  # fmt: skip
 
     def _single(self, name: str, items: list, what: str = "tensor"):
         if len(items) != 1:

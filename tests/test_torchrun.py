@@ -1,0 +1,61 @@
+"""What a user runs: torchrun on examples/train_ddp.py, through "byteps", bps_hook, and a dying server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import REPO, ServerProcess
+
+pytestmark = pytest.mark.timeout(240)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
+SMALL = ["--dim", "32", "--layers", "1", "--vocab", "64", "--seq", "8", "--batch", "4"]
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(TORCHRUN + [EXAMPLE, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_ddp_on_byteps_with_embedded_server():
+    done = run(["--steps", "12", *SMALL])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend=byteps" in done.stdout and "step   11 loss" in done.stdout and "samples/s" in done.stdout
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if " loss " in line]
+    assert losses[-1] < losses[0]  # it learns
+
+
+def test_bps_hook_on_a_gloo_group():
+    done = run(["--steps", "6", "--backend", "gloo", "--hook", *SMALL])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend=gloo hook=True" in done.stdout
+
+
+def test_killed_server_stops_training_with_an_error_naming_it():
+    server = ServerProcess()
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_SERVERS": server.address, "BPS_TIMEOUT": "10"}
+    proc = subprocess.Popen(TORCHRUN + [EXAMPLE, "--steps", "100000", "--log-every", "1", *SMALL], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "step    5 loss" in line or not line:
+                break
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        server.kill()
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=90)
+        assert proc.returncode != 0
+        assert time.monotonic() - killed < 60
+        assert server.address in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
