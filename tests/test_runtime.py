@@ -150,5 +150,6 @@ def test_two_machines_two_local_ranks_push_one_copy_per_machine():
     for node in range(2):
         sent = out[2 * node]["sent"] + out[2 * node + 1]["sent"]
         payload = out[0]["payload"]
-        # Each machine sends its gradients once (its two local ranks one half each), plus 72-byte headers.
-        assert payload <= sent <= payload + 2 * 3 * 3 * 72, (node, sent, payload)
+        # Each machine sends its gradients once (its two local ranks one half each), plus 72-byte headers:
+        # not the two copies a machine without local reduction would send.
+        assert payload <= sent <= payload * 1.01, (node, sent, payload)
