@@ -1,7 +1,9 @@
 """Push/pull throughput against a real summation server on loopback, next to baselines from the same run.
 
 Per tensor size S, all measured in this one run:
-  - push_pull goodput: S / t for one worker's push_pull (the push sends S bytes, the pull returns S).
+  - push_pull goodput: S / t for one worker's push_pull (the push sends S bytes, the pull returns S),
+    through the library's engine (what the backend and the hook run: 4 MB partitions, pipelined) and
+    as one client message of S bytes. `goodput_vs_tcp` is the engine's.
   - raw TCP: S / t for a plain-socket echo doing the same work (send S, a subprocess receives all of it,
     sends S back); store-and-forward like the summation server.
   - torch add_: S / t for one thread's in-place `a.add_(b)` on fp32 tensors of S bytes.
@@ -30,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
+from torch_bps.config import Config  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -155,22 +158,29 @@ def measure(sizes: list[int], budget: float, engine_threads: int) -> list[dict]:
     echo = Echo(max(sizes))
     rows = []
     try:
-        with Client([address], job_id_from_name(f"bench-goodput-{os.getpid()}"), 0, 1, timeout=120) as client:
+        with (
+            Client([address], job_id_from_name(f"bench-goodput-{os.getpid()}"), 0, 1, timeout=120) as client,
+            Client([address], job_id_from_name(f"bench-engine-{os.getpid()}"), 0, 1, timeout=120) as engine_client,
+        ):
+            engine = library_engine(engine_client, address)
             for key, size in enumerate(sizes):
                 t = torch.ones(size // 4)
                 dst = torch.empty_like(t)
                 src_view, dst_view = memoryview(t.numpy()).cast("B"), memoryview(dst.numpy()).cast("B")
                 # Alternate the two in short bursts so drifting machine load hits both alike.
-                bps_times, tcp_times = [], []
+                bps_times, tcp_times, engine_times = [], [], []
                 for _ in range(3):
                     bps_times += timed(lambda t=t, key=key: client.push_pull(t, key).wait(), budget / 3)
+                    engine_times += timed(lambda t=t: engine.push_pull(t).wait(), budget / 3)
                     tcp_times += timed(lambda s=src_view, d=dst_view: echo.roundtrip(s, d), budget / 3)
                 pushpull = size / statistics.median(bps_times)
+                engined = size / statistics.median(engine_times)
                 tcp = size / statistics.median(tcp_times)
                 add = torch_add_rate(size, budget / 2)
                 summed, sum_rounds = server_sum_rate(address, size, budget, str(os.getpid()))
                 rows.append(
-                    dict(size=size, pushpull_Bps=pushpull, tcp_Bps=tcp, goodput_vs_tcp=pushpull / tcp,
+                    dict(size=size, engine_Bps=engined, pushpull_Bps=pushpull, tcp_Bps=tcp, goodput_vs_tcp=engined / tcp,
+                         message_goodput_vs_tcp=pushpull / tcp,
                          torch_add_Bps=add, server_sum_Bps=summed, sum_vs_torch_add=summed / add,
                          pushpull_iters=len(bps_times), tcp_iters=len(tcp_times), sum_rounds=sum_rounds)
                 )  # fmt: skip
@@ -193,15 +203,27 @@ def rate(n: float) -> str:
     return human(n) + "/s"
 
 
+def library_engine(client: Client, address: str):
+    """torch_bps's worker pipeline (4 MB partitions, placement, credit scheduler) over `client`."""
+    from torch_bps.engine.partition import KeyBook
+    from torch_bps.engine.pipeline import PushPullEngine
+    from torch_bps.engine.placement import Placement, server_weights
+    from torch_bps.engine.scheduler import CreditScheduler
+
+    keys = KeyBook(Placement(server_weights([address], [])), 4_096_000, lambda numel: [(0, numel)])
+    return PushPullEngine(client, keys, CreditScheduler(Config().credit_bytes))
+
+
 def print_header() -> None:
-    left = f"{'push_pull':>11} {'raw TCP':>11} {'ratio':>6}"
+    left = f"{'engine':>11} {'1 message':>11} {'raw TCP':>11} {'ratio':>6} {'msg ratio':>9}"
     right = f"{'server sum':>11} {'torch add_':>11} {'ratio':>6}"
     print(f"{'size':>9} | {left} | {right}")
 
 
 def print_row(r: dict) -> None:
     size = f"{r['size'] // MB} MB" if r["size"] >= MB else f"{r['size'] // KB} KB"
-    left = f"{rate(r['pushpull_Bps']):>11} {rate(r['tcp_Bps']):>11} {r['goodput_vs_tcp']:>6.2f}"
+    left = f"{rate(r['engine_Bps']):>11} {rate(r['pushpull_Bps']):>11} {rate(r['tcp_Bps']):>11} "
+    left += f"{r['goodput_vs_tcp']:>6.2f} {r['message_goodput_vs_tcp']:>9.2f}"
     right = f"{rate(r['server_sum_Bps']):>11} {rate(r['torch_add_Bps']):>11} {r['sum_vs_torch_add']:>6.2f}"
     print(f"{size:>9} | {left} | {right}", flush=True)
 
@@ -219,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"push_pull: 1 worker, 1 server subprocess on loopback; server sum: 2 workers; torch {torch.__version__}")
     print("goodput = bytes of the tensor per second of push_pull; ratios are measured in this run")
+    print("engine = the library's push_pull (partitioned, pipelined); 1 message = one client push_pull of the whole tensor")
     print_header()
     rows = measure(sizes, budget, args.engine_threads)
     largest = max(rows, key=lambda r: r["size"])
     summary = {
         "goodput_vs_tcp": largest["goodput_vs_tcp"],
+        "message_goodput_vs_tcp": largest["message_goodput_vs_tcp"],
         "sum_vs_torch_add": largest["sum_vs_torch_add"],
         "largest_size": largest["size"],
         "rows": rows,

@@ -141,8 +141,11 @@ PYBIND11_MODULE(_C, m) {
           // detach(): the client holds its own TensorImpls, never the ones owned by Python objects, so
           // dropping them (on ZeroMQ's thread, for a sent payload) never needs the GIL.
           [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, const at::Tensor& src,
-             const at::Tensor& dst) { c.get().pushPull(token, server, key, dtype, src.detach(), dst.detach()); },
+             const at::Tensor& dst, uint64_t pushedToken) {
+            c.get().pushPull(token, server, key, dtype, src.detach(), dst.detach(), pushedToken);
+          },
           py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("src"), py::arg("dst"),
+          py::arg("pushed_token") = 0,
           release())
       .def(
           "stats",

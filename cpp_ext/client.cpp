@@ -141,7 +141,8 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
   return incarnations_;
 }
 
-void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst) {
+void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst,
+                      uint64_t pushedToken) {
   if (server >= links_.size()) {
     throw Error(ErrorKind::kValue, formatText("server index %zu is out of range: %zu servers", server, links_.size()));
   }
@@ -152,6 +153,7 @@ void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtyp
   auto op = std::make_shared<Op>();
   op->kind = kPush;
   op->token = token;
+  op->pushedToken = pushedToken;
   op->server = server;
   op->key = key;
   op->dtype = dtype;

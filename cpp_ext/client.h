@@ -55,7 +55,10 @@ class Client {
   std::vector<uint64_t> hello(double timeoutSeconds);
 
   // Sum `src` over all workers into `dst` (same nbytes, both contiguous CPU; may be the same tensor).
-  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst);
+  // pushedToken (if not 0) completes once, when the server acknowledged the PUSH (or the op ended first):
+  // the push's bytes have left this worker, which is what a sender's flow control waits for.
+  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst,
+                uint64_t pushedToken = 0);
 
   // Read the server's counters into `dst` (kStatsCounters little-endian u64, i.e. an int64 tensor).
   void stats(uint64_t token, size_t server, at::Tensor dst);
@@ -74,6 +77,7 @@ class Client {
   struct Op {
     Command kind = kPush;  // kHello, kStats, or kPush for a push_pull
     uint64_t token = 0;
+    uint64_t pushedToken = 0;  // completed when the PUSH is acknowledged; 0: nobody asked
     size_t server = 0;
     uint64_t key = 0;
     uint64_t round = 0;
@@ -117,6 +121,7 @@ class Client {
   void forget(uint64_t requestId);
   void failOp(const OpPtr& op, ErrorInfo error);
   void finishOp(const OpPtr& op);
+  void notifyPushed(const OpPtr& op);
   void failEverything(const std::string& why);
   std::string describe(const Op& op) const;
 

@@ -151,6 +151,7 @@ void Client::onReply(size_t server, Message& message) {
                               commandName(command), describe(*op).c_str())});
     return;
   }
+  if (command == kPush) notifyPushed(op);
   if (command == kHello) {
     ioIncarnations_[server] = h.incarnation;
     std::lock_guard<std::mutex> lock(stateMutex_);
@@ -224,8 +225,16 @@ void Client::failOp(const OpPtr& op, ErrorInfo error) {
   finishOp(op);
 }
 
+void Client::notifyPushed(const OpPtr& op) {
+  if (op->pushedToken == 0) return;
+  uint64_t token = op->pushedToken;
+  op->pushedToken = 0;  // exactly once: on the acknowledgement, or when the op ends without one
+  pool_.post([this, token] { onComplete_(token, ErrorInfo{}); });
+}
+
 void Client::finishOp(const OpPtr& op) {
   op->done = true;
+  notifyPushed(op);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     helloErrors_[op->server] = op->error;

@@ -418,3 +418,25 @@ def test_dropping_a_client_joins_its_threads(server, job_id):
     del c
     gc.collect()
     assert thread_count() == before
+
+
+def test_pushed_future_completes_on_the_acknowledgement_before_the_sum(server, job_id):
+    """`pushed` fires when the server has the push, while the sum still waits for the other worker."""
+    a = Client([server.address], job_id, 0, 2, timeout=20)
+    b = Client([server.address], job_id, 1, 2, timeout=20)
+    try:
+        pushed = torch.futures.Future()
+        total = a.push_pull(torch.ones(1000), 3, pushed=pushed)
+        pushed.wait()  # no other worker has pushed yet
+        assert not total.done()
+        b.push_pull(torch.ones(1000), 3).wait()
+        assert torch.equal(total.wait(), torch.full((1000,), 2.0))
+        b.push_pull(torch.ones(8), 4)  # b declares key 4 with 8 elements
+        time.sleep(0.2)
+        failed = torch.futures.Future()  # an op refused by the server still fires it, exactly once
+        with pytest.raises(ServerError):
+            a.push_pull(torch.ones(7), 4, pushed=failed).wait()
+        assert failed.done()
+    finally:
+        a.close()
+        b.close()

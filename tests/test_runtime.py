@@ -53,6 +53,17 @@ def _worker(rank, world, port, env, scenario, results):
                 check_sum(rt.push_pull(t).wait(), world, torch.float32, numel, step)
             out["sent"] = sum(rt._client.bytes_sent()) - before
             out["payload"] = steps * numel * 4
+        elif scenario == "priorities_differ":
+            # Rank 0 sees the urgent collective later than rank 1 does, so their schedulers pick partitions in
+            # different orders under a one-partition credit. Credit held until the sums came back would
+            # leave each rank waiting for a partition the other has not pushed: a deadlock.
+            a, b = _data(rank, 20_000, torch.float32, 0), _data(rank, 20_000, torch.float32, 1)
+            fa = rt.push_pull(a, priority=0)
+            if rank == 0:
+                time.sleep(0.3)
+            fb = rt.push_pull(b, priority=10)
+            check_sum(fa.wait(), world, torch.float32, 20_000, 0)
+            check_sum(fb.wait(), world, torch.float32, 20_000, 1)
         elif scenario == "server_killed":
             rt.push_pull(torch.ones(10)).wait()
             results.put((rank, "ready"))
@@ -153,3 +164,8 @@ def test_two_machines_two_local_ranks_push_one_copy_per_machine():
         # Each machine sends its gradients once (its two local ranks one half each), plus 72-byte headers:
         # not the two copies a machine without local reduction would send.
         assert payload <= sent <= payload * 1.01, (node, sent, payload)
+
+
+def test_workers_scheduling_partitions_in_different_orders_do_not_deadlock():
+    env = lambda r: {"BPS_PARTITION_BYTES": "4096", "BPS_CREDIT_BYTES": "4096", "BPS_TIMEOUT": "15", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
+    run(2, env, "priorities_differ")

@@ -116,7 +116,7 @@ class Client:
             raise ValueError(f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout})")
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
-        self._tokens = itertools.count()
+        self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
         self._keys: dict[int, tuple[int, torch.dtype, int]] = {}  # key -> (numel, dtype, server)
         self._pending = _Pending()
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, self._pending.complete)
@@ -137,7 +137,8 @@ class Client:
         return self._incarnations
 
     def push_pull(
-        self, tensor: torch.Tensor, key: int, *, server: int | None = None, out: torch.Tensor | None = None
+        self, tensor: torch.Tensor, key: int, *, server: int | None = None, out: torch.Tensor | None = None,
+        pushed: torch.futures.Future | None = None,
     ) -> torch.futures.Future:
         """Sum `tensor` over all workers of the job; return a Future of `out` holding the sum.
 
@@ -149,6 +150,8 @@ class Client:
             key: the partition's key (u64); the same on every worker.
             server: index into `servers`; default `key % len(servers)`; fixed per key.
             out: where the sum goes (contiguous, same numel and dtype); default `tensor`, in place.
+            pushed: optional Future, completed (with None) once the server acknowledged the push, or when
+                the push_pull ends without that: for flow control of bytes leaving this worker.
 
         Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
         """
@@ -180,10 +183,15 @@ class Client:
         future: torch.futures.Future = torch.futures.Future()
         token = next(self._tokens)
         self._pending.add(token, future, out)
+        pushed_token = 0
+        if pushed is not None:
+            pushed_token = next(self._tokens)
+            self._pending.add(pushed_token, pushed, None)
         try:
-            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor, out)
+            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor, out, pushed_token)
         except BaseException:
             self._pending.futures.pop(token, None)
+            self._pending.futures.pop(pushed_token, None)
             raise
         return future
 

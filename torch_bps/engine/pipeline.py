@@ -120,17 +120,24 @@ class PushPullEngine:
 
     def _send(self, op: _Op, view: torch.Tensor, part: Part, nbytes: int) -> None:
         if op.error is not None:  # an earlier partition failed: do not push the rest
-            self._part_done(op, nbytes, None)
+            self.scheduler.release(nbytes)
+            self._part_done(op, None)
             return
+        # The credit comes back when the server has the push, not when the sum is back: a sum waits for
+        # the other workers, whose schedulers may have picked other partitions first (priorities and
+        # timing differ per worker), so holding credit until the pull would let workers wait on each
+        # other forever.
+        pushed = torch.futures.Future()
+        pushed.add_done_callback(lambda _: self.scheduler.release(nbytes))
         try:
-            fut = self.client.push_pull(view, part.key, server=part.server)  # [compress] slots in around here
+            fut = self.client.push_pull(view, part.key, server=part.server, pushed=pushed)  # [compress] around here
         except BaseException as e:  # noqa: BLE001
-            self._part_done(op, nbytes, e)
+            self.scheduler.release(nbytes)
+            self._part_done(op, e)
             return
-        fut.add_done_callback(lambda f: self._part_done(op, nbytes, _exception_of(f)))
+        fut.add_done_callback(lambda f: self._part_done(op, _exception_of(f)))
 
-    def _part_done(self, op: _Op, nbytes: int, error: BaseException | None) -> None:
-        self.scheduler.release(nbytes)
+    def _part_done(self, op: _Op, error: BaseException | None) -> None:
         with op.lock:
             if error is not None and op.error is None:
                 op.error = error

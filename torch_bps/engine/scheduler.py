@@ -1,9 +1,9 @@
 """Credit-bounded priority scheduling of partitions onto the network.
 
-At most `credit_bytes` of partitions are in flight (pushed and not yet pulled back); the rest wait in a
-priority queue, so a partition submitted late with a higher priority overtakes the queued ones. This is
-what lets the first layers' gradients (needed first by the next forward pass) jump the queue. One
-partition is always allowed in flight, however large, so nothing starves.
+At most `credit_bytes` of pushes are in flight (sent and not yet acknowledged by their server); the
+rest wait in a priority queue, so a partition submitted late with a higher priority overtakes the queued
+ones. This is what lets the first layers' gradients (needed first by the next forward pass) jump the
+queue. One partition is always allowed in flight, however large, so nothing starves.
 
 May import: the standard library only.
 """

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
-    p.add_argument("--credit-bytes", type=int, default=64 << 20)
+    p.add_argument("--credit-bytes", type=int, default=8 << 20)
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
