@@ -46,11 +46,9 @@ class Config:
     # "optimal" (the paper's split between dedicated and colocated servers), "dedicated" or "colocated".
     placement: str = field(default="optimal", metadata={"env": "BPS_PLACEMENT", "parse": str})
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
-    # Bytes of partitions in flight at once; the rest wait in priority order. Small on purpose: with all of
-    # a 64 MB step in flight the flows into each server drift apart and sums close in bursts (1.26 x t_opt
-    # in benchmarks/cluster at n = k = 4); 8 MiB keeps workers in step (1.16 x), and urgent partitions
-    # overtake the queue.
-    credit_bytes: int = field(default=8 << 20, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
+    # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: automatic,
+    # engine.scheduler.auto_credit (512 KiB per server, at least 2 MiB).
+    credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
     # The address other machines reach this one's embedded server at; default: the interface that
@@ -92,8 +90,8 @@ class Config:
             raise ConfigError(f"timeouts must be positive (timeout={self.timeout}, connect={self.connect_timeout})")
         if self.partition_bytes < 64:
             raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
-        if self.credit_bytes <= 0:
-            raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive")
+        if self.credit_bytes < 0:
+            raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: automatic)")
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         if self.num_servers < 0 or self.server_engine_threads < 1:

@@ -130,9 +130,10 @@ class Runtime:
             config.partition_bytes,
             (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
         )
-        from torch_bps.engine.scheduler import CreditScheduler
+        from torch_bps.engine.scheduler import CreditScheduler, auto_credit
 
-        engine = PushPullEngine(client, keys, CreditScheduler(config.credit_bytes), local=local,
+        credit = config.credit_bytes or auto_credit(len(addresses))
+        engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local,
                                 local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses)
         rt._colocated, rt._dedicated = colocated, dedicated

@@ -104,7 +104,7 @@ def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[
 
 def run_torch_bps(
     job: BytepsJob, placement_mode: str = "engine", partition_bytes: int = 4_096_000, port: int = 9000,
-    credit_bytes: int = 8 << 20,
+    credit_bytes: int = 0,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 

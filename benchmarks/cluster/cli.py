@@ -4,7 +4,7 @@
     python -m benchmarks.cluster                                            # n=4, k=0..4, 64 MiB, 500 Mbit/s
     python -m benchmarks.cluster --cleanup-leftovers                        # remove namespaces of crashed runs
 
-May import: the standard library, torch_bps.config and benchmarks.cluster.{byteps,ddp,netns,report,sweep}.
+May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report,sweep}.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from benchmarks.cluster import netns, report
 from benchmarks.cluster.byteps import run_torch_bps
 from benchmarks.cluster.ddp import DdpSpec
 from benchmarks.cluster.sweep import Plan, run
-from torch_bps.config import Config
 
 QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "calibration_s": 2.0, "ddp_layers": 3}
 
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hand-made split: exact x / 1-x to the byte, or the library's placement of plain partitions",
     )
     p.add_argument("--partition-bytes", type=int, default=4_096_000, help="byteps partition size (default 4096000)")
-    p.add_argument("--credit-bytes", type=int, default=Config().credit_bytes, help="byteps bytes in flight per worker (default: the library's)")
+    p.add_argument("--credit-bytes", type=int, default=0, help="byteps bytes in flight per worker (default 0: the library's automatic credit)")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
     p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048)")

@@ -23,7 +23,7 @@ import torch
 from torch_bps.engine.placement import Placement
 
 MAX_PARTS = 1 << 16
-PARTS_PER_SERVER = 64
+PARTS_PER_SERVER = 32
 MIN_PARTITION_BYTES = 256 << 10
 MAX_SLICES = 1 << 8
 
@@ -76,8 +76,9 @@ class KeyBook:
 
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides. With 4 MB
-        partitions a 16 MB tensor on 2 servers spends half its push time on them; with 64 partitions per
-        server, a thirty-second (benchmarks/cluster, n = 4, k = 0: 1.23 x t_opt at 16, 1.17 x at 64).
+        partitions a 16 MB tensor on 2 servers spends half its push time on them; with 32 partitions per
+        server, a sixteenth (benchmarks/cluster, n = 4, k = 0: 1.23 x t_opt at 16 per server, 1.17 x at
+        32 and at 64; 64 doubles the servers' CPU).
         """
         fair = -(-nbytes // (len(self.placement.servers) * PARTS_PER_SERVER))
         return max(min(self.partition_bytes, MIN_PARTITION_BYTES), min(self.partition_bytes, fair))

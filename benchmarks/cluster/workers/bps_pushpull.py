@@ -55,11 +55,11 @@ def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: 
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
-    from torch_bps.engine.scheduler import CreditScheduler
+    from torch_bps.engine.scheduler import CreditScheduler, auto_credit
 
     weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
     keys = KeyBook(Placement(weighted), partition_bytes, lambda numel: [(0, numel)])
-    return PushPullEngine(client, keys, CreditScheduler(credit_bytes))
+    return PushPullEngine(client, keys, CreditScheduler(credit_bytes or auto_credit(len(weighted))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
-    p.add_argument("--credit-bytes", type=int, default=8 << 20)
+    p.add_argument("--credit-bytes", type=int, default=0, help="0: the library's automatic credit")
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
