@@ -178,7 +178,8 @@ def measure(sizes: list[int], budget: float, engine_threads: int) -> list[dict]:
                 add = torch_add_rate(size, budget / 2)
                 summed, sum_rounds = server_sum_rate(address, size, budget, str(os.getpid()))
                 rows.append(
-                    dict(size=size, engine_Bps=engined, pushpull_Bps=pushpull, tcp_Bps=tcp, goodput_vs_tcp=pushpull / tcp,
+                    dict(size=size, engine_Bps=engined, pushpull_Bps=pushpull, tcp_Bps=tcp,
+                         goodput_vs_tcp=pushpull / tcp,
                          engine_goodput_vs_tcp=engined / tcp,
                          torch_add_Bps=add, server_sum_Bps=summed, sum_vs_torch_add=summed / add,
                          pushpull_iters=len(bps_times), tcp_iters=len(tcp_times), sum_rounds=sum_rounds)
@@ -240,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"push_pull: 1 worker, 1 server subprocess on loopback; server sum: 2 workers; torch {torch.__version__}")
     print("goodput = bytes of the tensor per second of push_pull; ratios are measured in this run")
-    print("1 message = one client push_pull of the whole tensor; engine = the library's push_pull (partitioned, pipelined)")
+    print(
+        "1 message = one client push_pull of the whole tensor; "
+        "engine = the library's push_pull (partitioned, pipelined)"
+    )
     print_header()
     rows = measure(sizes, budget, args.engine_threads)
     largest = max(rows, key=lambda r: r["size"])

@@ -95,7 +95,9 @@ class RawPeer:
     def send(self, command: int, *payload: bytes, **fields) -> int:
         rid = self._next_id
         self._next_id += 1
-        base = dict(command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid)
+        base = dict(
+            command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid
+        )
         self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
         return rid
 

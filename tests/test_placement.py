@@ -25,7 +25,7 @@ def test_split_formula_special_cases():
 
 def test_t_opt_decreases_with_more_servers():
     times = [t_opt(4, k, 1.0, 1.0) for k in range(0, 6)]
-    assert all(a >= b for a, b in zip(times, times[1:])) and times[4] == times[5]
+    assert all(a >= b for a, b in zip(times, times[1:], strict=False)) and times[4] == times[5]
 
 
 @pytest.mark.parametrize("n,k", [(4, 0), (4, 1), (4, 2), (4, 4), (3, 5)])
@@ -56,7 +56,7 @@ def test_placement_balances_bytes_and_is_deterministic(sizes, n, k):
     assert where_a == where_b  # same order of first sight -> same placement on every worker
     assert [a.assign(key, 1) for key in range(len(sizes))] == where_a  # stable: placed keys never move
     total, biggest = sum(sizes), max(sizes)
-    for load, s in zip(a.load, servers):
+    for load, s in zip(a.load, servers, strict=True):
         # Greedy on relative load: each server ends within one partition of its target share.
         assert abs(load - s.weight * total) <= biggest * (1 + len(servers))
 

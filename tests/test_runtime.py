@@ -167,5 +167,7 @@ def test_two_machines_two_local_ranks_push_one_copy_per_machine():
 
 
 def test_workers_scheduling_partitions_in_different_orders_do_not_deadlock():
-    env = lambda r: {"BPS_PARTITION_BYTES": "4096", "BPS_CREDIT_BYTES": "4096", "BPS_TIMEOUT": "15", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
+    def env(r):
+        return {"BPS_PARTITION_BYTES": "4096", "BPS_CREDIT_BYTES": "4096", "BPS_TIMEOUT": "15", "BPS_LOCAL_REDUCE": "0"}
+
     run(2, env, "priorities_differ")

@@ -34,7 +34,9 @@ def push(p, key, rnd, t):
 
 
 def pull(p, key, rnd, like):
-    h, rest = p.request(Command.PULL, key=key, round=rnd, nbytes=like.numel() * like.element_size(), dtype=DTYPE_CODES[like.dtype])
+    h, rest = p.request(
+        Command.PULL, key=key, round=rnd, nbytes=like.numel() * like.element_size(), dtype=DTYPE_CODES[like.dtype]
+    )
     assert h.status == Status.OK, rest
     return torch.frombuffer(bytearray(rest[0]), dtype=like.dtype) if rest[0] else torch.empty(0, dtype=like.dtype)
 
@@ -54,12 +56,14 @@ def test_hello_returns_incarnation_and_checks_worker_count(server, job_id):
     assert error_of(out_of_range.request(Command.HELLO, num_workers=2))[0] == Status.JOB_MISMATCH
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+)
 def test_sum_of_three_workers(server, job_id, dtype):
     ps = peers(server, job_id, 3)
     data = [(torch.arange(1000) * (w + 1)).to(dtype) for w in range(3)]
     declare(ps, 7, data[0])
-    for p, t in zip(ps, data):
+    for p, t in zip(ps, data, strict=True):
         assert push(p, 7, 0, t)[0].status == Status.OK
     expected = sum(t.double() for t in data).to(dtype)
     for p in ps:
@@ -188,7 +192,7 @@ def test_stats_count_pushes_and_summed_bytes(server, job_id):
 def _stats(p):
     h, rest = p.request(Command.STATS)
     assert h.status == Status.OK
-    return dict(zip(STATS_FIELDS, struct.unpack(f"<{len(STATS_FIELDS)}Q", rest[0])))
+    return dict(zip(STATS_FIELDS, struct.unpack(f"<{len(STATS_FIELDS)}Q", rest[0]), strict=True))
 
 
 def test_restarted_server_refuses_old_incarnation(job_id):
@@ -222,7 +226,12 @@ header_fields = st.fixed_dictionaries(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(frames=frames_strategy, fields=header_fields, payload=st.lists(st.binary(max_size=64), max_size=2), version=st.sampled_from([1, 1, 2]))
+@given(
+    frames=frames_strategy,
+    fields=header_fields,
+    payload=st.lists(st.binary(max_size=64), max_size=2),
+    version=st.sampled_from([1, 1, 2]),
+)
 def test_garbage_never_crashes_the_server(server, frames, fields, payload, version):
     """Random frames and random well-formed-but-wrong headers: every one is answered or dropped, never fatal."""
     peer = RawPeer(server.address, timeout=5)

@@ -137,7 +137,12 @@ class Client:
         return self._incarnations
 
     def push_pull(
-        self, tensor: torch.Tensor, key: int, *, server: int | None = None, out: torch.Tensor | None = None,
+        self,
+        tensor: torch.Tensor,
+        key: int,
+        *,
+        server: int | None = None,
+        out: torch.Tensor | None = None,
         pushed: torch.futures.Future | None = None,
     ) -> torch.futures.Future:
         """Sum `tensor` over all workers of the job; return a Future of `out` holding the sum.

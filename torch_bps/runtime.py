@@ -70,8 +70,16 @@ class Runtime:
         self._close_lock = threading.Lock()
 
     @classmethod
-    def create(cls, store: dist.Store, rank: int, world_size: int, *, name: str = "default", config: Config | None = None,
-               timeout: float | None = None) -> Runtime:  # fmt: skip
+    def create(
+        cls,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        name: str = "default",
+        config: Config | None = None,
+        timeout: float | None = None,
+    ) -> Runtime:
         """Meet the other ranks through `store`, connect to (or start) the servers, return the Runtime.
 
         Example: `rt = Runtime.create(store, rank, world_size); rt.push_pull(grad).wait()`.
@@ -120,8 +128,14 @@ class Runtime:
             local = tuple(
                 # 16 MiB each: bigger tensors go through in chunks, and two channels stay well inside a
                 # container's default 64 MiB /dev/shm.
-                LocalComm(ns, topology.local_rank, topology.local_size, f"{node}-{stage}", timeout=config.timeout,
-                          capacity_bytes=16 << 20)  # fmt: skip
+                LocalComm(
+                    ns,
+                    topology.local_rank,
+                    topology.local_size,
+                    f"{node}-{stage}",
+                    timeout=config.timeout,
+                    capacity_bytes=16 << 20,
+                )  # fmt: skip
                 for stage in ("rs", "ag")
             )
         slices = local[0].slice_range if local is not None else None

@@ -103,7 +103,10 @@ def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[
 
 
 def run_torch_bps(
-    job: BytepsJob, placement_mode: str = "engine", partition_bytes: int = 4_096_000, port: int = 9000,
+    job: BytepsJob,
+    placement_mode: str = "engine",
+    partition_bytes: int = 4_096_000,
+    port: int = 9000,
     credit_bytes: int = 0,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
@@ -128,8 +131,16 @@ def run_torch_bps(
     server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
     try:
         results = _run_workers(
-            job, server_list, ["--placement", placement_mode, "--partition-bytes", str(partition_bytes),
-                               "--credit-bytes", str(credit_bytes)]
+            job,
+            server_list,
+            [
+                "--placement",
+                placement_mode,
+                "--partition-bytes",
+                str(partition_bytes),
+                "--credit-bytes",
+                str(credit_bytes),
+            ],
         )
         wall = time.monotonic() - start
         server_cores = [

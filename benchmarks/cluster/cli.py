@@ -42,7 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hand-made split: exact x / 1-x to the byte, or the library's placement of plain partitions",
     )
     p.add_argument("--partition-bytes", type=int, default=4_096_000, help="byteps partition size (default 4096000)")
-    p.add_argument("--credit-bytes", type=int, default=0, help="byteps bytes in flight per worker (default 0: the library's automatic credit)")
+    p.add_argument(
+        "--credit-bytes",
+        type=int,
+        default=0,
+        help="byteps bytes in flight per worker (default 0: the library's automatic credit)",
+    )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
     p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048)")
@@ -107,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
         print("interrupted; the emulated cluster was torn down", file=sys.stderr)
         return 130
-    result["plan"].update(placement=args.placement, partition_bytes=args.partition_bytes, credit_bytes=args.credit_bytes)
+    result["plan"].update(
+        placement=args.placement, partition_bytes=args.partition_bytes, credit_bytes=args.credit_bytes
+    )
     print(report.format_table(result), flush=True)
     if args.json:
         report.write_json(result, args.json)

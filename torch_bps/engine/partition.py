@@ -52,7 +52,9 @@ class KeyBook:
         slots: concurrent collectives of the same (numel, dtype) that get distinct keys.
     """
 
-    def __init__(self, placement: Placement, partition_bytes: int, slices: Callable[[int], list[tuple[int, int]]], slots: int = 4):
+    def __init__(
+        self, placement: Placement, partition_bytes: int, slices: Callable[[int], list[tuple[int, int]]], slots: int = 4
+    ):
         self.placement = placement
         self.partition_bytes = partition_bytes
         self.slices = slices

@@ -58,7 +58,16 @@ class PushPullEngine:
             the client's own error (naming server, key and round) is the one that surfaces.
     """
 
-    def __init__(self, client, keys: KeyBook, scheduler: CreditScheduler, *, local=None, local_rank: int = 0, timeout: float = 300.0):
+    def __init__(
+        self,
+        client,
+        keys: KeyBook,
+        scheduler: CreditScheduler,
+        *,
+        local=None,
+        local_rank: int = 0,
+        timeout: float = 300.0,
+    ):
         self.client = client
         self.keys = keys
         self.scheduler = scheduler
@@ -82,7 +91,9 @@ class PushPullEngine:
         Collective: every rank calls it with tensors of the same numel and dtype, in the same order.
         """
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() != 1:
-            raise ValueError(f"push_pull takes a 1-D contiguous CPU tensor, got {tuple(tensor.shape)} on {tensor.device}")
+            raise ValueError(
+                f"push_pull takes a 1-D contiguous CPU tensor, got {tuple(tensor.shape)} on {tensor.device}"
+            )
         future = torch.futures.Future()
         with self._lock:
             plan = self.keys.plan(tensor.numel(), tensor.dtype)

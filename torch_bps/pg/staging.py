@@ -1,11 +1,11 @@
 """The caller's tensors as flat CPU buffers a Runtime can sum in place, and the sums back where they belong.
 
 A contiguous CPU tensor is summed in its own storage (no copy). A non-contiguous one is copied into a
-fresh CPU buffer and back when the sum arrives; a CUDA one goes through pinned memory (pg/device.py). Complex tensors travel as their real
-view (a sum of complex numbers is the sum of their parts). Every check raises an error naming the op,
-the dtype and the backend. All in-place work goes through `.detach()` views: torch's own backends write
-into parameters that require grad, and so must we. No `.numpy()` anywhere: it would pin the storage
-(DDP buckets get `resize_`d by batched PowerSGD).
+fresh CPU buffer and back when the sum arrives; a CUDA one goes through pinned memory (pg/device.py).
+Complex tensors travel as their real view (a sum of complex numbers is the sum of their parts).
+Every check raises an error naming the op, the dtype and the backend. All in-place work goes through
+`.detach()` views: torch's own backends write into parameters that require grad, and so must we. No
+`.numpy()` anywhere: it would pin the storage (DDP buckets get `resize_`d by batched PowerSGD).
 
 May import: torch, torch_bps.wire (the protocol's dtype table), torch_bps.pg.device.
 """

@@ -23,9 +23,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="bps-server",
         description="torch_bps summation server: workers push gradient partitions, pull back the sums.",
     )
-    p.add_argument("--host", default=os.environ.get("BPS_SERVER_HOST", "0.0.0.0"), help="address to bind (default %(default)s)")
     p.add_argument(
-        "--port", type=int, default=int(os.environ.get("BPS_SERVER_PORT", "9000")), help="TCP port; 0 picks a free one (default %(default)s)"
+        "--host", default=os.environ.get("BPS_SERVER_HOST", "0.0.0.0"), help="address to bind (default %(default)s)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("BPS_SERVER_PORT", "9000")),
+        help="TCP port; 0 picks a free one (default %(default)s)",
     )
     p.add_argument(
         "--engine-threads",
@@ -33,7 +38,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=int(os.environ.get("BPS_SERVER_ENGINE_THREADS", "2")),
         help="summation threads; each owns a disjoint set of keys (default %(default)s)",
     )
-    p.add_argument("--log-level", default=os.environ.get("BPS_LOG_LEVEL", "WARNING"), help="DEBUG, INFO, WARNING... (default %(default)s)")
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("BPS_LOG_LEVEL", "WARNING"),
+        help="DEBUG, INFO, WARNING... (default %(default)s)",
+    )
     p.add_argument(
         "--register",
         metavar="HOST:PORT",
@@ -41,8 +50,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="register this server in a job's c10d store (torchrun's MASTER_ADDR:MASTER_PORT); workers with "
         "BPS_NUM_SERVERS=k wait for k registrations",
     )
-    p.add_argument("--advertise", default=None, help="address workers reach this server at (default: --host, or this machine's name)")
-    p.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started this server is gone")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        help="address workers reach this server at (default: --host, or this machine's name)",
+    )
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
+    )
     args = p.parse_args(argv)
     if args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
@@ -66,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: server.stop())
     server.start()
     # Tests and launchers read this line to learn the port and incarnation.
-    print(f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True)
+    print(
+        f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True
+    )
     if args.register:
         advertise = args.advertise or (args.host if args.host not in ("0.0.0.0", "") else socket.getfqdn())
         try:

@@ -89,7 +89,9 @@ class KeyOwner:
             log.info("%s", e)
             return
         for ident, pull in waiting:
-            message = f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}: {reason}"
+            message = (
+                f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}: {reason}"
+            )
             send(_error(ident, pull, Status.KEY_MISMATCH, message))
 
     def _handle(self, ident, header: Header, payload, num_workers: int):
@@ -247,7 +249,9 @@ class SummationServer:
     def _dispatch(self, ident, h: Header, payload: list) -> None:
         expect = 1 if h.command == Command.PUSH else 0
         if len(payload) != expect:
-            raise ProtocolError(Status.BAD_FRAME, f"command {h.command} takes {expect + 1} frame(s), got {len(payload) + 1}")
+            raise ProtocolError(
+                Status.BAD_FRAME, f"command {h.command} takes {expect + 1} frame(s), got {len(payload) + 1}"
+            )
         if h.command == Command.HELLO:
             return self._hello(ident, h)
         if h.command == Command.STATS:
@@ -264,7 +268,9 @@ class SummationServer:
         if job is None:
             raise ProtocolError(Status.UNKNOWN_JOB, f"job {h.job_id:#x} has not said HELLO to this server")
         if h.worker >= job.num_workers:
-            raise ProtocolError(Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}")
+            raise ProtocolError(
+                Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}"
+            )
         if h.command == Command.INIT:
             return self._init(ident, h)
         info = self._check_key(h)
@@ -292,7 +298,9 @@ class SummationServer:
     def _hello(self, ident, h: Header) -> None:
         job = self._jobs.get(h.job_id)
         if h.num_workers == 0 or h.worker >= h.num_workers:
-            raise ProtocolError(Status.JOB_MISMATCH, f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers}")
+            raise ProtocolError(
+                Status.JOB_MISMATCH, f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers}"
+            )
         if job is None:
             job = self._jobs[h.job_id] = Job(h.num_workers)
             log.info("job %#x: %d workers", h.job_id, h.num_workers)
@@ -307,7 +315,9 @@ class SummationServer:
 
     def _init(self, ident, h: Header) -> None:
         if h.dtype not in DTYPES:
-            raise ProtocolError(Status.KEY_MISMATCH, f"INIT of job {h.job_id:#x} key {h.key}: unknown dtype code {h.dtype}")
+            raise ProtocolError(
+                Status.KEY_MISMATCH, f"INIT of job {h.job_id:#x} key {h.key}: unknown dtype code {h.dtype}"
+            )
         itemsize = DTYPES[h.dtype].itemsize
         if h.nbytes % itemsize:
             raise ProtocolError(
@@ -349,4 +359,3 @@ class SummationServer:
 
 def _dtype_name(code: int) -> str:
     return str(DTYPES[code]).removeprefix("torch.") if code in DTYPES else f"dtype code {code}"
-

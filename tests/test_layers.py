@@ -1,0 +1,38 @@
+"""Layers point one way: transport <- engine <- front doors; the server and the kernels stand alone."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# package folder -> the torch_bps modules its files may import
+ALLOWED = {
+    "torch_bps/server": {"torch_bps.wire", "torch_bps.errors", "torch_bps.registry", "torch_bps.server"},
+    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config"},
+    "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire"},
+    "triton_kernels": {"triton_kernels"},
+}
+
+
+def torch_bps_imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n for n in names if n.split(".")[0] in ("torch_bps", "triton_kernels")}
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_point_one_way(folder):
+    allowed = ALLOWED[folder]
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for name in torch_bps_imports(path):
+            assert any(name == a or name.startswith(a + ".") for a in allowed), (
+                f"{path.relative_to(ROOT)} imports {name}; {folder} may import only {sorted(allowed)}"
+            )
