@@ -85,8 +85,11 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     servers = server_weights(["a:1", "b:1"], [])
     book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)])
     assert book.partition_size(1 << 30) == 4 << 20  # big tensors: the configured maximum
-    assert book.partition_size(64 << 20) == 1 << 20  # 32 partitions per server
+    assert book.partition_size(64 << 20) == 512 << 10  # 64 partitions per server
     assert book.partition_size(1 << 20) == 256 << 10  # floor: per-message overhead stays small
     assert book.partition_size(1000) == 256 << 10
     parts = book.plan((64 << 20) // 4, torch.float32)[0]
-    assert len(parts) == 64 and [p.server for p in parts].count(0) == 32
+    assert len(parts) == 128 and [p.server for p in parts].count(0) == 64
+    mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])
+    # x = 1/3: a colocated server's share is 1/6, and it still gets 64 partitions of a 384 MB tensor.
+    assert mixed.partition_size(384 << 20) == 1 << 20

@@ -23,7 +23,7 @@ import torch
 from torch_bps.engine.placement import Placement
 
 MAX_PARTS = 1 << 16
-PARTS_PER_SERVER = 32
+PARTS_PER_SERVER = 64
 MIN_PARTITION_BYTES = 256 << 10
 MAX_SLICES = 1 << 8
 
@@ -73,16 +73,18 @@ class KeyBook:
         return plan
 
     def partition_size(self, nbytes: int) -> int:
-        """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough
-        that every server gets PARTS_PER_SERVER partitions of it (down to MIN_PARTITION_BYTES).
+        """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough that
+        even the server with the smallest share gets PARTS_PER_SERVER partitions of it, down to
+        MIN_PARTITION_BYTES (each message costs the Python server ~0.1 ms of CPU).
 
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
-        partition's push (fill) and the last one's pull (drain) are times no pipelining hides. With 4 MB
-        partitions a 16 MB tensor on 2 servers spends half its push time on them; with 32 partitions per
-        server, a sixteenth (benchmarks/cluster, n = 4, k = 0: 1.23 x t_opt at 16 per server, 1.17 x at
-        32 and at 64; 64 doubles the servers' CPU).
+        partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P
+        of the step with P partitions per server. benchmarks/cluster, n = 4, 64 MiB: 4 MB partitions gave
+        1.26-1.56 x t_opt; 16 per server 1.23 x at k = 0; 64 per server 1.11-1.16 x for k = 0..4.
         """
-        fair = -(-nbytes // (len(self.placement.servers) * PARTS_PER_SERVER))
+        # The server with the smallest share (a colocated one under the paper's split) sets the size.
+        smallest = min(s.weight for s in self.placement.servers)
+        fair = int(-(-nbytes * smallest // PARTS_PER_SERVER))
         return max(min(self.partition_bytes, MIN_PARTITION_BYTES), min(self.partition_bytes, fair))
 
     def _new_plan(self, tensor_id: int, numel: int, dtype: torch.dtype) -> list[list[Part]]:
