@@ -11,6 +11,7 @@ CPU servers: run `bps-server --port 9000` on them and set BPS_SERVERS=host1:9000
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     args = p.parse_args(argv)
 
+    # torch_bps logs its server split and the expected t_opt at start-up (INFO, rank 0).
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("torch_bps").setLevel(os.environ.get("BPS_LOG_LEVEL", "INFO"))
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -253,7 +253,7 @@ def _log_split(name, topo: Topology, colocated, dedicated, weights) -> None:
     n, k = len(colocated), len(dedicated)
     x = sum(s.weight for s in weights if s.dedicated)
     per_mb = t_opt(max(n, topo.num_nodes), k, 1 << 20, 1.25e9) * 1e3
-    log.warning(
+    log.info(
         "torch_bps[%s]: %d machine(s), %d colocated + %d dedicated server(s); %.1f%% of bytes to dedicated servers; "
         "expected t_opt %.3f ms per MB of gradients at 10 Gbit/s",
         name, topo.num_nodes, n, k, 100 * x, per_mb,
