@@ -20,7 +20,15 @@ _LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
 class ServerProcess:
     """A `python -m torch_bps.server` subprocess on loopback. `.address` is "127.0.0.1:PORT"."""
 
-    def __init__(self, port: int = 0, engine_threads: int = 2, log_level: str = "WARNING", start_timeout: float = 30.0):
+    def __init__(
+        self,
+        port: int = 0,
+        engine_threads: int = 2,
+        log_level: str = "WARNING",
+        start_timeout: float = 30.0,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.extra_args = tuple(extra_args)
         self.port = port
         self.engine_threads = engine_threads
         self.log_level = log_level
@@ -35,7 +43,7 @@ class ServerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level]  # fmt: skip
+               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level, *self.extra_args]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + self.start_timeout

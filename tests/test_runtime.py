@@ -81,8 +81,8 @@ def _worker(rank, world, port, env, scenario, results):
         results.put((rank, traceback.format_exc()))
 
 
-def run(world, env, scenario="sums", on_ready=None, timeout=120):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+def run(world, env, scenario="sums", on_ready=None, timeout=120, store=None):
+    store = store or dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, store.port, env(r), scenario, results)) for r in range(world)]
@@ -171,3 +171,16 @@ def test_workers_scheduling_partitions_in_different_orders_do_not_deadlock():
         return {"BPS_PARTITION_BYTES": "4096", "BPS_CREDIT_BYTES": "4096", "BPS_TIMEOUT": "15", "BPS_LOCAL_REDUCE": "0"}
 
     run(2, env, "priorities_differ")
+
+
+def test_dedicated_servers_register_themselves_in_the_job_store():
+    """`bps-server --register HOST:PORT` + BPS_NUM_SERVERS: no address is configured on the workers."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    servers = [ServerProcess(extra_args=("--register", f"127.0.0.1:{store.port}", "--advertise", "127.0.0.1"))
+               for _ in range(2)]  # fmt: skip
+    try:
+        out = run(2, lambda r: {"BPS_NUM_SERVERS": "2", "BPS_LOCAL_REDUCE": "0"}, store=store)
+        assert sorted(out[0]["addresses"]) == sorted(s.address for s in servers)
+    finally:
+        for s in servers:
+            s.stop()
