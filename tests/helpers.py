@@ -43,7 +43,8 @@ class ServerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level, *self.extra_args]  # fmt: skip
+               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level]  # fmt: skip
+        cmd += self.extra_args
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + self.start_timeout
