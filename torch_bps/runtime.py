@@ -54,13 +54,15 @@ class Runtime:
     """One group's connection to the summation service. Create with `Runtime.create`."""
 
     def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
-                 client, local, server_proc: subprocess.Popen | None, addresses: list[str]):  # fmt: skip
+                 client, local, server_proc: subprocess.Popen | None, addresses: list[str], colocated: list[str],
+                 dedicated: list[str]):  # fmt: skip
         self.name = name
         self.config = config
         self.topology = topology
         self.rank = topology.rank
         self.world_size = topology.world_size
-        self.addresses = addresses
+        self.addresses = addresses  # the client's servers, in placement order
+        self._colocated, self._dedicated = colocated, dedicated  # subgroups reuse these servers
         self._store = store
         self._engine = engine
         self._client = client
@@ -149,8 +151,7 @@ class Runtime:
         credit = config.credit_bytes or auto_credit(len(addresses))
         engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local,
                                 local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
-        rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses)
-        rt._colocated, rt._dedicated = colocated, dedicated
+        rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
         if rank == 0:
             _log_split(name, topology, colocated, dedicated, weights)
         _RUNTIMES[name] = rt

@@ -112,7 +112,7 @@ class PushPullEngine:
                 # In place: my slice of the sum lands in my own tensor (no allocation: big fresh buffers page-fault).
                 op.slice_ = self.local[0].reduce_scatter(op.tensor, out=op.tensor[lo:hi])
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
-                self._fail(op, e)
+                op.error = op.error or e
                 op.net_done.set()
             else:
                 self._schedule(op, op.slice_)
@@ -184,9 +184,6 @@ class PushPullEngine:
             self._completer.submit(_complete, op.future, op.tensor, op.error)
         except RuntimeError:  # closing: nobody can be blocked on our threads any more
             _complete(op.future, op.tensor, op.error)
-
-    def _fail(self, op: _Op, error: BaseException) -> None:
-        op.error = op.error or error
 
     def close(self) -> None:
         if self.local is not None:
