@@ -240,10 +240,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         op = self._op(name, opts, input)
         check_tensor(name, output)
         n = real(output).numel()
-        if real(input).numel() != self.size() * n or output.dtype != input.dtype:
-            raise ValueError(f"{name}: input must hold world_size ({self.size()}) x output elements of the same "
-                             f"dtype, got input {tuple(input.shape)} {input.dtype}, output {tuple(output.shape)} "
-                             f"{output.dtype} ('{BACKEND}' backend)")  # fmt: skip
+        self._check_world_multiple(name, "input", input, "output", output)
         flat = cpu_flat(input)  # a copy: the caller's input must stay untouched
         mine = flat[self.rank() * n : (self.rank() + 1) * n]
         return [self._reduction(flat, op, lambda: copy_into(output, mine))]
@@ -273,10 +270,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         name = "all_gather_single"
         check_tensor(name, input)
         n = real(input).numel()
-        if real(output).numel() != self.size() * n or output.dtype != input.dtype:
-            raise ValueError(f"{name}: output must hold world_size ({self.size()}) x input elements of the same "
-                             f"dtype, got output {tuple(output.shape)} {output.dtype}, input {tuple(input.shape)} "
-                             f"{input.dtype} ('{BACKEND}' backend)")  # fmt: skip
+        self._check_world_multiple(name, "output", output, "input", input)
         s = Staged(name, output, load=False)
         lo, hi = self.rank() * n, (self.rank() + 1) * n
         s.flat[lo:hi].copy_(real(input).reshape(-1))  # first: `input` may be this very slice of `output`
@@ -292,6 +286,14 @@ class ProcessGroupBPS(dist.ProcessGroup):
             self._launched += 1
             return launch(self.runtime, self.completer, op, transfers, result, where=where, timeout=self._timeout,
                           priority=self._launched, device=device)  # fmt: skip
+
+    def _check_world_multiple(self, name: str, big_name: str, big: torch.Tensor, small_name: str,
+                              small: torch.Tensor) -> None:  # fmt: skip
+        """Refuse unless `big` holds world_size x `small`'s elements of the same dtype."""
+        if real(big).numel() != self.size() * real(small).numel() or big.dtype != small.dtype:
+            raise ValueError(f"{name}: {big_name} must hold world_size ({self.size()}) x {small_name} elements of "
+                             f"the same dtype, got {big_name} {tuple(big.shape)} {big.dtype}, {small_name} "
+                             f"{tuple(small.shape)} {small.dtype} ('{BACKEND}' backend)")  # fmt: skip
 
     def _single(self, name: str, items: list, what: str = "tensor"):
         if len(items) != 1:
