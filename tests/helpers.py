@@ -1,14 +1,22 @@
-"""Shared test helpers: real summation-server processes and a raw protocol peer (pyzmq DEALER)."""
+"""Shared test helpers: real summation-server processes, a raw protocol peer (pyzmq DEALER), and a job of
+spawned ranks with a torch.distributed default group (`run_ranks`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import traceback
+from datetime import timedelta
 
+import pytest
+import torch.distributed as dist
 import zmq
 
 from torch_bps.wire import HEADER_SIZE, Command, Header
@@ -132,3 +140,64 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# A job of spawned ranks with a "byteps" (or gloo) default group and a gloo group beside it.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, backend, env, args, results):
+    os.environ.update(env)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))  # fmt: skip
+        gloo = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        out = fn(rank, world, gloo, *args)
+        dist.barrier(group=gloo)  # rank 0 hosts the store: nobody leaves before everyone is done with it
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None = None, timeout: float = 150.0):
+    """Run `fn(rank, world, gloo_group, *args)` in `world` spawned processes; return its results by rank.
+
+    Each process joined a `backend` default group first (and a gloo group, passed as `gloo_group`). A rank's
+    exception fails the test with its traceback; a job still running after `timeout` seconds is killed.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, backend, env or {}, args, results), daemon=True)
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world:
+            left = deadline - time.monotonic()
+            if any(s == "error" for s, _ in outcome.values()):
+                left = min(left, 5.0)  # the others may be stuck in a collective with the failed rank
+            try:
+                rank, status, out = results.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                break
+            outcome[rank] = (status, out)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(outcome) == world else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}:\n{out}" for r, (s, out) in sorted(outcome.items()) if s == "error"]
+    missing = sorted(set(range(world)) - set(outcome))
+    if errors or missing:
+        pytest.fail("\n".join(errors) + (f"\nranks {missing} did not finish within {timeout}s" if missing else ""))
+    return [outcome[r][1] for r in range(world)]

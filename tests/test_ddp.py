@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.test_process_group import run_ranks
+from tests.helpers import run_ranks
 from torch_bps.process_group import ProcessGroupBPS
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -1,20 +1,16 @@
 """The "byteps" ProcessGroup: every collective against gloo's result, in real processes; its logic (staging,
 completion threads, the PowerSGD trap) against an in-process fake Runtime whose ranks are threads.
 
-`run_ranks` (the spawned-job harness) is also used by test_ddp.py and test_hook.py.
+The spawned-job harness `run_ranks` lives in tests/helpers.py.
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing
-import os
 import queue
 import re
-import socket
 import threading
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -23,72 +19,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import torch_bps
+from tests.helpers import run_ranks
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError
 from torch_bps.pg.work import Completer, Transfer, launch
 from torch_bps.process_group import ProcessGroupBPS
-
-# ---------------------------------------------------------------------------------------------------------------
-# Harness: a job of spawned ranks with a "byteps" (or gloo) default group and a gloo group beside it.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn, rank, world, port, backend, env, args, results):
-    os.environ.update(env)
-    try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))  # fmt: skip
-        gloo = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
-        out = fn(rank, world, gloo, *args)
-        dist.barrier(group=gloo)  # rank 0 hosts the store: nobody leaves before everyone is done with it
-        dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None = None, timeout: float = 150.0):
-    """Run `fn(rank, world, gloo_group, *args)` in `world` spawned processes; return its results by rank.
-
-    Each process joined a `backend` default group first (and a gloo group, passed as `gloo_group`). A rank's
-    exception fails the test with its traceback; a job still running after `timeout` seconds is killed.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, backend, env or {}, args, results), daemon=True)
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outcome) < world:
-            left = deadline - time.monotonic()
-            if any(s == "error" for s, _ in outcome.values()):
-                left = min(left, 5.0)  # the others may be stuck in a collective with the failed rank
-            try:
-                rank, status, out = results.get(timeout=max(left, 0.01))
-            except queue.Empty:
-                break
-            outcome[rank] = (status, out)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(outcome) == world else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = [f"rank {r}:\n{out}" for r, (s, out) in sorted(outcome.items()) if s == "error"]
-    missing = sorted(set(range(world)) - set(outcome))
-    if errors or missing:
-        pytest.fail("\n".join(errors) + (f"\nranks {missing} did not finish within {timeout}s" if missing else ""))
-    return [outcome[r][1] for r in range(world)]
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: every collective, byteps against gloo, in the same processes.

@@ -5,8 +5,9 @@ incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itse
 big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
 key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
 releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
-touch the ROUTER. Small keys (INLINE_BYTES) are summed on the front thread: there a thread hand-off
-costs more than the addition.
+touch the ROUTER. Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
+thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
+busy machine is short of.
 
 May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
 """
@@ -32,7 +33,7 @@ log = logging.getLogger("torch_bps.server")
 
 _REPLIES = "inproc://bps-replies-{}"
 _POLL_MS = 200  # how often the front thread looks at the stop flag
-INLINE_BYTES = 64 << 10  # keys up to this size are summed on the front thread itself
+INLINE_BYTES = 1 << 20  # keys up to this size are summed on the front thread itself
 _FRONT = -1  # KeyInfo.engine of an inline key
 
 
@@ -338,16 +339,16 @@ class SummationServer:
 
     def _check_key(self, h: Header) -> KeyInfo:
         info = self._keys.get((h.job_id, h.key))
+        if info is not None and h.nbytes == info.nbytes and h.dtype == info.dtype:
+            return info  # the hot path: no message built
         what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
         if info is None:
             raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
-        if (h.nbytes, h.dtype) != (info.nbytes, info.dtype):
-            raise ProtocolError(
-                Status.KEY_MISMATCH,
-                f"{what}: expected {info.nbytes} bytes of {_dtype_name(info.dtype)}, "
-                f"received {h.nbytes} bytes of {_dtype_name(h.dtype)}",
-            )
-        return info
+        raise ProtocolError(
+            Status.KEY_MISMATCH,
+            f"{what}: expected {info.nbytes} bytes of {_dtype_name(info.dtype)}, "
+            f"received {h.nbytes} bytes of {_dtype_name(h.dtype)}",
+        )
 
     def _stats(self) -> bytes:
         values = {**self._counts, "bytes_summed": 0, "sum_ns": 0}
