@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from benchmarks.cluster import netns, placement, theory
+from benchmarks.cluster import cli, netns, placement, sweep, theory
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
 
@@ -109,3 +109,13 @@ def test_split_covers_the_tensor_with_the_paper_shares(n, k):
     x = theory.dedicated_fraction(n, k)
     dedicated = sum(p.length for p in parts if p.server < k)
     assert dedicated / numel == pytest.approx(x, abs=1e-6)
+
+
+def test_repeated_points_report_the_median_run_and_keep_every_run():
+    times = iter([1.4, 1.2, 1.3])
+    got = sweep._median_run(3, lambda: {"seconds_per_step": next(times), "cpu": {}})
+    assert got["seconds_per_step"] == 1.3
+    assert got["runs_seconds_per_step"] == [1.2, 1.3, 1.4]
+    assert cli.make_plan(cli.parse_args([])).repeats == 3
+    assert cli.make_plan(cli.parse_args(["--quick"])).repeats == 1
+    assert cli.make_plan(cli.parse_args(["--quick", "--repeats", "5"])).repeats == 5

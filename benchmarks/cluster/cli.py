@@ -18,7 +18,7 @@ from benchmarks.cluster.byteps import run_torch_bps
 from benchmarks.cluster.ddp import DdpSpec
 from benchmarks.cluster.sweep import Plan, run
 
-QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "calibration_s": 2.0, "ddp_layers": 3}
+QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "repeats": 1, "calibration_s": 2.0, "ddp_layers": 3}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=500.0, help="link rate B in Mbit/s, each direction (default 500)")
     p.add_argument("--steps", type=int, help="timed steps per measurement (default 5; --quick 3)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2; --quick 1)")
+    p.add_argument(
+        "--repeats", type=int, help="runs per gloo, byteps and DDP point, the median is reported (default 3; --quick 1)"
+    )
     p.add_argument(
         "--placement",
         choices=["engine", "exact", "library"],
@@ -88,6 +91,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         rate_mbit=args.rate,
         steps=steps,
         warmup=warmup,
+        repeats=max(1, pick(args.repeats, "repeats", 3)),
         calibration_s=QUICK["calibration_s"] if args.quick else 3.0,
         ddp=ddp,
         ddp_k=args.ddp_k if args.ddp_k is not None else n,
