@@ -9,6 +9,7 @@ topology}.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -134,7 +135,7 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
         )  # fmt: skip
         try:
             drops_before = cluster.link_drops()
-            runs = sorted((runner(job) for _ in range(plan.repeats)), key=lambda r: r.seconds_per_step)
+            got, runs = _median_of(plan.repeats, functools.partial(runner, job), lambda r: r.seconds_per_step)
             drops = _delta(drops_before, cluster.link_drops())
         except BackendUnavailable as e:
             points.update(status="unavailable", reason=str(e))
@@ -144,11 +145,10 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             points["points"][k] = {"error": str(e)}
             say(f"byteps push/pull k={k}: FAILED: {_first_line(e)}")
             continue
-        got = runs[len(runs) // 2]
         busy = max((c.get("machine_busy", 0.0) for c in got.cpu.values()), default=0.0)  # runners may omit it
         points["points"][k] = {
             "seconds_per_step": got.seconds_per_step,
-            "runs_seconds_per_step": [r.seconds_per_step for r in runs],
+            "runs_seconds_per_step": runs,
             "machine_busy": busy,
             "cpu": got.cpu,
             "tbf_drops": drops,
@@ -239,8 +239,14 @@ def _median_run(repeats: int, measure: Callable[[], dict]) -> dict:
     One run of a point differs from the next by about ±5% on a shared 2-core machine: the median of a few
     fresh runs is what a single-run figure cannot be, a stable number to compare with a target.
     """
-    runs = sorted((measure() for _ in range(repeats)), key=lambda r: r["seconds_per_step"])
-    return {**runs[len(runs) // 2], "runs_seconds_per_step": [r["seconds_per_step"] for r in runs]}
+    got, runs = _median_of(repeats, measure, lambda r: r["seconds_per_step"])
+    return {**got, "runs_seconds_per_step": runs}
+
+
+def _median_of(repeats: int, measure: Callable[[], object], seconds: Callable[[object], float]):
+    """Run `measure` `repeats` times; return (the median run's result, every run's seconds, sorted)."""
+    runs = sorted((measure() for _ in range(repeats)), key=seconds)
+    return runs[len(runs) // 2], [seconds(r) for r in runs]
 
 
 def _runs(point: dict) -> str:

@@ -115,7 +115,10 @@ class KeyRounds:
                 f"{what} of {self.name} round {rnd} by worker {worker}: at most two rounds may be alive and the "
                 f"oldest live round is {self.floor} (every worker must pull round {self.floor} first)",
             )
-        return self.rounds.setdefault(rnd, Round())
+        r = self.rounds.get(rnd)
+        if r is None:  # not setdefault: that would build a Round on every push and pull
+            r = self.rounds[rnd] = Round()
+        return r
 
     def _closed(self, r: Round) -> bool:
         return len(r.pushed) == self.num_workers
