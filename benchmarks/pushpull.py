@@ -208,10 +208,10 @@ def library_engine(client: Client, address: str):
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
-    from torch_bps.engine.scheduler import CreditScheduler, auto_credit
+    from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
     keys = KeyBook(Placement(server_weights([address], [])), 4_096_000, lambda numel: [(0, numel)])
-    return PushPullEngine(client, keys, CreditScheduler(auto_credit(1)))
+    return PushPullEngine(client, keys, CreditScheduler(DEFAULT_CREDIT_BYTES))
 
 
 def print_header() -> None:

@@ -46,8 +46,8 @@ class Config:
     # "optimal" (the paper's split between dedicated and colocated servers), "dedicated" or "colocated".
     placement: str = field(default="optimal", metadata={"env": "BPS_PLACEMENT", "parse": str})
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
-    # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: automatic,
-    # engine.scheduler.auto_credit (512 KiB per server, at least 2 MiB).
+    # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: the default,
+    # engine.scheduler.DEFAULT_CREDIT_BYTES (2 MiB).
     credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
@@ -91,7 +91,7 @@ class Config:
         if self.partition_bytes < 64:
             raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
         if self.credit_bytes < 0:
-            raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: automatic)")
+            raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: the default)")
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         if self.num_servers < 0 or self.server_engine_threads < 1:

@@ -146,9 +146,9 @@ class Runtime:
             config.partition_bytes,
             (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
         )
-        from torch_bps.engine.scheduler import CreditScheduler, auto_credit
+        from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
-        credit = config.credit_bytes or auto_credit(len(addresses))
+        credit = config.credit_bytes or DEFAULT_CREDIT_BYTES
         engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local,
                                 local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--credit-bytes",
         type=int,
         default=0,
-        help="byteps bytes in flight per worker (default 0: the library's automatic credit)",
+        help="byteps bytes in flight per worker (default 0: the library default, 2 MiB)",
     )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")

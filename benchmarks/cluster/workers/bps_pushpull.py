@@ -55,11 +55,11 @@ def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: 
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
-    from torch_bps.engine.scheduler import CreditScheduler, auto_credit
+    from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
     weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
     keys = KeyBook(Placement(weighted), partition_bytes, lambda numel: [(0, numel)])
-    return PushPullEngine(client, keys, CreditScheduler(credit_bytes or auto_credit(len(weighted))))
+    return PushPullEngine(client, keys, CreditScheduler(credit_bytes or DEFAULT_CREDIT_BYTES))
 
 
 def main(argv: list[str] | None = None) -> int:
