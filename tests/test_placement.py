@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_bps.engine.partition import KeyBook, cut
+from torch_bps.engine.partition import MIN_PARTITION_BYTES, KeyBook, cut
 from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
 
 
@@ -86,8 +86,8 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)])
     assert book.partition_size(1 << 30) == 4 << 20  # big tensors: the configured maximum
     assert book.partition_size(64 << 20) == 512 << 10  # 64 partitions per server
-    assert book.partition_size(1 << 20) == 256 << 10  # floor: per-message overhead stays small
-    assert book.partition_size(1000) == 256 << 10
+    assert book.partition_size(1 << 20) == MIN_PARTITION_BYTES  # floor: per-message overhead stays small
+    assert book.partition_size(1000) == MIN_PARTITION_BYTES
     parts = book.plan((64 << 20) // 4, torch.float32)[0]
     assert len(parts) == 128 and [p.server for p in parts].count(0) == 64
     mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])

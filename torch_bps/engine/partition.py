@@ -24,7 +24,7 @@ from torch_bps.engine.placement import Placement
 
 MAX_PARTS = 1 << 16
 PARTS_PER_SERVER = 64
-MIN_PARTITION_BYTES = 256 << 10
+MIN_PARTITION_BYTES = 192 << 10
 MAX_SLICES = 1 << 8
 
 
@@ -81,6 +81,9 @@ class KeyBook:
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P
         of the step with P partitions per server. benchmarks/cluster, n = 4, 64 MiB: 4 MB partitions gave
         1.26-1.56 x t_opt; 16 per server 1.23 x at k = 0; 64 per server 1.11-1.16 x for k = 0..4.
+        The floor is a CPU trade-off on the 2-core test machine (k = 1..3 are at the floor, medians of 3):
+        256 KiB gave 1.15 x at k = 1, 2, 3; 192 KiB 1.13-1.14 x with the machine 73-85% busy; 128 KiB made
+        it CPU-bound (88-94% busy, 1.39 x at k = 3).
         """
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)
