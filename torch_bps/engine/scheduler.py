@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 # only lengthens the queues. It is per worker, not per server: a worker's uplink is the same however
 # many servers share it. Measured (benchmarks/cluster, n = 4, 256 KiB partitions, medians of 3):
 # k = 2 / k = 3 took 1.15 / 1.15 x t_opt with 2 MiB, 1.17 / 1.17 with 3.5 MiB (the former 512 KiB per
-# server), 1.16-1.17 with 3 MiB, 1.21 with 1.5 MiB, 1.21 / 1.32 with 1 MiB; 64 MiB in flight 1.26 at
+# server), 1.17 / 1.16 with 3 MiB, 1.16 / 1.21 with 1.5 MiB, 1.21 / 1.32 with 1 MiB; 64 MiB in flight 1.26 at
 # k = 4. Above 2 MiB the worker uplinks' tail drops grow (~30 -> 75-170 per run) and workers drift apart.
 # Small also means late, urgent partitions overtake more. It stays above a link's bandwidth-delay
 # product up to ~100 Gbit/s at 0.1 ms.
