@@ -16,16 +16,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
-# The default credit. It bounds what one worker has in flight, so it must cover its own uplink's rate
-# times a push's acknowledgement time (~4 partitions queued at a server, n workers pushing to it); more
-# only lengthens the queues. It is per worker, not per server: a worker's uplink is the same however
-# many servers share it. Measured (benchmarks/cluster, n = 4, 256 KiB partitions, medians of 3):
-# k = 2 / k = 3 took 1.15 / 1.15 x t_opt with 2 MiB, 1.17 / 1.17 with 3.5 MiB (the former 512 KiB per
-# server), 1.17 / 1.16 with 3 MiB, 1.16 / 1.21 with 1.5 MiB, 1.21 / 1.32 with 1 MiB; 64 MiB in flight 1.26 at
-# k = 4. Above 2 MiB the worker uplinks' tail drops grow (~30 -> 75-170 per run) and workers drift apart.
-# Small also means late, urgent partitions overtake more. It stays above a link's bandwidth-delay
-# product up to ~100 Gbit/s at 0.1 ms.
+# The default credit, per worker. It must cover the worker's uplink rate times a push's acknowledgement
+# time (which includes waiting behind the other workers' pushes at the server); beyond that it only
+# lengthens queues. The number of servers does not change it: they all share the one uplink. Measured
+# (benchmarks/cluster, n = 4, 256 KiB partitions, medians of 3), x t_opt at k = 2 / k = 3: 2 MiB 1.15 / 1.15;
+# 3 MiB 1.17 / 1.16; 3.5 MiB (the former 512 KiB per server) 1.17 / 1.17, with 75-170 tail drops per run on
+# the worker uplinks against ~30; 1.5 MiB 1.16 / 1.21; 1 MiB 1.21 / 1.32. 64 MiB in flight: 1.26 at k = 4.
+# Small also lets late, urgent partitions overtake more. Above a link's bandwidth-delay product up to
+# ~100 Gbit/s at 0.1 ms.
 DEFAULT_CREDIT_BYTES = 2 << 20
 
 
