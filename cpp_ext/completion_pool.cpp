@@ -21,24 +21,37 @@ void CompletionPool::post(Task task) {
   finished.swap(s.finished);
   if (s.idle >= s.tasks.size()) {
     s.ready.notify_one();
-  } else if (s.threads.size() < kMaxThreads) {
-    try {
-      std::thread t(run, state_);
-      s.threads.emplace(t.get_id(), std::move(t));
-    } catch (const std::system_error&) {
-      // Out of threads. The busy ones pick the task up when they return; with none at all, the task
-      // runs here rather than never.
-      if (s.threads.empty()) {
-        Task inline_task = std::move(s.tasks.back());
-        s.tasks.pop_back();
-        lock.unlock();
-        inline_task();
-        return;
+  } else if (s.threads.empty()) {
+    if (!grow(state_)) {
+      // No thread at all and none to be had: run the task here rather than never.
+      Task inline_task = std::move(s.tasks.back());
+      s.tasks.pop_back();
+      lock.unlock();
+      inline_task();
+      return;
+    }
+  } else {
+    if (!s.watchdog.joinable()) {
+      try {
+        s.watchdog = std::thread(watch, state_);
+      } catch (const std::system_error&) {
+        // Without a watchdog the pool does not grow; the busy threads take the task when they return.
       }
     }
+    s.stalled.notify_one();  // the busy threads may take it; if they do not, the watchdog adds one
   }
   lock.unlock();
   for (auto& t : finished) t.join();
+}
+
+bool CompletionPool::grow(const std::shared_ptr<State>& state) {
+  try {
+    std::thread t(run, state);
+    state->threads.emplace(t.get_id(), std::move(t));
+    return true;
+  } catch (const std::system_error&) {
+    return false;
+  }
 }
 
 void CompletionPool::run(std::shared_ptr<State> state) {
@@ -63,10 +76,24 @@ void CompletionPool::run(std::shared_ptr<State> state) {
     }
     Task task = std::move(s.tasks.front());
     s.tasks.pop_front();
+    ++s.started;
     lock.unlock();
     task();
     task = nullptr;  // destroy what it captured before taking the lock again
     lock.lock();
+  }
+}
+
+void CompletionPool::watch(std::shared_ptr<State> state) {
+  State& s = *state;
+  auto waiting = [&s] { return !s.tasks.empty() && s.idle == 0; };
+  std::unique_lock<std::mutex> lock(s.mutex);
+  while (!s.stopping) {
+    s.stalled.wait(lock, [&] { return waiting() || s.stopping; });
+    uint64_t seen = s.started;
+    s.stalled.wait_for(lock, kGrowAfter, [&s] { return s.stopping; });
+    // Still waiting and nothing started for kGrowAfter: every thread is stuck in a callback.
+    if (!s.stopping && waiting() && s.started == seen && s.threads.size() < kMaxThreads) grow(state);
   }
 }
 
@@ -75,6 +102,7 @@ void CompletionPool::shutdown() {
   std::unique_lock<std::mutex> lock(s.mutex);
   s.stopping = true;
   s.ready.notify_all();
+  s.stalled.notify_all();
   std::vector<std::thread> joinable;
   for (auto& entry : s.threads) {
     if (entry.first == std::this_thread::get_id()) {
@@ -86,6 +114,7 @@ void CompletionPool::shutdown() {
   s.threads.clear();
   for (auto& t : s.finished) joinable.push_back(std::move(t));
   s.finished.clear();
+  if (s.watchdog.joinable()) joinable.push_back(std::move(s.watchdog));
   lock.unlock();
   for (auto& t : joinable) t.join();
   // Whatever is still queued (e.g. only the detached caller was left to run it) runs here.
