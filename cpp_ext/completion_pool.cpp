@@ -27,6 +27,7 @@ void CompletionPool::post(Task task) {
       Task inline_task = std::move(s.tasks.back());
       s.tasks.pop_back();
       lock.unlock();
+      for (auto& t : finished) t.join();
       inline_task();
       return;
     }
