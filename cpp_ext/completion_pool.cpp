@@ -39,7 +39,9 @@ void CompletionPool::post(Task task) {
         // Without a watchdog the pool does not grow; the busy threads take the task when they return.
       }
     }
-    s.stalled.notify_one();  // the busy threads may take it; if they do not, the watchdog adds one
+    // The busy threads may take it; if they do not, the watchdog adds one. Not woken while it counts
+    // down already: that would cost a thread switch per completion in a busy stretch.
+    if (!s.counting) s.stalled.notify_one();
   }
   lock.unlock();
   for (auto& t : finished) t.join();
@@ -92,7 +94,9 @@ void CompletionPool::watch(std::shared_ptr<State> state) {
   while (!s.stopping) {
     s.stalled.wait(lock, [&] { return waiting() || s.stopping; });
     uint64_t seen = s.started;
+    s.counting = true;
     s.stalled.wait_for(lock, kGrowAfter, [&s] { return s.stopping; });
+    s.counting = false;
     // Still waiting and nothing started for kGrowAfter: every thread is stuck in a callback.
     if (!s.stopping && waiting() && s.started == seen && s.threads.size() < kMaxThreads) grow(state);
   }

@@ -57,6 +57,7 @@ class CompletionPool {
     std::thread watchdog;
     size_t idle = 0;
     uint64_t started = 0;  // tasks taken off the queue so far: the watchdog's measure of progress
+    bool counting = false;  // the watchdog is waiting kGrowAfter to see whether any task starts
     bool stopping = false;
   };
 
