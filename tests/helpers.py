@@ -201,3 +201,12 @@ def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None =
     if errors or missing:
         pytest.fail("\n".join(errors) + (f"\nranks {missing} did not finish within {timeout}s" if missing else ""))
     return [outcome[r][1] for r in range(world)]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process pid (VmRSS), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")

@@ -213,16 +213,19 @@ def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: 
     """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
-        proc, port = _start_server(config, timeout)
-        ns.set(f"colocated/{topo.node_rank}", f"{_advertised_host(config, store_host)}:{port}")
+        host = _advertised_host(config, store_host)
+        proc, port = _start_server(config, timeout, _bind_address(host))
+        ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
 
 
-def _start_server(config: Config, timeout: float) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "0.0.0.0", "--port", "0", "--exit-with-parent",
-           "--engine-threads", str(config.server_engine_threads)]  # fmt: skip
+def _start_server(config: Config, timeout: float, bind: str) -> tuple[subprocess.Popen, int]:
+    # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
+    max_frame = max(16 << 20, config.partition_bytes)
+    cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
+           "--engine-threads", str(config.server_engine_threads), "--max-frame-bytes", str(max_frame)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
@@ -248,6 +251,14 @@ def _advertised_host(config: Config, store_host: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def _bind_address(host: str) -> str:
+    """Return the IP address to listen on for an advertised host (ZeroMQ binds addresses, not names)."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise TransportError(f"cannot resolve {host!r}, the address this machine's embedded server advertises") from e
 
 
 def _log_split(name, topo: Topology, colocated, dedicated, weights) -> None:

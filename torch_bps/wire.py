@@ -48,6 +48,8 @@ class Status(enum.IntEnum):
     KEY_MISMATCH = 8  # size or dtype differs from the key's declaration
     BAD_ROUND = 9  # round already freed, or too far ahead
     INTERNAL = 10
+    # 16, not 11: leaves 11-15 to the statuses of worker-loss detection.
+    OVER_QUOTA = 16  # the job's memory quota or the server's bound would be exceeded (see server/limits.py)
 
 
 # dtype codes on the wire; the table is part of the protocol (never renumber).

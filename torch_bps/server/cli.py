@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torch_bps.server.limits import Limits
 from torch_bps.server.server import SummationServer
 
 
@@ -24,7 +25,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="torch_bps summation server: workers push gradient partitions, pull back the sums.",
     )
     p.add_argument(
-        "--host", default=os.environ.get("BPS_SERVER_HOST", "0.0.0.0"), help="address to bind (default %(default)s)"
+        "--host",
+        "--bind",
+        dest="host",
+        default=os.environ.get("BPS_SERVER_HOST"),
+        help="address to listen on, required: the interface workers reach this server at (0.0.0.0: every "
+        "interface); env BPS_SERVER_HOST",
     )
     p.add_argument(
         "--port",
@@ -58,12 +64,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
     )
+    limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
+    limits.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=_env_int("BPS_SERVER_MAX_FRAME_BYTES", Limits.max_frame_bytes),
+        help="largest frame read from a peer; a bigger one drops its connection unread; must cover the workers' "
+        "BPS_PARTITION_BYTES (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-memory-bytes",
+        type=int,
+        default=_env_int("BPS_SERVER_MAX_MEMORY_BYTES", 0),
+        help="what all jobs together may make this server hold (default 0: half the machine's memory)",
+    )
+    limits.add_argument(
+        "--job-quota-bytes",
+        type=int,
+        default=_env_int("BPS_SERVER_JOB_QUOTA_BYTES", 0),
+        help="what one job may make this server hold (default 0: --max-memory-bytes)",
+    )
+    limits.add_argument(
+        "--job-lease",
+        type=float,
+        default=float(os.environ.get("BPS_SERVER_JOB_LEASE", Limits.job_lease_seconds)),
+        help="seconds without a request after which a job is forgotten (default %(default)s)",
+    )
     args = p.parse_args(argv)
+    if not args.host:
+        p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
     if args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
+    args.limits = Limits(args.max_frame_bytes, args.max_memory_bytes, args.job_quota_bytes, args.job_lease)
+    try:
+        args.limits.check()
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     _keep_freed_memory()
     try:
-        server = SummationServer(args.host, args.port, args.engine_threads)
+        server = SummationServer(args.host, args.port, args.engine_threads, args.limits)
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

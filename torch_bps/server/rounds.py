@@ -1,9 +1,9 @@
 """Versioned rounds of one key: sums kept apart per round, closed by distinct workers, bounded memory.
 
 The rules are docs/protocol.md's: round r closes when every worker of the job pushed it; a duplicate
-push is acknowledged and ignored; pulls of r are answered once r closed; r is freed once every worker
-pulled it; at most two rounds are alive (floor and floor + 1). A KeyRounds is owned by one engine
-thread: nothing here locks.
+push is acknowledged and ignored; pulls of r are answered once r closed (a worker's second pull of a round
+still waiting is refused); r is freed once every worker pulled it; at most two rounds are alive (floor and
+floor + 1). A KeyRounds is owned by one engine thread: nothing here locks.
 
 May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
 """
@@ -95,6 +95,11 @@ class KeyRounds:
             self._free_done()
             raise ProtocolError(Status.KEY_MISMATCH, f"pull of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if not self._closed(r):
+            if any(waiting == worker for _, waiting in r.waiting):  # keeps waiting pulls <= workers per round
+                raise ProtocolError(
+                    Status.BAD_ROUND,
+                    f"pull of {self.name} round {rnd} by worker {worker}: this worker's pull of the round already waits",
+                )
             r.waiting.append((token, worker))
             return None
         r.pulled.add(worker)

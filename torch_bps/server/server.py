@@ -20,12 +20,14 @@ import os
 import queue
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from torch_bps.errors import ProtocolError
+from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
 from torch_bps.server.rounds import KeyRounds, SumCounters
 from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Status
 
@@ -35,6 +37,8 @@ _REPLIES = "inproc://bps-replies-{}"
 _POLL_MS = 200  # how often the front thread looks at the stop flag
 INLINE_BYTES = 1 << 20  # keys up to this size are summed on the front thread itself
 _FRONT = -1  # KeyInfo.engine of an inline key
+_FORGET = object()  # as an owner item's ident: drop every key of the job named by the item's header
+_SWEEP_SECONDS = 10.0  # how often the front thread looks for jobs past their lease
 
 
 @dataclass
@@ -64,6 +68,8 @@ class KeyOwner:
         ident None means the front thread refused a push of this key: its round fails for everyone.
         """
         ident, header, payload, num_workers = item
+        if ident is _FORGET:
+            return self._forget(send, header)
         if ident is None:
             return self._refuse(send, header, payload, num_workers)
         try:
@@ -81,6 +87,13 @@ class KeyOwner:
             name = f"job {header.job_id:#x} key {header.key}"
             rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, num_workers, self.counters)
         return rounds
+
+    def _forget(self, send, job_id: int) -> None:
+        for job_key in [k for k in self._keys if k[0] == job_id]:
+            for r in self._keys.pop(job_key).rounds.values():
+                for (ident, pull), _ in r.waiting:
+                    message = f"job {job_id:#x} was forgotten by this server: no request for longer than its lease"
+                    send(_error(ident, pull, Status.UNKNOWN_JOB, message))
 
     def _refuse(self, send, header: Header, reason: str, num_workers: int) -> None:
         reason = f"the round failed because another worker's push was refused ({reason})"
@@ -111,10 +124,11 @@ class KeyOwner:
 class Engine(threading.Thread):
     """A thread owning the keys placed on it; replies go back to the front thread over inproc."""
 
-    def __init__(self, index: int, ctx: zmq.Context, reply_address: str):
+    def __init__(self, index: int, ctx: zmq.Context, reply_address: str, backlog: EngineBacklog):
         super().__init__(name=f"bps-engine-{index}", daemon=True)
         self.index = index
         self.inbox: queue.Queue = queue.Queue()
+        self.backlog = backlog  # bytes of pushes queued here; released once processed
         self.bytes_owned = 0  # load measure used to place new keys
         self.owner = KeyOwner(self.name)
         self._ctx = ctx
@@ -123,13 +137,20 @@ class Engine(threading.Thread):
     def run(self) -> None:
         out = self._ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 0)  # never block: the front thread may be waiting for this engine's backlog
         out.connect(self._reply_address)
         send = functools.partial(out.send_multipart, copy=False)
         try:
             while (item := self.inbox.get()) is not None:
                 self.owner.handle(item, send)
+                self.backlog.release(_queued_bytes(item))
         finally:
             out.close()
+
+
+def _queued_bytes(item: tuple) -> int:
+    payload = item[2]
+    return len(payload) if isinstance(payload, zmq.Frame) else 0
 
 
 def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
@@ -156,12 +177,17 @@ class SummationServer:
         server = SummationServer("127.0.0.1", 0, engine_threads=2); server.start(); ...; server.stop()
     """
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 9000, engine_threads: int = 2):
+    def __init__(self, host: str = "127.0.0.1", port: int = 9000, engine_threads: int = 2, limits: Limits | None = None):
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
+        self.limits = (limits or Limits()).resolved()
+        self.limits.check()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished worker are dropped, not raised
+        # A bigger frame drops its connection as soon as its length is read: it is never allocated.
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + FRAME_SLACK)
+        self._router.setsockopt(zmq.RCVHWM, self.limits.queue_messages)
         if port:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -170,8 +196,12 @@ class SummationServer:
         self.host = host
         reply_address = _REPLIES.format(id(self))
         self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.RCVHWM, 0)
         self._replies.bind(reply_address)
-        self._engines = [Engine(i, self._ctx, reply_address) for i in range(max(1, engine_threads))]
+        self._backlog = EngineBacklog(self.limits.backlog_bytes)
+        self._engines = [Engine(i, self._ctx, reply_address, self._backlog) for i in range(max(1, engine_threads))]
+        self._book = MemoryBook(self.limits)
+        self._next_sweep = 0.0
         self._inline = KeyOwner("front thread")  # small keys: a hand-off to an engine costs more than the sum
         self._jobs: dict[int, Job] = {}
         self._keys: dict[tuple[int, int], KeyInfo] = {}
@@ -230,6 +260,7 @@ class SummationServer:
     def _on_request(self, frames: list) -> None:
         ident, rest = frames[0], frames[1:]
         header = None
+        self._sweep()
         try:
             if not rest:
                 raise ProtocolError(Status.BAD_FRAME, "message has no header frame")
@@ -272,6 +303,7 @@ class SummationServer:
             raise ProtocolError(
                 Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}"
             )
+        self._book.touch(h.job_id)
         if h.command == Command.INIT:
             return self._init(ident, h)
         info = self._check_key(h)
@@ -294,15 +326,19 @@ class SummationServer:
         if info.engine == _FRONT:
             self._inline.handle(item, self._send)
         else:
+            self._backlog.acquire(_queued_bytes(item))
             self._engines[info.engine].inbox.put(item)
 
     def _hello(self, ident, h: Header) -> None:
         job = self._jobs.get(h.job_id)
-        if h.num_workers == 0 or h.worker >= h.num_workers:
+        if h.num_workers == 0 or h.worker >= h.num_workers or h.num_workers > self.limits.max_workers:
             raise ProtocolError(
-                Status.JOB_MISMATCH, f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers}"
+                Status.JOB_MISMATCH,
+                f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers} (at most "
+                f"{self.limits.max_workers} workers)",
             )
         if job is None:
+            self._charge(self._book.add_job, h.job_id)
             job = self._jobs[h.job_id] = Job(h.num_workers)
             log.info("job %#x: %d workers", h.job_id, h.num_workers)
         elif job.num_workers != h.num_workers:
@@ -312,6 +348,7 @@ class SummationServer:
                 f"but the job was declared with {job.num_workers}",
             )
         job.workers.add(h.worker)
+        self._book.touch(h.job_id)
         self._send([ident, h.reply(incarnation=self.incarnation).pack()])
 
     def _init(self, ident, h: Header) -> None:
@@ -327,6 +364,7 @@ class SummationServer:
             )
         info = self._keys.get((h.job_id, h.key))
         if info is None:
+            self._charge(self._book.add_key, h.job_id, h.nbytes, self._jobs[h.job_id].num_workers)
             owner = _FRONT
             if h.nbytes > INLINE_BYTES:
                 engine = min(self._engines, key=lambda e: e.bytes_owned)
@@ -336,6 +374,36 @@ class SummationServer:
         else:
             self._check_key(h)
         self._send([ident, h.reply().pack()])
+
+    def _charge(self, add, *args) -> None:
+        """Charge the memory book; when full, forget jobs past their lease first and try once more."""
+        try:
+            add(*args)
+        except ProtocolError:
+            self._sweep(force=True)
+            add(*args)
+
+    def _sweep(self, force: bool = False) -> None:
+        """Forget every job past its lease (at most every _SWEEP_SECONDS unless forced)."""
+        now = time.monotonic()
+        if now < self._next_sweep and not force:
+            return
+        self._next_sweep = now + min(_SWEEP_SECONDS, self.limits.job_lease_seconds / 4)
+        for job_id in self._book.expired():
+            self.forget_job(job_id)
+
+    def forget_job(self, job_id: int) -> None:
+        """Drop job_id: its registration, keys and rounds (answering nothing still waiting), and its charge."""
+        log.info("job %#x: forgotten after %.0f s without a request", job_id, self.limits.job_lease_seconds)
+        self._jobs.pop(job_id, None)
+        for job_key in [k for k in self._keys if k[0] == job_id]:
+            info = self._keys.pop(job_key)
+            if info.engine != _FRONT:
+                self._engines[info.engine].bytes_owned -= info.nbytes
+        self._inline.handle((_FORGET, job_id, None, 0), self._send)
+        for e in self._engines:
+            e.inbox.put((_FORGET, job_id, None, 0))
+        self._book.release(job_id)
 
     def _check_key(self, h: Header) -> KeyInfo:
         info = self._keys.get((h.job_id, h.key))
