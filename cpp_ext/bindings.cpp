@@ -37,7 +37,7 @@ py::object toPyException(const ErrorInfo& error) {
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
-           py::function onComplete) {
+           py::function onComplete, CurveKeys curve) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -52,7 +52,7 @@ class PyClient {
         e.discard_as_unraisable("torch_bps completion handler");
       }
     };
-    ClientOptions options{std::move(servers), jobId, worker, numWorkers, timeout};
+    ClientOptions options{std::move(servers), jobId, worker, numWorkers, timeout, std::move(curve)};
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete));
   }
@@ -132,9 +132,16 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<PyClient>(m, "Client")
-      .def(py::init<std::vector<std::string>, uint64_t, uint32_t, uint32_t, double, py::function>(),
+      .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
+                       double timeout, py::function onComplete, std::string curvePublic, std::string curveSecret,
+                       std::vector<std::string> curveServerKeys) {
+             bps::CurveKeys curve{std::move(curvePublic), std::move(curveSecret), std::move(curveServerKeys)};
+             return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, std::move(onComplete),
+                                 std::move(curve));
+           }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
-           py::arg("on_complete"))
+           py::arg("on_complete"), py::arg("curve_public") = "", py::arg("curve_secret") = "",
+           py::arg("curve_server_keys") = std::vector<std::string>{})
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",

@@ -47,7 +47,7 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   try {
     for (size_t i = 0; i < n; ++i) {
       std::string monitor = formatText("inproc://bps-monitor-%p-%zu", static_cast<void*>(this), i);
-      links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor));
+      links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor, options_.curve.forServer(i)));
     }
   } catch (...) {
     links_.clear();

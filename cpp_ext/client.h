@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "completion_pool.h"
+#include "curve_keys.h"
 #include "errors.h"
 #include "server_link.h"
 #include "wire.h"
@@ -37,6 +38,7 @@ struct ClientOptions {
   uint32_t worker = 0;
   uint32_t numWorkers = 1;
   double timeoutSeconds = 300.0;  // per request, from when it is sent
+  CurveKeys curve;  // no server keys: no CURVE
 };
 
 // Runs on a CompletionPool thread once per pushPull()/stats(), with the token given there.

@@ -3,6 +3,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 namespace bps {
 namespace {
@@ -16,7 +17,8 @@ std::string zmqError(const std::string& what) { return what + ": " + zmq_strerro
 
 }  // namespace
 
-ServerLink::ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint)
+ServerLink::ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
+                       const LinkKeys& keys)
     : address_(address) {
   socket_ = zmq_socket(context, ZMQ_DEALER);
   if (socket_ == nullptr) throw Error(ErrorKind::kTransport, zmqError("cannot create a socket for " + address));
@@ -26,6 +28,19 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
   setInt(socket_, ZMQ_RCVHWM, 0);
   setInt(socket_, ZMQ_HEARTBEAT_IVL, kHeartbeatIntervalMs);
   setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, kHeartbeatTimeoutMs);
+  if (keys.enabled()) {
+    // Before connecting: the handshake of the very first connection must already be CURVE.
+    const std::pair<int, const std::string*> options[] = {
+        {ZMQ_CURVE_SERVERKEY, &keys.serverKey}, {ZMQ_CURVE_PUBLICKEY, &keys.publicKey},
+        {ZMQ_CURVE_SECRETKEY, &keys.secretKey}};
+    for (const auto& [option, key] : options) {
+      if (zmq_setsockopt(socket_, option, key->data(), key->size()) != 0) {
+        std::string message = zmqError("cannot set the CURVE keys for " + address);
+        close();
+        throw Error(ErrorKind::kTransport, message);
+      }
+    }
+  }
   bool ipv6 = address.find('[') != std::string::npos;
   if (ipv6) setInt(socket_, ZMQ_IPV6, 1);
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "curve_keys.h"
 #include "wire.h"
 
 namespace bps {
@@ -53,8 +54,10 @@ class ServerLink {
   static constexpr int kHeartbeatIntervalMs = 5000;
   static constexpr int kHeartbeatTimeoutMs = 30000;
 
-  // Connect a DEALER to `address` ("host:port"); throws Error(kTransport) if ZeroMQ refuses it.
-  ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint);
+  // Connect a DEALER to `address` ("host:port"), as a CURVE client if keys.enabled(); throws
+  // Error(kTransport) if ZeroMQ refuses it (an address, or keys that are not 40 characters of Z85).
+  ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
+             const LinkKeys& keys = LinkKeys{});
   ~ServerLink();
   ServerLink(const ServerLink&) = delete;
   ServerLink& operator=(const ServerLink&) = delete;

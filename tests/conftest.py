@@ -6,6 +6,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.helpers import ServerProcess  # noqa: E402
+from torch_bps.security import new_secret  # noqa: E402
+
+# Authentication is on in the suite: every server a test starts (helpers.ServerProcess) requires this pool
+# credential, and every worker, client and raw peer (which inherit the environment) presents it.
+os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 import zmq
 
+from torch_bps.security import ClientKeys
 from torch_bps.wire import HEADER_SIZE, Command, Header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +36,11 @@ class ServerProcess:
         log_level: str = "WARNING",
         start_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        auth: bool = True,
     ):
+        """auth: require BPS_POOL_CREDENTIAL (conftest sets one for the session) with CURVE; False: --auth off."""
         self.extra_args = tuple(extra_args)
+        self.credential = os.environ.get("BPS_POOL_CREDENTIAL", "") if auth else ""
         self.port = port
         self.engine_threads = engine_threads
         self.log_level = log_level
@@ -52,8 +56,9 @@ class ServerProcess:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--engine-threads", str(self.engine_threads), "--log-level", self.log_level]  # fmt: skip
-        cmd += self.extra_args
+        cmd += self.extra_args if self.credential else ("--auth", "off", *self.extra_args)
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env["BPS_POOL_CREDENTIAL"] = self.credential or ""
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + self.start_timeout
         line = ""
@@ -94,10 +99,19 @@ class ServerProcess:
 class RawPeer:
     """A worker speaking the wire protocol by hand through a pyzmq DEALER: for server-side tests."""
 
-    def __init__(self, address: str, job_id: int = 1, worker: int = 0, num_workers: int = 1, timeout: float = 10.0):
+    def __init__(self, address: str, job_id: int = 1, worker: int = 0, num_workers: int = 1, timeout: float = 10.0,
+                 curve: tuple | bool | None = None):  # fmt: skip
+        """curve: (client KeyPair, server public key) to connect with (torch_bps.security.derive); None: the
+        pool keys of BPS_POOL_CREDENTIAL for job_id, as `Client` uses, if it is set; False: no CURVE."""
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is None and (keys := ClientKeys.from_environment(job_id, 1)) is not None:
+            curve = (keys.client, keys.server_keys[0])
+        if curve:
+            client, server_key = curve
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = (
+                client.public, client.secret, server_key)  # fmt: skip
         self.sock.connect(f"tcp://{address}")
         self.timeout_ms = int(timeout * 1000)
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers

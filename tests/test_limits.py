@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from tests.helpers import RawPeer, ServerProcess, rss_bytes
 from tests.test_server import declare, error_of, pull, push
@@ -44,14 +43,10 @@ def test_an_oversized_frame_drops_its_connection_unread():
     server = limited_server("--max-frame-bytes", str(4 * MB))
     try:
         before = rss_bytes(server.proc.pid)
-        ctx = zmq.Context()
-        attacker = ctx.socket(zmq.DEALER)
-        attacker.setsockopt(zmq.LINGER, 0)
-        attacker.connect(f"tcp://{server.address}")
-        attacker.send_multipart([b"\0" * 72, b"\0" * (256 * MB)])  # a bogus header in front of 256 MiB
+        attacker = RawPeer(server.address, 666)  # holds the pool credential: authenticated
+        attacker.sock.send_multipart([b"\0" * 72, b"\0" * (256 * MB)])  # a bogus header in front of 256 MiB
         time.sleep(1.0)
         attacker.close()
-        ctx.term()
         assert rss_bytes(server.proc.pid) - before < SLACK
         assert server.alive()
         still_sums(server, 1)

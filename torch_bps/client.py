@@ -13,7 +13,7 @@ becomes ServerError(status, message). After a failure the key's rounds may be ou
 other workers (the job is broken, as after a collective error), and a timed-out push may still be
 leaving: do not reuse that tensor's memory for anything the server must not see.
 
-May import: the standard library, torch, torch_bps.wire, torch_bps.errors and torch_bps._C.
+May import: the standard library, torch, torch_bps.wire, torch_bps.errors, torch_bps.security and torch_bps._C.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from torch_bps import _C
+from torch_bps.errors import TransportError
+from torch_bps.security import ClientKeys
 from torch_bps.wire import DTYPE_CODES, STATS_FIELDS
 
 _U64 = 1 << 64
@@ -83,6 +85,10 @@ class Client:
         num_workers: how many workers push every round.
         timeout: seconds a request may wait for its reply (from when it is sent).
         connect_timeout: seconds to wait for every server's HELLO reply.
+        curve: CURVE keys (torch_bps.security.ClientKeys, one server key per server): every connection is
+            authenticated and encrypted. None: keys from BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is
+            not off; see ClientKeys.from_environment); False: plain connections, for servers run with
+            `--auth off`.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -98,6 +104,7 @@ class Client:
         *,
         timeout: float = 300.0,
         connect_timeout: float = 30.0,
+        curve: ClientKeys | bool | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -119,10 +126,27 @@ class Client:
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
         self._keys: dict[int, tuple[int, torch.dtype, int]] = {}  # key -> (numel, dtype, server)
         self._pending = _Pending()
-        self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, self._pending.complete)
+        keys = {}
+        if curve is None:
+            curve = ClientKeys.from_environment(job_id, len(self._servers))
+        if isinstance(curve, ClientKeys):
+            if len(curve.server_keys) != len(self._servers):
+                raise ValueError(f"curve has {len(curve.server_keys)} server keys for {len(self._servers)} servers")
+            keys = dict(curve_public=curve.client.public.decode(), curve_secret=curve.client.secret.decode(),
+                        curve_server_keys=[k.decode() for k in curve.server_keys])  # fmt: skip
+        self._impl = _C.Client(
+            list(self._servers), job_id, worker, num_workers, timeout, self._pending.complete, **keys
+        )
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
+        except TransportError as e:
+            self.close()
+            how = "with CURVE keys" if isinstance(curve, ClientKeys) else "without authentication"
+            raise TransportError(
+                f"{e}. This client connects {how}: a server that runs otherwise, or holds another credential, "
+                "drops the connection (check BPS_AUTH and BPS_POOL_CREDENTIAL on both sides)"
+            ) from e
         except BaseException:
             self.close()
             raise

@@ -10,7 +10,7 @@ process that started it dies.
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.config, errors, topology, registry, client, local, engine.
+May import: torch, torch_bps.config, errors, topology, registry, security, client, local, engine.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from torch_bps.config import Config
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
-from torch_bps.errors import BpsTimeoutError, TransportError
+from torch_bps.errors import BpsTimeoutError, ConfigError, TransportError
 from torch_bps.registry import registered_servers
+from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
 from torch_bps.topology import Topology
 
 log = logging.getLogger("torch_bps")
@@ -68,6 +69,7 @@ class Runtime:
         self._client = client
         self._local = local
         self._server_proc = server_proc
+        self._secret = ""  # the job's secret, which its CURVE keys derive from; set by create()
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -99,7 +101,9 @@ class Runtime:
         server_proc = None
         if base is not None and name != "default":
             colocated, dedicated = base._colocated, base._dedicated
+            secret = base._secret  # its embedded servers accept the default group's key only
         else:
+            secret = _agree_secret(ns, rank, timeout)
             dedicated = list(config.servers)
             if config.num_servers:
                 dedicated += registered_servers(raw_store(store), config.num_servers, timeout)
@@ -108,7 +112,7 @@ class Runtime:
                 config.placement == "optimal" and len(dedicated) < topology.num_nodes
             )
             if needs_colocated:
-                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store))
+                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -121,6 +125,7 @@ class Runtime:
             topology.num_nodes if hierarchical else world_size,
             timeout=config.timeout,
             connect_timeout=timeout,
+            curve=_client_keys(config, secret, weights),
         )
         local = None
         if hierarchical:
@@ -152,6 +157,7 @@ class Runtime:
         engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local,
                                 local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
+        rt._secret = secret
         if rank == 0:
             _log_split(name, topology, colocated, dedicated, weights)
         _RUNTIMES[name] = rt
@@ -202,6 +208,27 @@ def _agree_job_id(ns: dist.Store, rank: int, timeout: float) -> int:
     return int(ns.get("job_id"))
 
 
+def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
+    """The job's secret, drawn by rank 0: every worker's CURVE key and its embedded servers' derive from it."""
+    if rank == 0:
+        ns.set("secret", new_secret())
+    _wait(ns, ["secret"], timeout, "the job's secret from rank 0")
+    return ns.get("secret").decode()
+
+
+def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
+    """CURVE keys for the servers in placement order: embedded ones from the job's secret, dedicated ones
+    from the pool credential."""
+    if config.auth == "off":
+        return False
+    if any(s.dedicated for s in weights) and not config.pool_credential:
+        raise ConfigError(
+            "dedicated servers need the pool credential their operator gave them: set BPS_POOL_CREDENTIAL "
+            "(or BPS_AUTH=off if they run with --auth off, on a trusted network)"
+        )
+    return ClientKeys.for_servers(secret, [config.pool_credential if s.dedicated else secret for s in weights])
+
+
 def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
     try:
         store.wait(keys, timedelta(seconds=timeout))
@@ -209,24 +236,28 @@ def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None
         raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
 
 
-def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str):
+def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str):
     """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
         host = _advertised_host(config, store_host)
-        proc, port = _start_server(config, timeout, _bind_address(host))
+        proc, port = _start_server(config, timeout, _bind_address(host), secret)
         ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
 
 
-def _start_server(config: Config, timeout: float, bind: str) -> tuple[subprocess.Popen, int]:
+def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
     # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
            "--engine-threads", str(config.server_engine_threads), "--max-frame-bytes", str(max_frame)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # The secret goes by environment, which only this user can read, never on the command line.
+    env = {**os.environ, JOB_SECRET_ENV: secret}
+    if config.auth == "off":
+        cmd += ["--auth", "off"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
     reader.start()

@@ -1,6 +1,6 @@
 """`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT or SIGTERM.
 
-May import: the standard library, torch and torch_bps.server.
+May import: the standard library, torch, torch_bps.security and torch_bps.server.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from torch_bps.security import JOB_SECRET_ENV
+from torch_bps.server.auth import ServerSecurity
 from torch_bps.server.limits import Limits
 from torch_bps.server.server import SummationServer
 
@@ -64,6 +66,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
     )
+    auth = p.add_argument_group("authentication (see torch_bps/server/auth.py)")
+    auth.add_argument(
+        "--auth",
+        choices=("curve", "off"),
+        default=os.environ.get("BPS_AUTH", "curve"),
+        help="curve: only workers holding the pool credential get in, every connection encrypted; off: anyone "
+        "who reaches the port, in clear (a trusted network only). Env BPS_AUTH (default %(default)s)",
+    )
+    auth.add_argument(
+        "--credential-file",
+        metavar="PATH",
+        help="file holding the pool credential (default: env BPS_POOL_CREDENTIAL); give jobs the same one",
+    )
     limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
     limits.add_argument(
         "--max-frame-bytes",
@@ -97,12 +112,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--engine-threads must be at least 1")
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
+    try:
+        args.security = _security(args)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     args.limits = Limits(args.max_frame_bytes, args.max_memory_bytes, args.job_quota_bytes, args.job_lease)
     try:
         args.limits.check()
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def _security(args: argparse.Namespace) -> ServerSecurity | None:
+    """The server's authentication: an embedded server's job secret (from its parent, by environment),
+    else the pool credential; never a secret on the command line, where every user of the machine sees it."""
+    job_secret = os.environ.pop(JOB_SECRET_ENV, "")
+    if args.auth == "off":
+        return None
+    if job_secret:
+        return ServerSecurity.for_job(job_secret)
+    if args.credential_file:
+        with open(args.credential_file) as f:
+            credential = f.read().strip()
+        if not credential:
+            raise ValueError(f"--credential-file {args.credential_file} is empty")
+    else:
+        credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
+    if not credential:
+        raise ValueError(
+            "authentication is on and no credential was given: set BPS_POOL_CREDENTIAL (or --credential-file) to "
+            "the pool credential the jobs also get (`python -m torch_bps.security` prints a new one), or --auth off "
+            "on a trusted network"
+        )
+    return ServerSecurity.for_pool(credential)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -116,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     _keep_freed_memory()
     try:
-        server = SummationServer(args.host, args.port, args.engine_threads, args.limits)
+        server = SummationServer(args.host, args.port, args.engine_threads, args.limits, args.security)
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from torch_bps.errors import ProtocolError
+from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
 from torch_bps.server.rounds import KeyRounds, SumCounters
 from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Status
@@ -177,7 +178,14 @@ class SummationServer:
         server = SummationServer("127.0.0.1", 0, engine_threads=2); server.start(); ...; server.stop()
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9000, engine_threads: int = 2, limits: Limits | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9000,
+        engine_threads: int = 2,
+        limits: Limits | None = None,
+        security: ServerSecurity | None = None,
+    ):
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
         self.limits = (limits or Limits()).resolved()
         self.limits.check()
@@ -188,6 +196,8 @@ class SummationServer:
         # A bigger frame drops its connection as soon as its length is read: it is never allocated.
         self._router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + FRAME_SLACK)
         self._router.setsockopt(zmq.RCVHWM, self.limits.queue_messages)
+        self.security = security
+        self.zap = security.apply(self._ctx, self._router) if security is not None else None
         if port:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -204,6 +214,7 @@ class SummationServer:
         self._next_sweep = 0.0
         self._inline = KeyOwner("front thread")  # small keys: a hand-off to an engine costs more than the sum
         self._jobs: dict[int, Job] = {}
+        self._guard = JobGuard(self._jobs)
         self._keys: dict[tuple[int, int], KeyInfo] = {}
         self._counts = dict.fromkeys(("pushes", "pulls", "bytes_in", "bytes_out", "errors"), 0)
         self._stop = threading.Event()
@@ -265,7 +276,11 @@ class SummationServer:
             if not rest:
                 raise ProtocolError(Status.BAD_FRAME, "message has no header frame")
             header = Header.unpack(rest[0].bytes)
+            identity = JobGuard.identity(rest[0]) if self.security is not None else ""
+            self._guard.check(header, identity)
             self._dispatch(ident, header, rest[1:])
+            if header.command == Command.HELLO:
+                self._guard.bind(header, identity)
         except ProtocolError as e:
             log.info("refused request from %r: %s", bytes(ident.bytes), e)
             self._send(_error(ident, header, e.status, str(e)))
@@ -396,6 +411,7 @@ class SummationServer:
         """Drop job_id: its registration, keys and rounds (answering nothing still waiting), and its charge."""
         log.info("job %#x: forgotten after %.0f s without a request", job_id, self.limits.job_lease_seconds)
         self._jobs.pop(job_id, None)
+        self._guard.forget(job_id)
         for job_key in [k for k in self._keys if k[0] == job_id]:
             info = self._keys.pop(job_key)
             if info.engine != _FRONT:

@@ -1,0 +1,142 @@
+"""Who may talk to a summation server: CURVE on the ROUTER, a ZAP handler, and jobs bound to identities.
+
+- `ServerSecurity` makes the ROUTER a CURVE server (every connection authenticated and encrypted by
+  libzmq before a single frame reaches the server's code) and starts a `ZapHandler`: libzmq asks it, once
+  per connection, whether the client's public key may in. A peer that fails gets no frame and changes
+  nothing. Two policies (torch_bps/security.py): an embedded server accepts exactly its job's client key;
+  a pool server accepts any client that completes the handshake, which needs the pool credential (the
+  server's key derives from it and is never sent).
+- The accepted key becomes the connection's ZAP user id, which libzmq attaches to every frame the
+  connection delivers (`Frame.get("User-Id")`). `JobGuard` binds each job id to the user id that said
+  the job's first HELLO; a request of a job bound to another user id is refused as if the job did not
+  exist, so it learns nothing about the job (no key sizes, no rounds).
+
+May import: the standard library, pyzmq, torch_bps.wire, torch_bps.errors and torch_bps.security.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+from zmq.utils import z85
+
+from torch_bps.errors import ProtocolError
+from torch_bps.security import derive
+from torch_bps.wire import Command, Header, Status
+
+log = logging.getLogger("torch_bps.server")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ's RFC 27
+ZAP_DOMAIN = b"torch_bps"
+
+
+class ZapHandler(threading.Thread):
+    """Answers libzmq's ZAP requests: CURVE clients whose key `allowed` accepts get in, anything else not.
+
+    allowed: a set of Z85 public keys, or None for any client that completed the CURVE handshake.
+    Runs until the context is terminated.
+    """
+
+    def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes] | None):
+        super().__init__(name="bps-zap", daemon=True)
+        self.allowed = allowed
+        self.refused = 0
+        self._socket = ctx.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(ZAP_ENDPOINT)  # before the ROUTER binds: no connection is ever handled without it
+
+    def run(self) -> None:
+        try:
+            while True:
+                self._socket.send_multipart(self.answer(self._socket.recv_multipart()))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self._socket.close()
+
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """Return the ZAP reply to one request (RFC 27 frames)."""
+        if len(request) < 6:
+            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
+        version, request_id, domain, address, _identity, mechanism, *credentials = request
+        ok = version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE" and len(credentials) == 1
+        key = z85.encode(credentials[0]) if ok and len(credentials[0]) == 32 else b""
+        if key and (self.allowed is None or key in self.allowed):
+            return [b"1.0", request_id, b"200", b"OK", key, b""]
+        self.refused += 1
+        log.info("refused a connection from %s (mechanism %s)", address.decode(errors="replace"), mechanism)
+        return [b"1.0", request_id, b"400", b"not allowed", b"", b""]
+
+
+class ServerSecurity:
+    """How a server authenticates: from a job secret (embedded) or a pool credential (dedicated pool).
+
+    Example:
+        sec = ServerSecurity.for_job(job_secret); server = SummationServer("10.0.0.5", 0, security=sec)
+    """
+
+    def __init__(self, secret: str, allowed: frozenset[bytes] | None, kind: str):
+        self._keys = derive(secret, "server")
+        self.allowed = allowed
+        self.kind = kind  # "job" or "pool", for logs
+
+    @classmethod
+    def for_job(cls, job_secret: str) -> ServerSecurity:
+        """An embedded server: only the clients of the job with this secret get in."""
+        return cls(job_secret, frozenset({derive(job_secret, "client").public}), "job")
+
+    @classmethod
+    def for_pool(cls, credential: str) -> ServerSecurity:
+        """A pool server: any client holding the pool credential gets in; jobs are kept apart by JobGuard."""
+        return cls(credential, None, "pool")
+
+    def apply(self, ctx: zmq.Context, router: zmq.Socket) -> ZapHandler:
+        """Start the ZAP handler on ctx and make router a CURVE server; call before router binds."""
+        zap = ZapHandler(ctx, self.allowed)
+        zap.start()
+        router.setsockopt(zmq.CURVE_SERVER, 1)
+        router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
+        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        return zap
+
+
+class JobGuard:
+    """Binds each job to the identity (ZAP user id) of its first HELLO; refuses the job to anyone else.
+
+    Used by the front thread only. `jobs` is the server's job table: a binding lives exactly as long as
+    the job does (a forgotten job's id is free again).
+    """
+
+    def __init__(self, jobs: dict):
+        self._jobs = jobs
+        self._owner: dict[int, str] = {}
+
+    @staticmethod
+    def identity(frame: zmq.Frame) -> str:
+        """The ZAP user id of the connection frame came from ("" without authentication)."""
+        try:
+            return frame.get("User-Id")
+        except zmq.ZMQError:  # a NULL-mechanism connection has no user id
+            return ""
+
+    def check(self, h: Header, identity: str) -> None:
+        """Raise ProtocolError if h's job exists and belongs to another identity."""
+        owner = self._owner.get(h.job_id)
+        if owner is None or owner == identity:
+            return
+        if h.job_id not in self._jobs:  # forgotten: the id is free again
+            del self._owner[h.job_id]
+            return
+        if h.command == Command.HELLO:
+            raise ProtocolError(Status.UNKNOWN_JOB, f"HELLO of job {h.job_id:#x}: the job id belongs to another job")
+        raise ProtocolError(Status.UNKNOWN_JOB, f"job {h.job_id:#x} has not said HELLO to this server")
+
+    def forget(self, job_id: int) -> None:
+        self._owner.pop(job_id, None)
+
+    def bind(self, h: Header, identity: str) -> None:
+        """After a successful HELLO: the job is identity's if nobody holds it."""
+        if h.job_id in self._jobs and h.job_id not in self._owner:
+            self._owner[h.job_id] = identity
