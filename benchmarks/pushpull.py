@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
+from torch_bps.security import new_secret  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -123,10 +124,22 @@ def torch_add_rate(size: int, budget: float) -> float:
     return size / statistics.median(timed(lambda: a.add_(b), budget))
 
 
-def server_sum_rate(address: str, size: int, budget: float, tag: str) -> tuple[float, int]:
+def start_server(engine_threads: int, max_frame: int, auth: str) -> tuple[subprocess.Popen, str]:
+    """A summation server on loopback: `auth` curve (with the pool credential of BPS_POOL_CREDENTIAL, which
+    Client also picks up) or off. Returns it and its address."""
+    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
+    server, port = start_process(
+        [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
+         "--engine-threads", str(engine_threads), "--max-frame-bytes", str(max_frame)],
+        r"port (\d+) incarnation",
+    )  # fmt: skip
+    return server, f"127.0.0.1:{port}"
+
+
+def server_sum_rate(address: str, size: int, budget: float, tag: str, curve: bool | None) -> tuple[float, int]:
     """Run rounds with 2 workers (threads with a client each); return the server's bytes_summed/sum_ns."""
     job = job_id_from_name(f"bench-sum-{tag}-{size}")
-    clients = [Client([address], job, w, 2, timeout=120) for w in range(2)]
+    clients = [Client([address], job, w, 2, timeout=120, curve=curve) for w in range(2)]
     tensors = [torch.ones(size // 4) for _ in range(2)]
     try:
         clients[0].push_pull(tensors[0], 0)  # warm-up round: INIT, first allocation of the sum
@@ -146,20 +159,20 @@ def server_sum_rate(address: str, size: int, budget: float, tag: str) -> tuple[f
     return (summed / ns * 1e9 if ns else float("nan")), rounds
 
 
-def measure(sizes: list[int], budget: float, engine_threads: int) -> list[dict]:
+def measure(sizes: list[int], budget: float, engine_threads: int, auth: str = "curve") -> list[dict]:
     torch.set_num_threads(1)  # the add_ baseline is one thread, as the server's engines are
-    server, port = start_process(
-        [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0",
-         "--engine-threads", str(engine_threads)],
-        r"port (\d+) incarnation",
-    )  # fmt: skip
-    address = f"127.0.0.1:{port}"
+    server, address = start_server(engine_threads, max(sizes), auth)
+    curve = False if auth == "off" else None  # None: the keys of BPS_POOL_CREDENTIAL
     echo = Echo(max(sizes))
     rows = []
     try:
         with (
-            Client([address], job_id_from_name(f"bench-goodput-{os.getpid()}"), 0, 1, timeout=120) as client,
-            Client([address], job_id_from_name(f"bench-engine-{os.getpid()}"), 0, 1, timeout=120) as engine_client,
+            Client(
+                [address], job_id_from_name(f"bench-goodput-{os.getpid()}"), 0, 1, timeout=120, curve=curve
+            ) as client,
+            Client(
+                [address], job_id_from_name(f"bench-engine-{os.getpid()}"), 0, 1, timeout=120, curve=curve
+            ) as engine_client,
         ):
             engine = library_engine(engine_client, address)
             for key, size in enumerate(sizes):
@@ -176,7 +189,7 @@ def measure(sizes: list[int], budget: float, engine_threads: int) -> list[dict]:
                 engined = size / statistics.median(engine_times)
                 tcp = size / statistics.median(tcp_times)
                 add = torch_add_rate(size, budget / 2)
-                summed, sum_rounds = server_sum_rate(address, size, budget, str(os.getpid()))
+                summed, sum_rounds = server_sum_rate(address, size, budget, str(os.getpid()), curve)
                 rows.append(
                     dict(size=size, engine_Bps=engined, pushpull_Bps=pushpull, tcp_Bps=tcp,
                          goodput_vs_tcp=pushpull / tcp,
@@ -235,18 +248,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4 KB to 256 MB by 4x)")
     p.add_argument("--budget", type=float, help="seconds per measurement (default 1.5, quick 0.5)")
     p.add_argument("--engine-threads", type=int, default=2, help="the server's engine threads (default 2)")
+    p.add_argument(
+        "--auth", choices=("curve", "off"), default="curve", help="curve (the default) or off; see auth_cost.py"
+    )
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
     budget = args.budget or (0.5 if args.quick else 1.5)
 
-    print(f"push_pull: 1 worker, 1 server subprocess on loopback; server sum: 2 workers; torch {torch.__version__}")
+    print(f"push_pull: 1 worker, 1 server subprocess on loopback (auth {args.auth}); server sum: 2 workers; "
+          f"torch {torch.__version__}")  # fmt: skip
     print("goodput = bytes of the tensor per second of push_pull; ratios are measured in this run")
     print(
         "1 message = one client push_pull of the whole tensor; "
         "engine = the library's push_pull (partitioned, pipelined)"
     )
     print_header()
-    rows = measure(sizes, budget, args.engine_threads)
+    rows = measure(sizes, budget, args.engine_threads, args.auth)
     largest = max(rows, key=lambda r: r["size"])
     summary = {
         "goodput_vs_tcp": largest["goodput_vs_tcp"],

@@ -73,8 +73,8 @@ def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool
 
     def attack():
         stranger = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, curve=False)
-        wrong_pool = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2,
-                             curve=(derive(new_secret(), "client"), derive("another pool", "server").public))  # fmt: skip
+        other_pool = (derive(new_secret(), "client"), derive("another pool", "server").public)
+        wrong_pool = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, curve=other_pool)
         insider = neighbour(pool_server)
         while not stop.is_set():
             for peer in (stranger, wrong_pool):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import secrets
 import subprocess
 import sys
 import time
@@ -82,7 +84,10 @@ def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[
     """Start one `python -m torch_bps.server` per host on `port`; wait until each listens.
 
     Returns the server processes (kill them when done) and their addresses, "ip:port" per host.
+    Authentication is on: the servers and every worker started after them (which inherit this process's
+    environment) share one pool credential.
     """
+    os.environ.setdefault("BPS_POOL_CREDENTIAL", secrets.token_urlsafe(32))
     started = [
         cluster.spawn(
             f"bps-server {h.name}",

@@ -98,7 +98,7 @@ class KeyRounds:
             if any(waiting == worker for _, waiting in r.waiting):  # keeps waiting pulls <= workers per round
                 raise ProtocolError(
                     Status.BAD_ROUND,
-                    f"pull of {self.name} round {rnd} by worker {worker}: this worker's pull of the round already waits",
+                    f"pull of {self.name} round {rnd} by worker {worker}: this worker's pull of it already waits",
                 )
             r.waiting.append((token, worker))
             return None
