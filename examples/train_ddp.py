@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py --steps 30 --backend gloo --hook   # bps_hook on gloo
 
 With no servers configured, "byteps" starts one embedded summation server per machine. For dedicated
-CPU servers: run `bps-server --port 9000` on them and set BPS_SERVERS=host1:9000,host2:9000 for torchrun.
+CPU servers: run `bps-server --host 0.0.0.0 --port 9000` on them with BPS_POOL_CREDENTIAL set, and give torchrun the
+same BPS_POOL_CREDENTIAL and BPS_SERVERS=host1:9000,host2:9000 (README: Security).
 """
 
 from __future__ import annotations

@@ -32,10 +32,19 @@ FRAME_SLACK = 4096  # a frame's header and CURVE's box around the payload, on to
 
 
 def _physical_memory() -> int:
+    """This machine's memory, or the container's limit (cgroup v2 memory.max) if lower."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 8 << 30
+        memory = 8 << 30
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            memory = min(memory, int(limit))
+    except OSError:
+        pass
+    return memory
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ class SummationServer:
         self._backlog = EngineBacklog(self.limits.backlog_bytes)
         self._engines = [Engine(i, self._ctx, reply_address, self._backlog) for i in range(max(1, engine_threads))]
         self._book = MemoryBook(self.limits)
-        self._next_sweep = 0.0
+        self._next_sweep = self._last_sweep = 0.0
         self._inline = KeyOwner("front thread")  # small keys: a hand-off to an engine costs more than the sum
         self._jobs: dict[int, Job] = {}
         self._guard = JobGuard(self._jobs)
@@ -399,10 +399,12 @@ class SummationServer:
             add(*args)
 
     def _sweep(self, force: bool = False) -> None:
-        """Forget every job past its lease (at most every _SWEEP_SECONDS unless forced)."""
+        """Forget every job past its lease: every _SWEEP_SECONDS (or a quarter lease), or when forced because
+        the book is full, but then at most once a second (a sweep walks every job)."""
         now = time.monotonic()
-        if now < self._next_sweep and not force:
+        if now < self._next_sweep and not (force and now >= self._last_sweep + 1.0):
             return
+        self._last_sweep = now
         self._next_sweep = now + min(_SWEEP_SECONDS, self.limits.job_lease_seconds / 4)
         for job_id in self._book.expired():
             self.forget_job(job_id)
