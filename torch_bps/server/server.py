@@ -9,6 +9,11 @@ touch the ROUTER. Keys up to INLINE_BYTES are summed on the front thread: there 
 thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
 busy machine is short of.
 
+What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
+peers that pass CURVE and the ZAP handler, and auth.JobGuard refuses a job's requests to any identity but
+the one that said its first HELLO; limits.py bounds frame sizes and charges every new job and key against
+the job's quota and the server's bound.
+
 May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
 """
 
@@ -410,7 +415,8 @@ class SummationServer:
             self.forget_job(job_id)
 
     def forget_job(self, job_id: int) -> None:
-        """Drop job_id: its registration, keys and rounds (answering nothing still waiting), and its charge."""
+        """Drop job_id: its registration, identity binding, keys and rounds (pulls still waiting are answered
+        UNKNOWN_JOB by their owners), and its memory charge."""
         log.info("job %#x: forgotten after %.0f s without a request", job_id, self.limits.job_lease_seconds)
         self._jobs.pop(job_id, None)
         self._guard.forget(job_id)
