@@ -37,6 +37,7 @@ enum Status : uint16_t {
   kKeyMismatch = 8,
   kBadRound = 9,
   kInternal = 10,
+  kOverQuota = 16,  // 11-15 are left to the statuses of worker-loss detection
 };
 
 struct Header {
@@ -132,6 +133,7 @@ inline const char* commandName(uint16_t command) {
 }
 
 inline const char* statusName(uint16_t status) {
+  if (status == kOverQuota) return "OVER_QUOTA";
   static const char* const kNames[] = {"OK",           "BAD_FRAME",   "BAD_VERSION",  "BAD_COMMAND",
                                        "WRONG_INCARNATION", "UNKNOWN_JOB", "JOB_MISMATCH", "UNKNOWN_KEY",
                                        "KEY_MISMATCH", "BAD_ROUND",   "INTERNAL"};

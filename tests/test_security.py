@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from tests.helpers import REPO, RawPeer, ServerProcess
+from tests.helpers import REPO, RawPeer, ServerProcess, run_ranks
 from torch_bps.client import Client
 from torch_bps.config import Config
 from torch_bps.engine.placement import Server
@@ -200,3 +200,17 @@ def _listening(pid: int, port: int) -> set[str]:
             if state == "0A" and int(hex_port, 16) == port:
                 found.add(".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0)))
     return found
+
+
+def _all_reduce(rank, world, gloo):
+    import torch.distributed as dist
+
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    return t[:2].tolist()
+
+
+@pytest.mark.parametrize("auth", ["curve", "off"])
+def test_a_job_runs_with_authentication_on_and_off(auth):
+    """The default (embedded servers, CURVE with the job's secret from the store) and BPS_AUTH=off."""
+    assert run_ranks(_all_reduce, 2, env={"BPS_AUTH": auth}) == [[3.0, 3.0]] * 2
