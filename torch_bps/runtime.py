@@ -250,9 +250,11 @@ def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: 
 
 def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
     # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
+    # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
-           "--engine-threads", str(config.server_engine_threads), "--max-frame-bytes", str(max_frame)]  # fmt: skip
+           "--engine-threads", str(config.server_engine_threads), "--max-frame-bytes", str(max_frame),
+           "--job-lease", "1e9"]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}
     if config.auth == "off":
