@@ -48,13 +48,12 @@ enum class LinkEvent { kNothing, kConnected, kDisconnected, kOther };
 
 class ServerLink {
  public:
-  // Heartbeats catch a peer that vanished without closing TCP; generous because a PING queues behind
-  // whatever big message is on the wire. A killed process closes TCP and is noticed at once instead.
-  static constexpr int kHeartbeatIntervalMs = 5000;
-  static constexpr int kHeartbeatTimeoutMs = 30000;
-
   // Connect a DEALER to `address` ("host:port"); throws Error(kTransport) if ZeroMQ refuses it.
-  ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint);
+  // Heartbeats catch a server that vanished without closing TCP (stopped, cut off): silent for
+  // heartbeatTimeout after a PING, the connection drops. Any traffic counts as an answer, so a PING
+  // queued behind a big message does not time out. A killed process closes TCP and is noticed at once.
+  ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
+             double heartbeatInterval, double heartbeatTimeout);
   ~ServerLink();
   ServerLink(const ServerLink&) = delete;
   ServerLink& operator=(const ServerLink&) = delete;

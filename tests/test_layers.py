@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # package folder -> the torch_bps modules its files may import
 ALLOWED = {
     "torch_bps/server": {"torch_bps.wire", "torch_bps.errors", "torch_bps.registry", "torch_bps.server"},
-    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config"},
+    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config", "torch_bps.futures"},
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
     "triton_kernels": {"triton_kernels"},
 }
