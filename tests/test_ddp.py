@@ -143,13 +143,13 @@ def _join_uneven(rank, world, gloo):
                 opt.zero_grad()
                 model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
                 opt.step()
-        params[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     return params
 
 
 @pytest.mark.timeout(120)
 def test_join_with_uneven_inputs_matches_gloo():
-    results = run_ranks(_join_uneven, 2, timeout=100)
+    results = [{k: torch.tensor(v) for k, v in r.items()} for r in run_ranks(_join_uneven, 2, timeout=100)]
     for r in results:
         torch.testing.assert_close(r["byteps"], r["gloo"], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results[0]["byteps"], results[1]["byteps"], rtol=0, atol=0)
