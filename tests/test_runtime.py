@@ -85,7 +85,9 @@ def run(world, env, scenario="sums", on_ready=None, timeout=120, store=None):
     store = store or dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, env(r), scenario, results)) for r in range(world)]
+    # Daemonic: at exit multiprocessing terminates them instead of waiting for them (a rank stuck in a collective).
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, env(r), scenario, results), daemon=True)
+             for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
     try:
