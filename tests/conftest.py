@@ -25,12 +25,17 @@ def pytest_configure(config):
     os.environ[reaper.ENV] = token  # after the reaper started, so it does not carry the token itself
 
 
+def _lives_with_pytest(cmd: str) -> bool:
+    # multiprocessing's helper processes stop on their own when pytest exits (their pipe to it closes).
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Kill, and name, what the tests left running (multiprocessing's resource tracker exits with pytest)."""
+    """Kill, and name, what the tests left running."""
     token = os.environ.get(reaper.ENV)
     if _reaper is None or not token:
         return
-    left = reaper.reap(token, grace=5.0, keep=lambda cmd: "multiprocessing.resource_tracker" in cmd)
+    left = reaper.reap(token, grace=5.0, keep=_lives_with_pytest)
     if left:
         lines = "".join(f"\n  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
         session.config.get_terminal_writer().line(
