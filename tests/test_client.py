@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, exact_floats
 from torch_bps import _C
 from torch_bps.client import Client, job_id_from_name
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError, TransportError
@@ -27,36 +27,30 @@ from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Status
 
 pytestmark = pytest.mark.timeout(120)
 
-EXACT = [torch.int32, torch.int64, torch.float32, torch.float64, torch.uint8, torch.int8]
-APPROX = {torch.float16: 1e-2, torch.bfloat16: 5e-2}  # relative tolerance of a sum of <= 3 terms
-ALL_DTYPES = EXACT + list(APPROX)
+ALL_DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64, torch.uint8, torch.int8, torch.float16,
+              torch.bfloat16]  # fmt: skip
 
 
 def make_data(key: int, worker: int, rnd: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Deterministic per (key, worker, round); integer-valued where the sum must be exact."""
+    """Deterministic per (key, worker, round); every sum of up to 3 workers is exact in every dtype."""
     g = torch.Generator().manual_seed(hash((key, worker, rnd)) & 0xFFFF_FFFF)
-    if dtype in APPROX:
-        return torch.randn(shape, generator=g).to(dtype)
+    if dtype.is_floating_point:
+        return exact_floats(shape, dtype, g)
     low = 0 if dtype == torch.uint8 else -40
     return torch.randint(low, 40, shape, generator=g).to(dtype)
 
 
 def expected_sum(key, rnd, num_workers, dtype, shape) -> torch.Tensor:
     parts = [make_data(key, w, rnd, dtype, shape) for w in range(num_workers)]
-    if dtype in APPROX:
-        return sum(p.double() for p in parts)
     total = parts[0].clone()
     for p in parts[1:]:
-        total += p  # wraps like the server's integer add
+        total += p  # exact for floats; integers wrap like the server's add
     return total
 
 
 def check_sum(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.dtype == dtype and got.shape == want.shape
-    if dtype in APPROX:
-        torch.testing.assert_close(got.double(), want, rtol=APPROX[dtype], atol=APPROX[dtype])
-    else:
-        assert torch.equal(got, want)
+    assert torch.equal(got, want)
 
 
 def run_worker(servers, job_id, worker, num_workers, specs, rounds, pipelined):

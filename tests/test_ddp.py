@@ -89,7 +89,8 @@ def _ddp_configs(rank, world, gloo):
 @pytest.mark.timeout(180)
 def test_ddp_on_byteps_matches_gloo():
     results = run_ranks(_ddp_configs, 2, timeout=160)
-    assert set(results[0]) == set(CONFIGS)
+    # Two ranks: a + b rounds the same whichever side adds, so byteps and gloo agree to the bit.
+    assert results == [dict.fromkeys(CONFIGS, 0.0)] * 2
 
 
 def _torch_hooks(rank, world, gloo):
@@ -124,6 +125,7 @@ def test_torch_comm_hooks_on_byteps_group():
     results = run_ranks(_torch_hooks, 2, timeout=160)
     for r in results:
         assert {"fp16", "powerSGD", "bps_hook"} <= set(r)
+        assert [r["fp16"], r["powerSGD"], r["bps_hook"]] == [0.0] * 3, r  # two ranks: sums exact in any order
         assert r["completion_threads"] >= 2
 
 

@@ -49,7 +49,9 @@ def _hooked(rank, world, gloo):
 @pytest.mark.timeout(180)
 def test_bps_hook_on_gloo_matches_gloo_without_hook():
     results = run_ranks(_hooked, 2, backend="gloo", timeout=160)
-    assert set(results[0]) == {"gloo+bps_hook", "unused", "fp16_wrapper", "byteps_subgroup"}
+    # Two ranks: a + b rounds the same whichever side adds, and halving is exact, so the hook matches gloo bit
+    # for bit.
+    assert results == [dict.fromkeys(("gloo+bps_hook", "unused", "fp16_wrapper", "byteps_subgroup"), 0.0)] * 2
 
 
 def test_hook_signature_is_what_ddp_accepts():
