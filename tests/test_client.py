@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import socket
 import threading
 import time
@@ -456,3 +457,21 @@ def test_pushed_future_completes_on_the_acknowledgement_before_the_sum(server, j
     finally:
         a.close()
         b.close()
+
+
+def test_a_stopped_server_is_lost_after_the_heartbeat_timeout(job_id):
+    """SIGSTOP: the server keeps its connections open but answers nothing, heartbeats included."""
+    srv = ServerProcess()
+    try:
+        with Client([srv.address], job_id, 0, 1, timeout=60, heartbeat_interval=0.2, heartbeat_timeout=1) as c:
+            c.push_pull(torch.ones(8), 0).wait()
+            srv.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match=rf"lost the connection to server {srv.address}"):
+                c.push_pull(torch.ones(8), 0).wait()
+            took = time.monotonic() - t0
+            print(f"stopped server lost after {took:.2f} s")
+            assert 0.5 < took < 5
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        srv.kill()

@@ -36,25 +36,23 @@ class CountingClient:
         self.in_flight = self.peak = self.sent = self.acknowledged = 0
         self._lock = threading.Lock()
 
-    def push_pull(self, tensor, key, *, server=None, pushed=None):
+    def push_pull(self, tensor, key, *, server=None, on_done=None, on_pushed=None):
         nbytes = tensor.numel() * tensor.element_size()
-        acked = torch.futures.Future()
 
-        def on_ack(_):
+        def on_ack(error):
             with self._lock:  # uncounted before the engine gets its credit back, so no send is counted early
                 self.in_flight -= nbytes
-            if pushed is not None:
-                pushed.set_result(None)  # runs the engine's release, and any send it starts
+            if on_pushed is not None:
+                on_pushed(error)  # runs the engine's release, and any send it starts
             with self._lock:
                 self.acknowledged += 1
 
-        acked.add_done_callback(on_ack)
         with self._lock:
             self.in_flight += nbytes
             self.peak = max(self.peak, self.in_flight)
             self.sent += 1
         try:
-            return self.client.push_pull(tensor, key, server=server, pushed=acked)
+            return self.client.push_pull(tensor, key, server=server, on_done=on_done, on_pushed=on_ack)
         except BaseException:
             with self._lock:
                 self.in_flight -= nbytes

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 import struct
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import RawPeer, ServerProcess
+from tests.helpers import REPO, RawPeer, ServerProcess
 from torch_bps.wire import DTYPES, HEADER, HEADER_SIZE, MAGIC, REPLY, STATS_FIELDS, Command, Header, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -264,3 +268,73 @@ def test_dtype_table_matches_protocol_doc():
     assert HEADER_SIZE == 72
     h = Header(command=Command.PUSH, worker=3, job_id=9, key=5, round=2, request_id=11, nbytes=400)
     assert Header.unpack(h.pack()) == h
+
+
+def _pushed(peer: RawPeer, key: int, data: torch.Tensor) -> None:
+    """INIT and PUSH round 0 of key (float32)."""
+    nbytes = data.numel() * 4
+    h, _ = peer.request(Command.INIT, key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32])
+    assert h.status == Status.OK, h
+    h, _ = peer.request(Command.PUSH, data.numpy().tobytes(), key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32])
+    assert h.status == Status.OK, h
+
+
+def test_a_disconnected_worker_fails_waiting_pulls_naming_it_and_closed_rounds_still_answer(server, job_id):
+    a, b = RawPeer(server.address, job_id, 0, 2), RawPeer(server.address, job_id, 1, 2)
+    a.hello(), b.hello()
+    _pushed(a, 1, torch.ones(4))
+    _pushed(b, 1, torch.ones(4))  # round 0 of key 1 closes: b's leaving must not fail it
+    _pushed(a, 2, torch.ones(4))  # b never pushes key 2
+    waiting = a.send(Command.PULL, key=2, nbytes=16, dtype=PROTOCOL_CODES[torch.float32])
+    b.close()
+    t0 = time.monotonic()
+    h, rest = a.recv(waiting)
+    assert h.status == Status.WORKER_LOST and time.monotonic() - t0 < 3, (h, rest)
+    assert f"worker 1 of job {job_id:#x} (at 127.0.0.1) disconnected" in rest[0].decode(), rest
+    h, rest = a.request(Command.PULL, key=1, nbytes=16, dtype=PROTOCOL_CODES[torch.float32])
+    assert h.status == Status.OK and torch.equal(torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 2 * torch.ones(4))
+    a.close()
+
+
+def test_a_pull_waiting_past_its_wait_ms_names_the_workers_that_have_not_pushed(server, job_id):
+    a = RawPeer(server.address, job_id, 0, 3)
+    a.hello()
+    idle = RawPeer(server.address, job_id, 2, 3)  # says HELLO, never pushes (and stays connected)
+    idle.hello()
+    _pushed(a, 1, torch.ones(4))
+    t0 = time.monotonic()
+    h, rest = a.request(Command.PULL, key=1, nbytes=16, dtype=PROTOCOL_CODES[torch.float32], wait_ms=500)
+    took = time.monotonic() - t0
+    message = rest[0].decode()
+    assert h.status == Status.ROUND_TIMEOUT and 0.5 <= took < 2, (h, took)
+    assert "waiting for 2 of 3 workers" in message and "worker 1 (never said HELLO" in message, message
+    assert "worker 2 (at 127.0.0.1, last request" in message, message
+    a.close(), idle.close()
+
+
+def test_a_stopped_worker_is_lost_after_the_heartbeat_timeout():
+    """SIGSTOP: the process keeps its connection open but answers no heartbeat."""
+    srv = ServerProcess(extra_args=("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1"))
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from tests.helpers import RawPeer; "
+        "p = RawPeer(sys.argv[2], 5, 1, 2); p.hello(); print('ready', flush=True); time.sleep(120)"
+    )
+    stopped = subprocess.Popen([sys.executable, "-c", script, REPO, srv.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stopped.stdout.readline().strip() == "ready"
+        a = RawPeer(srv.address, 5, 0, 2)
+        a.hello()
+        _pushed(a, 1, torch.ones(4))
+        waiting = a.send(Command.PULL, key=1, nbytes=16, dtype=PROTOCOL_CODES[torch.float32])
+        stopped.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        h, rest = a.recv(waiting)
+        took = time.monotonic() - t0
+        print(f"stopped worker lost after {took:.2f} s")
+        assert h.status == Status.WORKER_LOST and 0.5 < took < 5, (h, took, rest)
+        assert "worker 1 of job 0x5" in rest[0].decode()
+        a.close()
+    finally:
+        stopped.kill()
+        stopped.wait()
+        srv.stop()
