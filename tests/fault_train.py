@@ -32,6 +32,7 @@ def main() -> None:
     torch.manual_seed(0)
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
     layers = [torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)]
     if args.buffers:
         layers.insert(1, torch.nn.BatchNorm1d(256))

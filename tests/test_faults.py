@@ -35,7 +35,6 @@ class Machines:
     def __init__(self, tmp_path, args: list[str], env: dict[str, str] | None = None):
         self.outcomes = tmp_path
         self.marker = uuid.uuid4().hex  # in every descendant's environment: how leftovers are found
-        self.shm_before = _shm_files()
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_TEST_MARKER": self.marker,
                "BPS_TIMEOUT": "30", "BPS_CONNECT_TIMEOUT": "60", **(env or {})}  # fmt: skip
@@ -114,7 +113,11 @@ class Machines:
         while (left := self.descendants(-1)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, f"processes left behind: {left}"
-        assert _shm_files() <= self.shm_before, f"/dev/shm files left behind: {_shm_files() - self.shm_before}"
+        # Segment names carry the creator's pid (torch_bps.local.shm); other tests may run beside this one.
+        pids = {int(p) for n in (0, 1) for p in re.findall(r"rank \d+ pid (\d+)", self.output(n))}
+        assert len(pids) == 2, (self.output(0)[-2000:], self.output(1)[-2000:])
+        ours = {n for n in os.listdir(SHM_DIR) if n.startswith("torch_bps_") and int(n.split("_")[-2]) in pids}
+        assert not ours, f"/dev/shm files left behind: {ours}"
 
     def kill_all(self) -> None:
         for p in self.procs:
@@ -130,10 +133,6 @@ def _ancestors(pid: int) -> list[int]:
             pid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4, after the command name
         chain.append(pid)
     return chain
-
-
-def _shm_files() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("torch_bps_")}
 
 
 @pytest.fixture
