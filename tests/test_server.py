@@ -275,7 +275,9 @@ def _pushed(peer: RawPeer, key: int, data: torch.Tensor) -> None:
     nbytes = data.numel() * 4
     h, _ = peer.request(Command.INIT, key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32])
     assert h.status == Status.OK, h
-    h, _ = peer.request(Command.PUSH, data.numpy().tobytes(), key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32])
+    h, _ = peer.request(
+        Command.PUSH, data.numpy().tobytes(), key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32]
+    )
     assert h.status == Status.OK, h
 
 
@@ -292,7 +294,9 @@ def test_a_disconnected_worker_fails_waiting_pulls_naming_it_and_closed_rounds_s
     assert h.status == Status.WORKER_LOST and time.monotonic() - t0 < 3, (h, rest)
     assert f"worker 1 of job {job_id:#x} (at 127.0.0.1) disconnected" in rest[0].decode(), rest
     h, rest = a.request(Command.PULL, key=1, nbytes=16, dtype=PROTOCOL_CODES[torch.float32])
-    assert h.status == Status.OK and torch.equal(torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 2 * torch.ones(4))
+    assert h.status == Status.OK and torch.equal(
+        torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 2 * torch.ones(4)
+    )
     a.close()
 
 

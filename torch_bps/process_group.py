@@ -123,7 +123,9 @@ class ProcessGroupBPS(dist.ProcessGroup):
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._reduce_scatter_plan(o, i, opts)]
         return self._launch("reduce_scatter_single_coalesced", plans, outputs, device=_device(outputs))
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
+    ) -> dist.Work:
         name = "reduce_scatter"
         out = self._single(name, outputs)
         inputs = self._single(name, input_lists, what="input list")

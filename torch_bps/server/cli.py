@@ -87,8 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     _keep_freed_memory()
     try:
-        server = SummationServer(args.host, args.port, args.engine_threads,
-                                 heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout)  # fmt: skip
+        server = SummationServer(
+            args.host,
+            args.port,
+            args.engine_threads,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

@@ -138,7 +138,9 @@ class KeyRounds:
         failed = []
         for rnd, r in self.rounds.items():
             if r.waiting and (lost := self._lost_before(r)):
-                failed += [(token, f"pull of {self.name} round {rnd} by worker {w}: {lost}") for token, w, _ in r.waiting]
+                failed += [
+                    (token, f"pull of {self.name} round {rnd} by worker {w}: {lost}") for token, w, _ in r.waiting
+                ]
                 r.waiting.clear()
         return failed
 

@@ -27,10 +27,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from zmq.utils.monitor import parse_monitor_message
-
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from torch_bps.errors import ProtocolError
 from torch_bps.server.rounds import Job, KeyRounds, SumCounters
@@ -293,8 +292,7 @@ class SummationServer:
             if job is None or worker in job.lost:
                 continue
             job.lost[worker] = (
-                f"worker {worker} of job {job_id:#x} (at {job.peers.get(worker, 'an unknown address')}) "
-                f"disconnected"
+                f"worker {worker} of job {job_id:#x} (at {job.peers.get(worker, 'an unknown address')}) disconnected"
             )
             log.warning("%s", job.lost[worker])
             self._inline.worker_lost(job_id, self._send)
