@@ -227,6 +227,7 @@ bool Client::failIfDown(const OpPtr& op) {
   const LinkState& state = linkStates_[op->server];
   if (!state.down) return false;
   double ago = std::chrono::duration<double>(Clock::now() - state.since).count();
+  if (op->kind == kPush) op->round = keys_[op->key].nextRound;  // the round it would have been, for the message
   failOp(op, {ErrorKind::kTransport, 0,
               formatText("server %s is unreachable: %s %.1f s ago (%s)", links_[op->server]->address().c_str(),
                          state.why.c_str(), ago, describe(*op).c_str())});
