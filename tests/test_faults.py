@@ -27,6 +27,8 @@ pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = os.path.join(REPO, "tests", "fault_train.py")
 DOORS = {"byteps": ["--backend", "byteps"], "hook": ["--backend", "gloo", "--hook"]}
+# With buffers, every forward also broadcasts them through the group: a second failing path besides the buckets.
+WITH_BUFFERS = {**DOORS, "byteps+buffers": ["--backend", "byteps", "--buffers"]}
 
 
 class Machines:
@@ -162,11 +164,11 @@ def _check_survivor(m: Machines, rank: int, kinds: tuple[str, ...], culprits: tu
     return took
 
 
-@pytest.mark.parametrize("door", sorted(DOORS))
+@pytest.mark.parametrize("door", sorted(WITH_BUFFERS))
 def test_killed_dedicated_server(machines, door):
     server = ServerProcess()
     try:
-        m = machines(DOORS[door], {"BPS_SERVERS": server.address})
+        m = machines(WITH_BUFFERS[door], {"BPS_SERVERS": server.address})
         m.wait_for_step(3)
         server.kill()
         killed = time.time()
