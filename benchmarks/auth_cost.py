@@ -22,7 +22,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.pushpull import KB, MB, human, library_engine, rate, start_server, stop, timed  # noqa: E402
+from benchmarks.pushpull import KB, MB, human, library_engine, start_server, stop, timed  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
 
 FULL_SIZES = [64 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB]
@@ -67,12 +67,13 @@ def measure(sizes: list[int], budget: float) -> list[dict]:
         for size in sizes:
             t = torch.ones(size // 4)
             pair = [torch.ones(size // 4) for _ in range(2)]
+            # Medians of three bursts per server, alternated so drifting load hits both alike.
             one: dict[str, list[float]] = {a: [] for a in MODES}
             two: dict[str, list[float]] = {a: [] for a in MODES}
             for _ in range(3):
                 for auth, s in setups.items():
-                    one[auth] += timed(lambda s=s, t=t: s.one_worker(t), budget / 6)
-                    two[auth] += timed(lambda s=s, pair=pair: s.two_workers(pair), budget / 6)
+                    one[auth].append(timed(lambda s=s, t=t: s.one_worker(t), budget / 6))
+                    two[auth].append(timed(lambda s=s, pair=pair: s.two_workers(pair), budget / 6))
             row = {"size": size}
             for auth in MODES:
                 row[f"one_worker_{auth}_Bps"] = size / statistics.median(one[auth])
@@ -85,6 +86,10 @@ def measure(sizes: list[int], budget: float) -> list[dict]:
         for s in setups.values():
             s.close()
     return rows
+
+
+def rate(n: float) -> str:
+    return human(n) + "/s"
 
 
 def print_row(r: dict) -> None:

@@ -1,14 +1,18 @@
-"""Push/pull throughput against a real summation server on loopback, next to baselines from the same run.
+"""Push/pull throughput against a real summation server on loopback, next to like-for-like baselines.
 
-Per tensor size S, all measured in this one run:
-  - push_pull goodput: S / t for one worker's push_pull (the push sends S bytes, the pull returns S),
-    as one client message of S bytes (like for like with the echo: `goodput_vs_tcp`), and through the
-    library's engine (what the backend and the hook run: partitions, pipelined: `engine_goodput_vs_tcp`).
-  - raw TCP: S / t for a plain-socket echo doing the same work (send S, a subprocess receives all of it,
-    sends S back); store-and-forward like the summation server.
-  - torch add_: S / t for one thread's in-place `a.add_(b)` on fp32 tensors of S bytes.
-  - server summation: a second run with 2 workers so the server really adds; its STATS counters give
-    bytes_summed / sum_ns, compared with the torch add_ figure.
+Per tensor size S, every figure is measured `--repeats` times (alternating, so drifting machine load hits
+all alike) and reported as min / median / max over the repeats; each ratio is taken within a repeat.
+  - 1 message: S / t of one worker's `Client.push_pull` of the whole tensor (push S, pull the sum back), against
+    raw TCP, 1 message: a plain-socket echo that receives all S bytes and then sends them back, store-and-forward
+    as the server is with one message.
+  - engine: S / t of the library's push_pull (PushPullEngine: partitions of P bytes, pipelined under the
+    credit), against raw TCP, pipelined: the same echo fed S bytes in chunks of P, each chunk sent back as soon
+    as it arrived while the client keeps sending.
+  - server: the summation server's rate from receive to reply: 2 workers (threads, a Client each) keep several
+    keys of S bytes in flight for rounds on end; bytes pushed into the server per second of wall time, with
+    the server's CPU time over that wall time (near 1 or more: the server is the bottleneck). Against one
+    thread's in-place `torch add_` of S bytes, what summing alone would cost. `server_add_kernel` is the
+    server's own counter (bytes added / time inside add_): kernel time only, in the JSON.
 
 Usage: python benchmarks/pushpull.py [--quick] [--json out.json]
 May import: the standard library, torch and torch_bps.
@@ -19,11 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import re
 import socket
 import statistics
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -36,9 +43,11 @@ from torch_bps.security import new_secret  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
-QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB, 64 * MB, 256 * MB]
+QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB, 64 * MB]
+SERVER_BYTES_IN_FLIGHT = 32 * MB  # per worker in the server run: enough keys that the server never waits
 
-# A store-and-forward echo: read an 8-byte length, then that many bytes, then send them all back.
+# An echo: per request a 16-byte (length, chunk) header, then the bytes. chunk 0: receive all, then send all
+# (store-and-forward); otherwise send each chunk back as soon as it arrived (pipelined).
 ECHO_SERVER = r"""
 import socket, struct, sys
 listener = socket.socket()
@@ -47,17 +56,15 @@ listener.listen(1)
 print(listener.getsockname()[1], flush=True)
 conn, _ = listener.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-buf = bytearray(int(sys.argv[1]))
-view = memoryview(buf)
-while True:
-    head = conn.recv(8, socket.MSG_WAITALL)
-    if len(head) < 8:
-        break
-    n = struct.unpack("<Q", head)[0]
-    got = 0
-    while got < n:
-        got += conn.recv_into(view[got:n])
-    conn.sendall(view[:n])
+view = memoryview(bytearray(int(sys.argv[1])))
+while len(head := conn.recv(16, socket.MSG_WAITALL)) == 16:
+    n, chunk = struct.unpack("<QQ", head)
+    step = chunk or n
+    for lo in range(0, n, step):
+        hi, got = min(n, lo + step), lo
+        while got < hi:
+            got += conn.recv_into(view[got:hi])
+        conn.sendall(view[lo:hi])
 """
 
 
@@ -66,6 +73,7 @@ def start_process(cmd: list[str], pattern: str, timeout: float = 60.0) -> tuple[
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout
+    line = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if m := re.search(pattern, line):
@@ -85,8 +93,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def timed(fn, budget: float, min_iters: int = 3, max_iters: int = 2000) -> list[float]:
-    """Run fn once to warm up, then repeatedly until `budget` seconds passed; return per-call seconds."""
+def timed(fn, budget: float, min_iters: int = 3, max_iters: int = 2000) -> float:
+    """Run fn once to warm up, then repeatedly until `budget` seconds passed; return the median seconds."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
@@ -94,126 +102,44 @@ def timed(fn, budget: float, min_iters: int = 3, max_iters: int = 2000) -> list[
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return times
+    return statistics.median(times)
 
 
 class Echo:
-    """The raw TCP baseline: a connection to the echo subprocess."""
+    """The raw TCP baselines: a connection to the echo subprocess, and a thread that sends for `pipelined`."""
 
     def __init__(self, max_size: int):
         self.proc, port = start_process([sys.executable, "-c", ECHO_SERVER, str(max_size)], r"^(\d+)$")
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, daemon=True)
+        self._sender.start()
 
-    def roundtrip(self, src: memoryview, dst: memoryview) -> None:
-        n = len(src)
-        self.sock.sendall(n.to_bytes(8, "little"))
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            self.sock.sendall(item)
+
+    def one_message(self, src: memoryview, dst: memoryview) -> None:
+        self.sock.sendall(struct.pack("<QQ", len(src), 0))
         self.sock.sendall(src)
+        self._receive(dst, len(src))
+
+    def pipelined(self, src: memoryview, dst: memoryview, chunk: int) -> None:
+        self.sock.sendall(struct.pack("<QQ", len(src), chunk))
+        self._outbox.put(src)  # sent from the other thread while this one receives the echoes
+        self._receive(dst, len(src))
+
+    def _receive(self, dst: memoryview, n: int) -> None:
         got = 0
         while got < n:
             got += self.sock.recv_into(dst[got:], n - got)
 
     def close(self) -> None:
+        self._outbox.put(None)
+        self._sender.join(timeout=10)
         self.sock.close()
         stop(self.proc)
-
-
-def torch_add_rate(size: int, budget: float) -> float:
-    """S / t of one thread's in-place fp32 add of S-byte tensors."""
-    a, b = torch.ones(size // 4), torch.ones(size // 4)
-    return size / statistics.median(timed(lambda: a.add_(b), budget))
-
-
-def start_server(engine_threads: int, max_frame: int, auth: str) -> tuple[subprocess.Popen, str]:
-    """A summation server on loopback: `auth` curve (with the pool credential of BPS_POOL_CREDENTIAL, which
-    Client also picks up) or off. Returns it and its address."""
-    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
-    server, port = start_process(
-        [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
-         "--engine-threads", str(engine_threads), "--max-frame-bytes", str(max_frame)],
-        r"port (\d+) incarnation",
-    )  # fmt: skip
-    return server, f"127.0.0.1:{port}"
-
-
-def server_sum_rate(address: str, size: int, budget: float, tag: str, curve: bool | None) -> tuple[float, int]:
-    """Run rounds with 2 workers (threads with a client each); return the server's bytes_summed/sum_ns."""
-    job = job_id_from_name(f"bench-sum-{tag}-{size}")
-    clients = [Client([address], job, w, 2, timeout=120, curve=curve) for w in range(2)]
-    tensors = [torch.ones(size // 4) for _ in range(2)]
-    try:
-        clients[0].push_pull(tensors[0], 0)  # warm-up round: INIT, first allocation of the sum
-        clients[1].push_pull(tensors[1], 0).wait()
-        before = clients[0].server_stats(0)
-        rounds, start = 0, time.perf_counter()
-        while rounds < 3 or time.perf_counter() - start < budget:
-            futs = [c.push_pull(t, 0) for c, t in zip(clients, tensors, strict=True)]
-            for f in futs:
-                f.wait()
-            rounds += 1
-        after = clients[0].server_stats(0)
-    finally:
-        for c in clients:
-            c.close()
-    summed, ns = after["bytes_summed"] - before["bytes_summed"], after["sum_ns"] - before["sum_ns"]
-    return (summed / ns * 1e9 if ns else float("nan")), rounds
-
-
-def measure(sizes: list[int], budget: float, engine_threads: int, auth: str = "curve") -> list[dict]:
-    torch.set_num_threads(1)  # the add_ baseline is one thread, as the server's engines are
-    server, address = start_server(engine_threads, max(sizes), auth)
-    curve = False if auth == "off" else None  # None: the keys of BPS_POOL_CREDENTIAL
-    echo = Echo(max(sizes))
-    rows = []
-    try:
-        with (
-            Client(
-                [address], job_id_from_name(f"bench-goodput-{os.getpid()}"), 0, 1, timeout=120, curve=curve
-            ) as client,
-            Client(
-                [address], job_id_from_name(f"bench-engine-{os.getpid()}"), 0, 1, timeout=120, curve=curve
-            ) as engine_client,
-        ):
-            engine = library_engine(engine_client, address)
-            for key, size in enumerate(sizes):
-                t = torch.ones(size // 4)
-                dst = torch.empty_like(t)
-                src_view, dst_view = memoryview(t.numpy()).cast("B"), memoryview(dst.numpy()).cast("B")
-                # Alternate the two in short bursts so drifting machine load hits both alike.
-                bps_times, tcp_times, engine_times = [], [], []
-                for _ in range(3):
-                    bps_times += timed(lambda t=t, key=key: client.push_pull(t, key).wait(), budget / 3)
-                    engine_times += timed(lambda t=t: engine.push_pull(t).wait(), budget / 3)
-                    tcp_times += timed(lambda s=src_view, d=dst_view: echo.roundtrip(s, d), budget / 3)
-                pushpull = size / statistics.median(bps_times)
-                engined = size / statistics.median(engine_times)
-                tcp = size / statistics.median(tcp_times)
-                add = torch_add_rate(size, budget / 2)
-                summed, sum_rounds = server_sum_rate(address, size, budget, str(os.getpid()), curve)
-                rows.append(
-                    dict(size=size, engine_Bps=engined, pushpull_Bps=pushpull, tcp_Bps=tcp,
-                         goodput_vs_tcp=pushpull / tcp,
-                         engine_goodput_vs_tcp=engined / tcp,
-                         torch_add_Bps=add, server_sum_Bps=summed, sum_vs_torch_add=summed / add,
-                         pushpull_iters=len(bps_times), tcp_iters=len(tcp_times), sum_rounds=sum_rounds)
-                )  # fmt: skip
-                print_row(rows[-1])
-                del t, dst, src_view, dst_view
-    finally:
-        echo.close()
-        stop(server)
-    return rows
-
-
-def human(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def rate(n: float) -> str:
-    return human(n) + "/s"
 
 
 def library_engine(client: Client, address: str):
@@ -227,58 +153,159 @@ def library_engine(client: Client, address: str):
     return PushPullEngine(client, keys, CreditScheduler(DEFAULT_CREDIT_BYTES))
 
 
-def print_header() -> None:
-    left = f"{'1 message':>11} {'raw TCP':>11} {'ratio':>6} {'engine':>11} {'ratio':>6}"
-    right = f"{'server sum':>11} {'torch add_':>11} {'ratio':>6}"
-    print(f"{'size':>9} | {left} | {right}")
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process pid so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def print_row(r: dict) -> None:
-    size = f"{r['size'] // MB} MB" if r["size"] >= MB else f"{r['size'] // KB} KB"
-    left = f"{rate(r['pushpull_Bps']):>11} {rate(r['tcp_Bps']):>11} {r['goodput_vs_tcp']:>6.2f} "
-    left += f"{rate(r['engine_Bps']):>11} {r['engine_goodput_vs_tcp']:>6.2f}"
-    right = f"{rate(r['server_sum_Bps']):>11} {rate(r['torch_add_Bps']):>11} {r['sum_vs_torch_add']:>6.2f}"
-    print(f"{size:>9} | {left} | {right}", flush=True)
+def server_rate(server: subprocess.Popen, address: str, size: int, budget: float, tag: str) -> dict:
+    """2 workers keep SERVER_BYTES_IN_FLIGHT of keys in flight each; return the server's receive-to-reply rate."""
+    keys = max(1, min(16, SERVER_BYTES_IN_FLIGHT // size))
+    job = job_id_from_name(f"bench-server-{tag}")
+    clients = [Client([address], job, w, 2, timeout=120) for w in range(2)]
+    tensors = [[torch.ones(size // 4) for _ in range(keys)] for _ in range(2)]
+
+    def round_() -> None:
+        futures = [c.push_pull(t, key) for c, ts in zip(clients, tensors, strict=True) for key, t in enumerate(ts)]
+        for f in futures:
+            f.wait()
+
+    try:
+        round_()  # warm-up: INIT, first allocation of every sum
+        before, cpu0 = clients[0].server_stats(0), cpu_seconds(server.pid)
+        rounds, start = 0, time.perf_counter()
+        while rounds < 3 or time.perf_counter() - start < budget:
+            round_()
+            rounds += 1
+        wall = time.perf_counter() - start
+        cpu, after = cpu_seconds(server.pid) - cpu0, clients[0].server_stats(0)
+    finally:
+        for c in clients:
+            c.close()
+    bytes_in = after["bytes_in"] - before["bytes_in"]
+    summed, ns = after["bytes_summed"] - before["bytes_summed"], after["sum_ns"] - before["sum_ns"]
+    assert bytes_in == 2 * keys * size * rounds, (bytes_in, keys, rounds)  # every push reached the server once
+    return dict(server=bytes_in / wall, server_cpu=cpu / wall, server_add_kernel=summed / ns * 1e9 if ns else 0.0)
+
+
+def measure_once(size, budget, client, engine, echo, server, address, tag) -> dict:
+    """One repeat of every figure for one size."""
+    t = torch.ones(size // 4)
+    dst = torch.empty_like(t)
+    src_view, dst_view = memoryview(t.numpy()).cast("B"), memoryview(dst.numpy()).cast("B")
+    chunk = engine.keys.partition_size(size)
+    r = dict(
+        one_message=size / timed(lambda: client.push_pull(t, size).wait(), budget),
+        tcp_one_message=size / timed(lambda: echo.one_message(src_view, dst_view), budget),
+        engine=size / timed(lambda: engine.push_pull(t).wait(), budget),
+        tcp_pipelined=size / timed(lambda: echo.pipelined(src_view, dst_view, chunk), budget),
+        torch_add=size / timed(lambda: dst.add_(t), budget),
+        partition=chunk,
+    )
+    r.update(server_rate(server, address, size, budget, tag))
+    r["one_message_vs_tcp"] = r["one_message"] / r["tcp_one_message"]
+    r["engine_vs_pipelined_tcp"] = r["engine"] / r["tcp_pipelined"]
+    r["server_vs_torch_add"] = r["server"] / r["torch_add"]
+    return r
+
+
+FIGURES = ("one_message", "tcp_one_message", "one_message_vs_tcp", "engine", "tcp_pipelined",
+           "engine_vs_pipelined_tcp", "server", "server_cpu", "torch_add", "server_vs_torch_add",
+           "server_add_kernel")  # fmt: skip
+
+
+def start_server(engine_threads: int, max_frame: int, auth: str = "curve") -> tuple[subprocess.Popen, str]:
+    """A summation server on loopback: `auth` curve (with the pool credential of BPS_POOL_CREDENTIAL, which
+    Client also picks up) or off. Returns it and its address."""
+    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
+    server, port = start_process(
+        [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
+         "--engine-threads", str(engine_threads), "--max-frame-bytes", str(max(max_frame, 16 * MB))],
+        r"port (\d+) incarnation",
+    )  # fmt: skip
+    return server, f"127.0.0.1:{port}"
+
+
+def measure(sizes: list[int], budget: float, repeats: int, engine_threads: int) -> list[dict]:
+    torch.set_num_threads(1)  # the add_ baseline is one thread, as each of the server's engine threads is
+    server, address = start_server(engine_threads, max(sizes))  # authentication on, as by default
+    echo = Echo(max(sizes))
+    rows = []
+    try:
+        with (
+            Client([address], job_id_from_name(f"bench-one-{os.getpid()}"), 0, 1, timeout=120) as client,
+            Client([address], job_id_from_name(f"bench-engine-{os.getpid()}"), 0, 1, timeout=120) as engine_client,
+        ):
+            engine = library_engine(engine_client, address)
+            for size in sizes:
+                runs = [measure_once(size, budget, client, engine, echo, server, address, f"{os.getpid()}-{size}-{i}")
+                        for i in range(repeats)]  # fmt: skip
+                row = {"size": size, "partition": runs[0]["partition"], "repeats": repeats}
+                for name in FIGURES:
+                    values = sorted(r[name] for r in runs)
+                    row[name] = dict(min=values[0], median=statistics.median(values), max=values[-1], all=values)
+                rows.append(row)
+                print_row(row)
+            engine.close()
+    finally:
+        echo.close()
+        stop(server)
+    return rows
+
+
+def human(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def size_name(size: int) -> str:
+    return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
+
+
+def spread(stat: dict, rate: bool) -> str:
+    """median (min-max), rates in B/s and ratios bare."""
+    if rate:
+        return f"{human(stat['median'])}/s ({human(stat['min'])}-{human(stat['max'])})"
+    return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
+
+
+def print_row(row: dict) -> None:
+    cells = [spread(row[name], not name.endswith(("_vs_tcp", "_vs_pipelined_tcp", "_vs_torch_add", "_cpu")))
+             for name in FIGURES[:-1]]  # fmt: skip
+    print(f"{size_name(row['size'])} | " + " | ".join(cells), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a reduced sweep, under a minute")
-    p.add_argument("--json", metavar="PATH", help="write the per-size rows and summary ratios here")
+    p.add_argument("--quick", action="store_true", help="a reduced sweep (4 sizes, 3 repeats)")
+    p.add_argument("--json", metavar="PATH", help="write the per-size rows (every repeat) and the summary here")
     p.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4 KB to 256 MB by 4x)")
-    p.add_argument("--budget", type=float, help="seconds per measurement (default 1.5, quick 0.5)")
+    p.add_argument("--budget", type=float, help="seconds per figure per repeat (default 0.4, quick 0.2)")
+    p.add_argument("--repeats", type=int, help="repeats of every figure (default 5, quick 3)")
     p.add_argument("--engine-threads", type=int, default=2, help="the server's engine threads (default 2)")
-    p.add_argument(
-        "--auth", choices=("curve", "off"), default="curve", help="curve (the default) or off; see auth_cost.py"
-    )
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
-    budget = args.budget or (0.5 if args.quick else 1.5)
+    budget = args.budget or (0.2 if args.quick else 0.4)
+    repeats = args.repeats or (3 if args.quick else 5)
 
-    print(f"push_pull: 1 worker, 1 server subprocess on loopback (auth {args.auth}); server sum: 2 workers; "
-          f"torch {torch.__version__}")  # fmt: skip
-    print("goodput = bytes of the tensor per second of push_pull; ratios are measured in this run")
-    print(
-        "1 message = one client push_pull of the whole tensor; "
-        "engine = the library's push_pull (partitioned, pipelined)"
-    )
-    print_header()
-    rows = measure(sizes, budget, args.engine_threads, args.auth)
+    print(f"1 worker and 1 server subprocess on loopback (server: 2 workers); torch {torch.__version__}; "
+          f"median (min-max) of {repeats} repeats")  # fmt: skip
+    print("size | " + " | ".join(FIGURES[:-1]))
+    rows = measure(sizes, budget, repeats, args.engine_threads)
     largest = max(rows, key=lambda r: r["size"])
-    summary = {
-        "goodput_vs_tcp": largest["goodput_vs_tcp"],
-        "engine_goodput_vs_tcp": largest["engine_goodput_vs_tcp"],
-        "sum_vs_torch_add": largest["sum_vs_torch_add"],
-        "largest_size": largest["size"],
-        "rows": rows,
-    }
-    print(f"largest size {human(largest['size'])}: goodput_vs_tcp {largest['goodput_vs_tcp']:.2f} (target 0.7), "
-          f"sum_vs_torch_add {largest['sum_vs_torch_add']:.2f} (target 0.7)")  # fmt: skip
+    summary = {name: largest[name]["median"] for name in FIGURES if "_vs_" in name}
+    summary.update(largest_size=largest["size"], command=" ".join(["python", "benchmarks/pushpull.py", *(argv or [])]))
+    print(f"largest size {size_name(largest['size'])}, medians: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in summary.items() if "_vs_" in k))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, "rows": rows}, f, indent=2)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -3,8 +3,11 @@
 // Every call into the client runs with the GIL released. Completions come back on CompletionPool threads,
 // which take the GIL to call the Python handler given at construction. bps::Error and ErrorInfo map to the
 // types of torch_bps/errors.py here and nowhere else.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,6 +15,7 @@
 #include "buffer_cache.h"
 #include "client.h"
 #include "errors.h"
+#include "future_work.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -25,11 +29,46 @@ py::object toPyException(const ErrorInfo& error) {
   switch (error.kind) {
     case ErrorKind::kTransport: return errors.attr("TransportError")(error.message);
     case ErrorKind::kTimeout: return errors.attr("BpsTimeoutError")(error.message);
-    case ErrorKind::kServer: return errors.attr("ServerError")(error.status, error.message);
+    // A sum that waited its timeout for workers that have not pushed: a timeout, the server's words.
+    case ErrorKind::kServer:
+      if (error.status == kRoundTimeout) return errors.attr("BpsTimeoutError")(error.message);
+      return errors.attr("ServerError")(error.status, error.message);
     case ErrorKind::kProtocol: return errors.attr("ProtocolError")(error.status, error.message);
     case ErrorKind::kValue: return py::module_::import("builtins").attr("ValueError")(error.message);
     default: return errors.attr("BpsError")(error.message);
   }
+}
+
+// An exception_ptr that, wherever it is rethrown (DDP's reducer, Work::wait, Future.wait), becomes `error`
+// again in Python: torch translates its python_error back into the original exception object (GIL held).
+std::exception_ptr asErrorPtr(const py::object& error) {
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  python_error e;
+  e.persist();
+  e.build_message();
+  return std::make_exception_ptr(e);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> cppFuture(const py::object& future) {
+  return py::cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>(future)->fut;
+}
+
+// Fail a torch.futures.Future in C++ (setError), which Future.set_exception does not: it stores the
+// exception as the future's value, and C++ consumers then read an exception object as a tensor.
+void failFuture(const py::object& future, const py::object& error) {
+  auto fut = cppFuture(future);
+  std::exception_ptr eptr = asErrorPtr(error);
+  py::gil_scoped_release release;  // callbacks run here and take the GIL themselves
+  fut->setErrorIfNeeded(eptr);
+}
+
+c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeoutSeconds, std::string what) {
+  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
+  auto makeTimeoutError = [](const std::string& message) {
+    py::gil_scoped_acquire gil;
+    return asErrorPtr(py::module_::import("torch_bps.errors").attr("BpsTimeoutError")(message));
+  };
+  return c10::make_intrusive<FutureWork>(cppFuture(future), timeout, std::move(what), makeTimeoutError);
 }
 
 // Owns a bps::Client for Python: releases the GIL while closing, since closing runs completions that
@@ -37,7 +76,7 @@ py::object toPyException(const ErrorInfo& error) {
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
-           py::function onComplete, CurveKeys curve) {
+           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, CurveKeys curve) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -52,7 +91,8 @@ class PyClient {
         e.discard_as_unraisable("torch_bps completion handler");
       }
     };
-    ClientOptions options{std::move(servers), jobId, worker, numWorkers, timeout, std::move(curve)};
+    ClientOptions options{std::move(servers), jobId,           worker,          numWorkers,
+                          timeout,            heartbeatInterval, heartbeatTimeout, std::move(curve)};
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete));
   }
@@ -64,14 +104,31 @@ class PyClient {
 
   Client& get() { return *client_; }
 
+  // Run fn on a completion thread (with the GIL), like a push_pull's completion.
+  void post(py::function fn) {
+    std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* p) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    });
+    py::gil_scoped_release release;
+    client_->post([held] {
+      py::gil_scoped_acquire gil;
+      try {
+        (*held)();
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_bps posted task");
+      }
+    });
+  }
+
  private:
   std::unique_ptr<Client> client_;
 };
 
 py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
                        uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
-                       uint64_t nbytes) {
-  Header h{command, status, dtype, worker, numWorkers, incarnation, jobId, key, round, requestId, nbytes};
+                       uint64_t nbytes, uint32_t waitMs) {
+  Header h{command, status, dtype, worker, numWorkers, waitMs, incarnation, jobId, key, round, requestId, nbytes};
   uint8_t out[kHeaderSize];
   packHeader(h, out);
   return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
@@ -86,6 +143,7 @@ py::dict unpackHeaderPy(py::bytes data) {
   d["dtype"] = h.dtype;
   d["worker"] = h.worker;
   d["num_workers"] = h.numWorkers;
+  d["wait_ms"] = h.waitMs;
   d["incarnation"] = h.incarnation;
   d["job_id"] = h.jobId;
   d["key"] = h.key;
@@ -113,10 +171,16 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.attr("HEADER_SIZE") = bps::kHeaderSize;
+  m.def("fail_future", &bps::failFuture,
+        "Complete a torch.futures.Future with `error` as a C++ error, so C++ consumers (DDP) see a failure.",
+        py::arg("future"), py::arg("error"));
+  m.def("make_work", &bps::makeWork,
+        "A c10d Work over `future`: wait(timeout) rethrows its error, get_future() works from C++ too.",
+        py::arg("future"), py::arg("timeout"), py::arg("what"));
   m.def("pack_header", &bps::packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
         py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
         py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
-        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0);
+        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0);
   m.def("unpack_header", &bps::unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
         py::arg("data"));
 
@@ -133,14 +197,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
-                       double timeout, py::function onComplete, std::string curvePublic, std::string curveSecret,
-                       std::vector<std::string> curveServerKeys) {
+                       double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
+                       std::string curvePublic, std::string curveSecret, std::vector<std::string> curveServerKeys) {
              bps::CurveKeys curve{std::move(curvePublic), std::move(curveSecret), std::move(curveServerKeys)};
-             return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, std::move(onComplete),
-                                 std::move(curve));
+             return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
+                                 heartbeatTimeout, std::move(onComplete), std::move(curve));
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
-           py::arg("on_complete"), py::arg("curve_public") = "", py::arg("curve_secret") = "",
+           py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
+           py::arg("curve_public") = "", py::arg("curve_secret") = "",
            py::arg("curve_server_keys") = std::vector<std::string>{})
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
@@ -164,5 +229,6 @@ PYBIND11_MODULE(_C, m) {
       .def("bytes_sent", [](PyClient& c) { return c.get().bytesSent(); }, release())
       .def("bytes_received", [](PyClient& c) { return c.get().bytesReceived(); }, release())
       .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
+      .def("post", &PyClient::post, py::arg("fn"))
       .def("close", [](PyClient& c) { c.get().close(); }, release());
 }

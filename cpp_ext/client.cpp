@@ -47,7 +47,9 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   try {
     for (size_t i = 0; i < n; ++i) {
       std::string monitor = formatText("inproc://bps-monitor-%p-%zu", static_cast<void*>(this), i);
-      links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor, options_.curve.forServer(i)));
+      links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor,
+                                                    options_.heartbeatIntervalSeconds,
+                                                    options_.heartbeatTimeoutSeconds, options_.curve.forServer(i)));
     }
   } catch (...) {
     links_.clear();
@@ -57,6 +59,7 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   }
   incarnations_.assign(n, 0);
   ioIncarnations_.assign(n, 0);
+  linkStates_.assign(n, LinkState{});
   ioThread_ = std::thread([this] { ioLoop(); });
   ++openClients;
 }

@@ -38,6 +38,10 @@ struct ClientOptions {
   uint32_t worker = 0;
   uint32_t numWorkers = 1;
   double timeoutSeconds = 300.0;  // per request, from when it is sent
+  // ZeroMQ heartbeats: a server silent this long after a PING (stopped, cut off) counts as lost. A killed
+  // server closes TCP and is known at once.
+  double heartbeatIntervalSeconds = 1.0;
+  double heartbeatTimeoutSeconds = 10.0;
   CurveKeys curve;  // no server keys: no CURVE
 };
 
@@ -69,6 +73,8 @@ class Client {
   std::vector<uint64_t> bytesSent() const;
   std::vector<uint64_t> bytesReceived() const;
   size_t completionThreads() { return pool_.threadCount(); }
+  // Run `task` on a completion thread.
+  void post(CompletionPool::Task task) { pool_.post(std::move(task)); }
 
   // Fail everything outstanding, run its completions, join every thread. Idempotent; never hangs.
   void close();
@@ -90,6 +96,7 @@ class Client {
     Clock::duration timeout{};
     std::deque<uint64_t> requests;  // ids of wire requests still awaiting their reply, in send order
     bool holdsKey = false;  // this push_pull is its key's round in flight
+    bool rehello = false;  // a HELLO the IO thread sent on its own after a reconnection
     bool done = false;
     ErrorInfo error;
   };
@@ -99,6 +106,14 @@ class Client {
     OpPtr op;
     uint16_t command = 0;
     Clock::time_point deadline;
+  };
+
+  // A server whose connection dropped is down: every request to it fails at once, naming it, until it
+  // reconnects and answers HELLO as the same incarnation (a restarted server has lost the job's sums).
+  struct LinkState {
+    bool down = false;
+    std::string why;
+    Clock::time_point since;
   };
 
   struct KeyState {
@@ -118,6 +133,9 @@ class Client {
   bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
   void onReply(size_t server, Message& message);
   void onDisconnect(size_t server);
+  void onReconnect(size_t server);
+  void onRehello(const OpPtr& op, uint64_t incarnation);
+  bool failIfDown(const OpPtr& op);
   void expireDeadlines();
   int pollTimeoutMs() const;
   void forget(uint64_t requestId);
@@ -151,6 +169,7 @@ class Client {
 
   // IO thread state.
   std::vector<uint64_t> ioIncarnations_;
+  std::vector<LinkState> linkStates_;
   std::unordered_map<uint64_t, Request> inflight_;
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
   std::unordered_map<uint64_t, KeyState> keys_;

@@ -46,6 +46,7 @@ void Client::ioLoop() {
         LinkEvent event;
         while ((event = links_[i]->readMonitor()) != LinkEvent::kNothing) {
           if (event == LinkEvent::kDisconnected) onDisconnect(i);
+          if (event == LinkEvent::kConnected) onReconnect(i);
         }
       }
       expireDeadlines();
@@ -70,6 +71,7 @@ void Client::takeSubmissions() {
 }
 
 void Client::start(const OpPtr& op) {
+  if (op->kind != kHello && failIfDown(op)) return;
   if (op->kind != kPush) {
     sendRequest(op, op->kind, Clock::now() + op->timeout);
     return;
@@ -89,7 +91,10 @@ void Client::start(const OpPtr& op) {
     if (!sendRequest(op, kInit, deadline)) return;
   }
   if (!sendRequest(op, kPush, deadline)) return;
-  sendRequest(op, kPull, deadline);
+  // Later than the server's own limit (waitMs), so that its answer, which names the workers that have not
+  // pushed, arrives first.
+  auto grace = std::max<Clock::duration>(std::chrono::seconds(2), op->timeout / 10);
+  sendRequest(op, kPull, deadline + grace);
 }
 
 bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline) {
@@ -98,6 +103,9 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
   h.dtype = op->dtype;
   h.worker = options_.worker;
   h.numWorkers = command == kHello ? options_.numWorkers : 0;
+  // The server answers a PULL still waiting after the timeout itself, naming the workers that have not pushed;
+  // our own deadline (a little later) covers a server that cannot answer at all.
+  if (command == kPull) h.waitMs = static_cast<uint32_t>(std::min(options_.timeoutSeconds * 1000.0, 4e9));
   h.incarnation = command == kHello ? 0 : ioIncarnations_[op->server];
   h.jobId = options_.jobId;
   h.key = op->key;
@@ -152,6 +160,10 @@ void Client::onReply(size_t server, Message& message) {
     return;
   }
   if (command == kPush) notifyPushed(op);
+  if (command == kHello && op->rehello) {
+    onRehello(op, h.incarnation);
+    return;
+  }
   if (command == kHello) {
     ioIncarnations_[server] = h.incarnation;
     std::lock_guard<std::mutex> lock(stateMutex_);
@@ -173,6 +185,8 @@ void Client::onReply(size_t server, Message& message) {
 }
 
 void Client::onDisconnect(size_t server) {
+  LinkState& state = linkStates_[server];
+  if (!state.down) state = {true, "lost the connection", Clock::now()};
   std::vector<OpPtr> lost;
   for (auto& entry : inflight_) {
     if (entry.second.op->server == server) lost.push_back(entry.second.op);
@@ -185,6 +199,39 @@ void Client::onDisconnect(size_t server) {
                 formatText("lost the connection to server %s while waiting for the %s reply (%s)", address.c_str(),
                        commandName(command), describe(*op).c_str())});
   }
+}
+
+void Client::onReconnect(size_t server) {
+  // Reachable again: ask who answers before trusting it (a restarted server has lost the job's sums).
+  if (!linkStates_[server].down || ioIncarnations_[server] == 0) return;
+  auto op = std::make_shared<Op>();
+  op->kind = kHello;
+  op->server = server;
+  op->rehello = true;
+  op->timeout = timeout_;
+  sendRequest(op, kHello, Clock::now() + op->timeout);
+}
+
+void Client::onRehello(const OpPtr& op, uint64_t incarnation) {
+  op->done = true;
+  LinkState& state = linkStates_[op->server];
+  if (incarnation == ioIncarnations_[op->server]) {
+    state = LinkState{};
+  } else {
+    state.why = formatText("restarted (incarnation 0x%016" PRIx64 ", now 0x%016" PRIx64 ") and lost this job's sums",
+                           ioIncarnations_[op->server], incarnation);
+  }
+}
+
+bool Client::failIfDown(const OpPtr& op) {
+  const LinkState& state = linkStates_[op->server];
+  if (!state.down) return false;
+  double ago = std::chrono::duration<double>(Clock::now() - state.since).count();
+  if (op->kind == kPush) op->round = keys_[op->key].nextRound;  // the round it would have been, for the message
+  failOp(op, {ErrorKind::kTransport, 0,
+              formatText("server %s is unreachable: %s %.1f s ago (%s)", links_[op->server]->address().c_str(),
+                         state.why.c_str(), ago, describe(*op).c_str())});
+  return true;
 }
 
 void Client::expireDeadlines() {
@@ -234,6 +281,7 @@ void Client::notifyPushed(const OpPtr& op) {
 
 void Client::finishOp(const OpPtr& op) {
   op->done = true;
+  if (op->rehello) return;  // ours, not a caller's: the link simply stays down
   notifyPushed(op);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);

@@ -18,7 +18,7 @@ std::string zmqError(const std::string& what) { return what + ": " + zmq_strerro
 }  // namespace
 
 ServerLink::ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-                       const LinkKeys& keys)
+                       double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys)
     : address_(address) {
   socket_ = zmq_socket(context, ZMQ_DEALER);
   if (socket_ == nullptr) throw Error(ErrorKind::kTransport, zmqError("cannot create a socket for " + address));
@@ -26,8 +26,8 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
   // No high-water mark: a send must never block the IO thread; memory is bounded by what callers queue.
   setInt(socket_, ZMQ_SNDHWM, 0);
   setInt(socket_, ZMQ_RCVHWM, 0);
-  setInt(socket_, ZMQ_HEARTBEAT_IVL, kHeartbeatIntervalMs);
-  setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, kHeartbeatTimeoutMs);
+  setInt(socket_, ZMQ_HEARTBEAT_IVL, static_cast<int>(heartbeatInterval * 1000));
+  setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, static_cast<int>(heartbeatTimeout * 1000));
   if (keys.enabled()) {
     // Before connecting: the handshake of the very first connection must already be CURVE.
     const std::pair<int, const std::string*> options[] = {

@@ -49,15 +49,13 @@ enum class LinkEvent { kNothing, kConnected, kDisconnected, kOther };
 
 class ServerLink {
  public:
-  // Heartbeats catch a peer that vanished without closing TCP; generous because a PING queues behind
-  // whatever big message is on the wire. A killed process closes TCP and is noticed at once instead.
-  static constexpr int kHeartbeatIntervalMs = 5000;
-  static constexpr int kHeartbeatTimeoutMs = 30000;
-
   // Connect a DEALER to `address` ("host:port"), as a CURVE client if keys.enabled(); throws
   // Error(kTransport) if ZeroMQ refuses it (an address, or keys that are not 40 characters of Z85).
+  // Heartbeats catch a server that vanished without closing TCP (stopped, cut off): silent for
+  // heartbeatTimeout after a PING, the connection drops. Any traffic counts as an answer, so a PING
+  // queued behind a big message does not time out. A killed process closes TCP and is noticed at once.
   ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-             const LinkKeys& keys = LinkKeys{});
+             double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{});
   ~ServerLink();
   ServerLink(const ServerLink&) = delete;
   ServerLink& operator=(const ServerLink&) = delete;

@@ -37,7 +37,9 @@ enum Status : uint16_t {
   kKeyMismatch = 8,
   kBadRound = 9,
   kInternal = 10,
-  kOverQuota = 16,  // 11-15 are left to the statuses of worker-loss detection
+  kWorkerLost = 11,
+  kRoundTimeout = 12,
+  kOverQuota = 16,
 };
 
 struct Header {
@@ -46,6 +48,7 @@ struct Header {
   uint16_t dtype = 0;
   uint32_t worker = 0;
   uint32_t numWorkers = 0;
+  uint32_t waitMs = 0;  // PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
   uint64_t incarnation = 0;
   uint64_t jobId = 0;
   uint64_t key = 0;
@@ -77,7 +80,7 @@ inline void packHeader(const Header& h, uint8_t* out) {
   store<uint16_t>(out, 10, h.dtype);
   store<uint32_t>(out, 12, h.worker);
   store<uint32_t>(out, 16, h.numWorkers);
-  store<uint32_t>(out, 20, 0);  // reserved
+  store<uint32_t>(out, 20, h.waitMs);
   store<uint64_t>(out, 24, h.incarnation);
   store<uint64_t>(out, 32, h.jobId);
   store<uint64_t>(out, 40, h.key);
@@ -112,6 +115,7 @@ inline Header unpackHeader(const uint8_t* in, size_t size) {
   h.dtype = load<uint16_t>(in, 10);
   h.worker = load<uint32_t>(in, 12);
   h.numWorkers = load<uint32_t>(in, 16);
+  h.waitMs = load<uint32_t>(in, 20);
   h.incarnation = load<uint64_t>(in, 24);
   h.jobId = load<uint64_t>(in, 32);
   h.key = load<uint64_t>(in, 40);
@@ -136,7 +140,8 @@ inline const char* statusName(uint16_t status) {
   if (status == kOverQuota) return "OVER_QUOTA";
   static const char* const kNames[] = {"OK",           "BAD_FRAME",   "BAD_VERSION",  "BAD_COMMAND",
                                        "WRONG_INCARNATION", "UNKNOWN_JOB", "JOB_MISMATCH", "UNKNOWN_KEY",
-                                       "KEY_MISMATCH", "BAD_ROUND",   "INTERNAL"};
+                                       "KEY_MISMATCH", "BAD_ROUND",   "INTERNAL",     "WORKER_LOST",
+                                       "ROUND_TIMEOUT"};
   return status < sizeof(kNames) / sizeof(kNames[0]) ? kNames[status] : "UNKNOWN_STATUS";
 }
 

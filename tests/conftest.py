@@ -1,16 +1,56 @@
 import os
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
+from tests import reaper  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 from torch_bps.security import new_secret  # noqa: E402
 
 # Authentication is on in the suite: every server a test starts (helpers.ServerProcess) requires this pool
 # credential, and every worker, client and raw peer (which inherit the environment) presents it.
 os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
+
+_reaper: subprocess.Popen | None = None
+
+
+def pytest_configure(config):
+    """Mark every process the session starts (through the environment they inherit) and start the reaper,
+    which kills the marked ones left running once pytest exits, also through pytest-timeout's os._exit."""
+    global _reaper
+    if os.environ.get(reaper.ENV):  # a pytest run inside a test: the outer session's reaper covers it
+        return
+    token = f"{os.getpid()}-{os.urandom(6).hex()}"
+    _reaper = subprocess.Popen([sys.executable, "-m", "tests.reaper", token], stdin=subprocess.PIPE, cwd=REPO,
+                               start_new_session=True)  # fmt: skip
+    os.environ[reaper.ENV] = token  # after the reaper started, so it does not carry the token itself
+
+
+def _lives_with_pytest(cmd: str) -> bool:
+    # multiprocessing's helper processes stop on their own when pytest exits (their pipe to it closes).
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Kill, and name, what the tests left running."""
+    token = os.environ.get(reaper.ENV)
+    if _reaper is None or not token:
+        return
+    left = reaper.reap(token, grace=5.0, keep=_lives_with_pytest)
+    if left:
+        lines = "".join(f"\n  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        session.config.get_terminal_writer().line(
+            f"conftest: killed {len(left)} process(es) the tests left running:{lines}", yellow=True
+        )
+
+
+def pytest_unconfigure(config):
+    if _reaper is not None:
+        _reaper.stdin.close()  # the reaper takes over: anything still marked once pytest is gone gets killed
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import traceback
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 import zmq
 
@@ -215,6 +216,18 @@ def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None =
     if errors or missing:
         pytest.fail("\n".join(errors) + (f"\nranks {missing} did not finish within {timeout}s" if missing else ""))
     return [outcome[r][1] for r in range(world)]
+
+
+# Float test data whose sums are exact, so results can be compared bit for bit: multiples of 2**-8 below 1 in
+# magnitude (2**-4 below 2 for bf16), so any 8 of them add without rounding (fp16 keeps 11 significant bits,
+# bf16 8) while the low bits are in use: a sum done in a narrower type, or a round mixed up, changes the bits.
+_EXACT_UNITS = {torch.bfloat16: (32, 2.0**-4)}
+
+
+def exact_floats(shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Return random floats of `dtype` such that sums of up to 8 of them are exact in that dtype."""
+    units, step = _EXACT_UNITS.get(dtype, (256, 2.0**-8))
+    return (torch.randint(-units, units, shape, generator=generator) * step).to(dtype)
 
 
 def rss_bytes(pid: int) -> int:

@@ -18,7 +18,7 @@ ALLOWED = {
         "torch_bps.server",
         "torch_bps.security",
     },
-    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config"},
+    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config", "torch_bps.futures"},
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
     "triton_kernels": {"triton_kernels"},
 }

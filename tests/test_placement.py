@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from torch_bps.engine.partition import MIN_PARTITION_BYTES, KeyBook, cut
 from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
+from torch_bps.local.comm import split_range
 
 
 def test_split_formula_special_cases():
@@ -93,3 +94,35 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])
     # x = 1/3: a colocated server's share is 1/6, and it still gets 64 partitions of a 384 MB tensor.
     assert mixed.partition_size(384 << 20) == 1 << 20
+
+
+# What the engine places in a DDP step: the first 1 MiB bucket, 25 MiB buckets, a ragged last bucket, half-precision
+# buckets, and the small collectives around them (buffers, metrics): about 270 partitions at the engine's sizes.
+MIXED_TENSORS = [(1 << 20, torch.float32), (25 << 20, torch.float32), (13_107_200, torch.float16),
+                 (6_553_600, torch.bfloat16), (3_145_732, torch.float32), (600 << 10, torch.float32),
+                 (96 << 10, torch.float32), (12 << 10, torch.int64), (4096, torch.float32),
+                 (256, torch.float32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (4, 3), (8, 1), (8, 4), (8, 7)])
+@pytest.mark.parametrize("local_size", [1, 2])
+def test_engine_places_bytes_by_the_papers_split(n, k, local_size):
+    """Each server receives its share of the paper's split: x / k per dedicated server, (1 - x) / n per colocated
+    one, within 2% of that share (or one partition, where a partition is more than 2% of the share)."""
+    colocated, dedicated = [f"c{i}:1" for i in range(n)], [f"d{i}:1" for i in range(k)]
+    servers = server_weights(colocated, dedicated)
+    slices = lambda numel: [split_range(numel, local_size, i) for i in range(local_size)]  # noqa: E731
+    book = KeyBook(Placement(servers), 4_096_000, slices)
+    received = [0] * len(servers)
+    sizes = []
+    for nbytes, dtype in MIXED_TENSORS:
+        for parts in book.plan(nbytes // dtype.itemsize, dtype):
+            for p in parts:
+                received[p.server] += p.numel * dtype.itemsize
+                sizes.append(p.numel * dtype.itemsize)
+    total, biggest = sum(received), max(sizes)
+    assert total == sum(nbytes for nbytes, _ in MIXED_TENSORS) and len(sizes) >= 200
+    x = dedicated_fraction(n, k)
+    for s, got in zip(servers, received, strict=True):
+        target = (x / k if s.dedicated else (1 - x) / n) * total  # the paper's split, not the weights under test
+        assert abs(got - target) <= max(0.02 * target, biggest), (s, got / total, target / total)

@@ -22,12 +22,13 @@ import hashlib
 import itertools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from torch_bps import _C
 from torch_bps.errors import TransportError
+from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
 from torch_bps.wire import DTYPE_CODES, STATS_FIELDS
 
@@ -43,22 +44,15 @@ def job_id_from_name(name: str) -> int:
 
 
 class _Pending:
-    """Futures waiting for the C++ client, by token. Separate from Client so the C++ side's reference to
-    `complete` does not keep the Client alive (its finalizer closes the C++ client)."""
+    """Completion callbacks waiting for the C++ client, by token. Separate from Client so the C++ side's
+    reference to `complete` does not keep the Client alive (its finalizer closes the C++ client)."""
 
     def __init__(self) -> None:
-        self.futures: dict[int, tuple[torch.futures.Future, object]] = {}
-
-    def add(self, token: int, future: torch.futures.Future, value: object) -> None:
-        self.futures[token] = (future, value)
+        self.callbacks: dict[int, Callable[[BaseException | None], None]] = {}
 
     def complete(self, token: int, error: BaseException | None) -> None:
-        # Called by the C++ completion threads with the GIL held; callbacks of the future run here.
-        future, value = self.futures.pop(token)
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
+        # Called by the C++ completion threads with the GIL held.
+        self.callbacks.pop(token)(error)
 
 
 def _check_tensor(t: object, name: str) -> None:
@@ -83,8 +77,11 @@ class Client:
         job_id: the job, a u64 (see `job_id_from_name`); keys are namespaced by job on the servers.
         worker: this worker's index, 0 <= worker < num_workers.
         num_workers: how many workers push every round.
-        timeout: seconds a request may wait for its reply (from when it is sent).
+        timeout: seconds a request may wait for its reply (from when it is sent). A PULL waiting that long on
+            workers that have not pushed is answered by the server with an error naming them.
         connect_timeout: seconds to wait for every server's HELLO reply.
+        heartbeat_interval, heartbeat_timeout: a server silent for heartbeat_timeout seconds after a
+            heartbeat (stopped, cut off) counts as lost; a killed one is known at once.
         curve: CURVE keys (torch_bps.security.ClientKeys, one server key per server): every connection is
             authenticated and encrypted. None: keys from BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is
             not off; see ClientKeys.from_environment); False: plain connections, for servers run with
@@ -104,6 +101,8 @@ class Client:
         *,
         timeout: float = 300.0,
         connect_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
         curve: ClientKeys | bool | None = None,
     ) -> None:
         if isinstance(servers, str):
@@ -119,8 +118,11 @@ class Client:
             raise ValueError(f"job_id {job_id} is not a u64")
         if not 0 < num_workers < 1 << 32 or not 0 <= worker < num_workers:
             raise ValueError(f"worker {worker} must be in [0, num_workers={num_workers})")
-        if not (timeout > 0 and connect_timeout > 0):  # also refuses NaN
-            raise ValueError(f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout})")
+        if not all(t > 0 for t in (timeout, connect_timeout, heartbeat_interval, heartbeat_timeout)):  # and NaN
+            raise ValueError(
+                f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout}, "
+                f"heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout})"
+            )
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -134,9 +136,8 @@ class Client:
                 raise ValueError(f"curve has {len(curve.server_keys)} server keys for {len(self._servers)} servers")
             keys = dict(curve_public=curve.client.public.decode(), curve_secret=curve.client.secret.decode(),
                         curve_server_keys=[k.decode() for k in curve.server_keys])  # fmt: skip
-        self._impl = _C.Client(
-            list(self._servers), job_id, worker, num_workers, timeout, self._pending.complete, **keys
-        )
+        self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
+                               heartbeat_timeout, self._pending.complete, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -168,7 +169,9 @@ class Client:
         server: int | None = None,
         out: torch.Tensor | None = None,
         pushed: torch.futures.Future | None = None,
-    ) -> torch.futures.Future:
+        on_done: Callable[[BaseException | None], None] | None = None,
+        on_pushed: Callable[[BaseException | None], None] | None = None,
+    ) -> torch.futures.Future | None:
         """Sum `tensor` over all workers of the job; return a Future of `out` holding the sum.
 
         Each call is the key's next round. A round still in flight holds the next one back until its
@@ -181,6 +184,8 @@ class Client:
             out: where the sum goes (contiguous, same numel and dtype); default `tensor`, in place.
             pushed: optional Future, completed (with None) once the server acknowledged the push, or when
                 the push_pull ends without that: for flow control of bytes leaving this worker.
+            on_done, on_pushed: instead of the futures, callables run with None or the error on a completion
+                thread (they may block); with on_done, push_pull returns None.
 
         Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
         """
@@ -209,18 +214,19 @@ class Client:
                 f"now {signature[0]} elements of {signature[1]} on server {signature[2]}: a key's size, dtype "
                 "and server never change"
             )
-        future: torch.futures.Future = torch.futures.Future()
-        token = next(self._tokens)
-        self._pending.add(token, future, out)
-        pushed_token = 0
+        future = None
+        if on_done is None:
+            future = torch.futures.Future()
+            on_done = completer(future, out)
         if pushed is not None:
-            pushed_token = next(self._tokens)
-            self._pending.add(pushed_token, pushed, None)
+            on_pushed = completer(pushed, None)
+        token = self._register(on_done)
+        pushed_token = self._register(on_pushed) if on_pushed is not None else 0
         try:
             self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor, out, pushed_token)
         except BaseException:
-            self._pending.futures.pop(token, None)
-            self._pending.futures.pop(pushed_token, None)
+            self._pending.callbacks.pop(token, None)
+            self._pending.callbacks.pop(pushed_token, None)
             raise
         return future
 
@@ -230,15 +236,23 @@ class Client:
             raise ValueError(f"server index {server} is out of range: {len(self._servers)} servers")
         counters = torch.zeros(len(STATS_FIELDS), dtype=torch.int64)
         future: torch.futures.Future = torch.futures.Future()
-        token = next(self._tokens)
-        self._pending.add(token, future, counters)
+        token = self._register(completer(future, counters))
         try:
             self._impl.stats(token, server, counters)
         except BaseException:
-            self._pending.futures.pop(token, None)
+            self._pending.callbacks.pop(token, None)
             raise
         # Counters are u64 on the wire; they stay far below 2**63, so int64 reads them unchanged.
         return dict(zip(STATS_FIELDS, future.wait().tolist(), strict=True))
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` on one of the client's completion threads (where push_pull completions run)."""
+        self._impl.post(fn)
+
+    def _register(self, callback: Callable[[BaseException | None], None]) -> int:
+        token = next(self._tokens)
+        self._pending.callbacks[token] = callback
+        return token
 
     def bytes_sent(self) -> list[int]:
         """Per server, every byte (headers and payloads) this client has sent."""

@@ -36,8 +36,13 @@ class Config:
     """Settings of a worker. Field -> environment variable: upper-case with the BPS_ prefix."""
 
     servers: tuple[str, ...] = field(default=(), metadata={"env": "BPS_SERVERS", "parse": _parse_servers})
-    # A request with no reply within this many seconds fails, naming server, key and round.
+    # A request with no reply within this many seconds fails, naming server, key and round; a sum still
+    # waiting then for workers that have not pushed fails naming them (a stalled rank).
     timeout: float = field(default=300.0, metadata={"env": "BPS_TIMEOUT", "parse": float})
+    # A peer (server, or a worker as seen by a server) silent this long after a heartbeat counts as lost:
+    # stopped, hung in the kernel, or cut off. A killed process closes its connections and is known at once.
+    heartbeat_timeout: float = field(default=10.0, metadata={"env": "BPS_HEARTBEAT_TIMEOUT", "parse": float})
+    heartbeat_interval: float = field(default=1.0, metadata={"env": "BPS_HEARTBEAT_INTERVAL", "parse": float})
     # How long to wait for every server to answer HELLO.
     connect_timeout: float = field(default=30.0, metadata={"env": "BPS_CONNECT_TIMEOUT", "parse": float})
     # Dedicated servers may instead register themselves in the job's store (`bps-server --register`):
@@ -93,8 +98,16 @@ class Config:
         return config
 
     def _check(self) -> None:
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError(f"timeouts must be positive (timeout={self.timeout}, connect={self.connect_timeout})")
+        timeouts = (self.timeout, self.connect_timeout, self.heartbeat_timeout, self.heartbeat_interval)
+        if not all(t > 0 for t in timeouts):
+            raise ConfigError(
+                f"timeouts must be positive (timeout={self.timeout}, connect={self.connect_timeout}, heartbeat "
+                f"interval={self.heartbeat_interval}, heartbeat timeout={self.heartbeat_timeout})"
+            )
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ConfigError(
+                f"heartbeat_interval={self.heartbeat_interval} must be below heartbeat_timeout={self.heartbeat_timeout}"
+            )
         if self.partition_bytes < 64:
             raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
         if self.credit_bytes < 0:

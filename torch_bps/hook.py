@@ -18,21 +18,21 @@ import torch.distributed as dist
 
 from torch_bps.config import Config
 from torch_bps.pg.staging import Staged
-from torch_bps.pg.work import Completer, Transfer, launch
+from torch_bps.pg.work import Transfer, launch
 from torch_bps.process_group import ProcessGroupBPS
 
 
-class _Connection:
+class _SharedRuntime:
     """A Runtime made for hooks, shared by every state of this process that names it (refcounted)."""
 
-    def __init__(self, runtime, completer: Completer):
-        self.runtime, self.completer, self.users = runtime, completer, 0
+    def __init__(self, runtime):
+        self.runtime, self.users = runtime, 0
 
 
 # Two states with the same name (two hooked models on one group) must share one Runtime: a second rendezvous
 # in the same store namespace would race with the first one's keys.
-_CONNECTIONS: dict[str, _Connection] = {}
-_CONNECTIONS_LOCK = threading.Lock()
+_SHARED: dict[str, _SharedRuntime] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class BpsHookState:
@@ -55,46 +55,45 @@ class BpsHookState:
         self.name = name
         self._lock = threading.Lock()
         self._runtime = None
-        self._completer: Completer | None = None
-        self._shared: str | None = None  # the _CONNECTIONS entry this state holds a reference to
+        self._shared: str | None = None  # the _SHARED entry this state holds a reference to
 
-    def runtime(self):
-        """The Runtime (made on the first call: a blocking rendezvous every rank of the group must join)."""
+    def connect(self):
+        """Return the Runtime, made on the first call: a blocking rendezvous every rank of the group must join."""
         with self._lock:
             if self._runtime is None:
-                self._runtime, self._completer = self._connect()
+                self._runtime = self._connect()
             return self._runtime
 
     def close(self) -> None:
         """Drop this state's Runtime; the last state using a hook Runtime closes it (a "byteps" group's own
         Runtime is left to the group)."""
-        with self._lock, _CONNECTIONS_LOCK:
-            conn = _CONNECTIONS.get(self._shared) if self._shared is not None else None
+        with self._lock, _SHARED_LOCK:
+            conn = _SHARED.get(self._shared) if self._shared is not None else None
             if conn is not None:
                 conn.users -= 1
                 if conn.users == 0:
-                    del _CONNECTIONS[self._shared]
+                    del _SHARED[self._shared]
                     conn.runtime.close()
-            self._runtime, self._completer, self._shared = None, None, None
+            self._runtime, self._shared = None, None
 
     def _connect(self):
         default = dist.distributed_c10d._get_default_group()
         pg = self.process_group if self.process_group is not None else default
         if isinstance(pg, ProcessGroupBPS):
-            return pg.runtime, pg.completer
+            return pg.runtime
         name = self.name or ("hook" if pg is default else f"hook-{pg.group_name}")
-        with _CONNECTIONS_LOCK:
-            conn = _CONNECTIONS.get(name)
+        with _SHARED_LOCK:
+            conn = _SHARED.get(name)
             if conn is None:
                 from torch_bps.runtime import Runtime  # loads the C++ client: only when a hook really runs
 
                 # Any store of the job will do: the Runtime strips torch's prefixes, keeps to its own namespace.
                 store = dist.distributed_c10d._get_default_store()
                 runtime = Runtime.create(store, pg.rank(), pg.size(), name=name, config=self.config)
-                conn = _CONNECTIONS[name] = _Connection(runtime, Completer(f"bps-{name}"))
+                conn = _SHARED[name] = _SharedRuntime(runtime)
             conn.users += 1
         self._shared = name
-        return conn.runtime, conn.completer
+        return conn.runtime
 
 
 def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -107,11 +106,11 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     Example: `ddp.register_comm_hook(BpsHookState(), bps_hook)`.
     """
-    runtime = state.runtime()
+    runtime = state.connect()
     buffer = bucket.buffer()
     staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     staged.flat.div_(runtime.world_size)
-    work = launch(runtime, state._completer, "bps_hook", [Transfer(staged.flat, staged.write_back)], buffer,
+    work = launch(runtime, "bps_hook", [Transfer(staged.flat, staged.write_back)], buffer,
                   where=f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})",
                   timeout=runtime.config.timeout, priority=bucket.index(), device=buffer.device)  # fmt: skip
     return work.get_future()

@@ -40,7 +40,7 @@ from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 from torch_bps.pg import staging
 from torch_bps.pg.staging import BACKEND, Staged, check_tensor, copy_into, cpu_flat, fill_except, neutral, real
-from torch_bps.pg.work import BpsWork, Completer, Transfer, launch
+from torch_bps.pg.work import Transfer, launch
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
@@ -54,7 +54,6 @@ class ProcessGroupBPS(dist.ProcessGroup):
         self._timeout = timeout.total_seconds()
         self._launch_lock = threading.Lock()
         self._launched = 0  # collectives launched so far: the priority of the next one
-        self.completer = Completer(f"bps-{getattr(runtime, 'name', 'pg')}")
         self._group_name = ""
         self._group_desc = ""
 
@@ -85,13 +84,13 @@ class ProcessGroupBPS(dist.ProcessGroup):
         self.runtime.close()
 
     # -- reductions -----------------------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("allreduce", tensors)
         op = self._op("allreduce", opts, t)
         s = Staged("allreduce", t)
         return self._launch("allreduce", [self._reduction(s.flat, op, s.write_back)], tensors, device=t.device)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""
         name = "allreduce_coalesced"
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -105,7 +104,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
             transfers.append(self._reduction(flat, op, lambda g=group, f=flat: _scatter_back(g, f)))
         return self._launch(name, transfers, tensors, device=_device(tensors))
 
-    def reduce(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)
         op = self._op("reduce", opts, t)
         if self.rank() == opts.rootRank:
@@ -115,16 +114,18 @@ class ProcessGroupBPS(dist.ProcessGroup):
             transfer = self._reduction(cpu_flat(t), op, None)
         return self._launch("reduce", [transfer], tensors, device=t.device)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> BpsWork:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("reduce_scatter_single", self._reduce_scatter_plan(output, input, opts), [output],
                             device=output.device)  # fmt: skip
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts=None) -> BpsWork:  # fmt: skip
+                                        opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._reduce_scatter_plan(o, i, opts)]
         return self._launch("reduce_scatter_single_coalesced", plans, outputs, device=_device(outputs))
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> BpsWork:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
+    ) -> dist.Work:
         name = "reduce_scatter"
         out = self._single(name, outputs)
         inputs = self._single(name, input_lists, what="input list")
@@ -138,7 +139,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         return self._launch(name, [transfer], outputs, device=out.device)
 
     # -- data movement --------------------------------------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> BpsWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("broadcast", tensors)
         root = opts.rootRank if opts is not None else 0
         s = Staged("broadcast", t, load=self.rank() == root)
@@ -146,25 +147,25 @@ class ProcessGroupBPS(dist.ProcessGroup):
             s.flat.fill_(neutral(s.flat.dtype))
         return self._launch("broadcast", [Transfer(s.flat, s.write_back)], tensors, device=t.device)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> BpsWork:
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         return self._launch("all_gather", self._allgather_plan(output_lists, inputs), output_lists,
                             device=_device(inputs))  # fmt: skip
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts=None) -> BpsWork:  # fmt: skip
+                            opts=None) -> dist.Work:  # fmt: skip
         plans = [t for outs, i in zip(output_lists, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
         return self._launch("all_gather_coalesced", plans, output_lists, device=_device(inputs))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> BpsWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("all_gather_single", self._gather_single_plan(output, input), [output],
                             device=output.device)  # fmt: skip
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts=None) -> BpsWork:  # fmt: skip
+                                    opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._gather_single_plan(o, i)]
         return self._launch("all_gather_single_coalesced", plans, outputs, device=_device(outputs))
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> BpsWork:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         name = "gather"
         inp = self._single(name, inputs)
         check_tensor(name, inp)
@@ -179,7 +180,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         finish = (lambda: [copy_into(o, buf[i * n : (i + 1) * n]) for i, o in enumerate(outs)]) if is_root else None
         return self._launch(name, [Transfer(buf, finish)], output_lists, device=inp.device)
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> BpsWork:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         name = "scatter"
         out = self._single(name, outputs)
         check_tensor(name, out)
@@ -193,7 +194,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         mine = buf[self.rank() * n : (self.rank() + 1) * n]
         return self._launch(name, [Transfer(buf, lambda: copy_into(out, mine))], outputs, device=out.device)
 
-    def barrier(self, opts=None) -> BpsWork:
+    def barrier(self, opts=None) -> dist.Work:
         return self._launch("barrier", [Transfer(torch.zeros(1, dtype=torch.int32))], [])
 
     # -- refused ----------------------------------------------------------------------------------------------
@@ -278,13 +279,13 @@ class ProcessGroupBPS(dist.ProcessGroup):
         return [Transfer(s.flat, s.write_back)]
 
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> BpsWork:
+    def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> dist.Work:
         where = f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"
         with self._launch_lock:
             # Newest first: DDP all-reduces its buckets in gradient-arrival order, last layers first, so the
             # latest bucket holds the earliest layers, which the next forward pass needs first.
             self._launched += 1
-            return launch(self.runtime, self.completer, op, transfers, result, where=where, timeout=self._timeout,
+            return launch(self.runtime, op, transfers, result, where=where, timeout=self._timeout,
                           priority=self._launched, device=device)  # fmt: skip
 
     def _check_world_multiple(self, name: str, big_name: str, big: torch.Tensor, small_name: str,

@@ -34,6 +34,7 @@ from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
 from torch_bps.errors import BpsTimeoutError, ConfigError, TransportError
+from torch_bps.futures import completer
 from torch_bps.registry import registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
 from torch_bps.topology import Topology
@@ -70,6 +71,7 @@ class Runtime:
         self._local = local
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its CURVE keys derive from; set by create()
+        self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -125,6 +127,8 @@ class Runtime:
             topology.num_nodes if hierarchical else world_size,
             timeout=config.timeout,
             connect_timeout=timeout,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=config.heartbeat_timeout,
             curve=_client_keys(config, secret, weights),
         )
         local = None
@@ -164,9 +168,38 @@ class Runtime:
         atexit.register(rt.close)
         return rt
 
+    def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0) -> None:
+        """Sum each tensor (1-D, contiguous, CPU) in place over every rank of the group as one collective, then
+        call `done(error or None)` on a completion thread (see torch_bps.engine.pipeline)."""
+
+        def finish(error: BaseException | None) -> None:
+            if error is not None:
+                self._failed = True
+                self._explain(error)
+            done(error)
+
+        self._engine.run(tensors, finish, priority=priority)
+
     def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
         """Sum `tensor` (1-D, contiguous, CPU) in place over every rank of the group; the future holds it."""
-        return self._engine.push_pull(tensor, priority=priority)
+        future = torch.futures.Future()
+        self.run([tensor], completer(future, tensor), priority=priority)
+        return future
+
+    def _explain(self, error: BaseException) -> None:
+        """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""
+        if not hasattr(error, "add_note"):
+            return
+        if self._local is not None:
+            L = self.topology.local_size
+            error.add_note(f"torch_bps[{self.name}]: the servers' worker i is machine i (global ranks i*{L} .. "
+                           f"i*{L}+{L - 1}); this is rank {self.rank}, machine {self.topology.node_rank}")  # fmt: skip
+        else:
+            error.add_note(f"torch_bps[{self.name}]: the servers' worker i is rank i of this group")
+        for node, address in enumerate(self._colocated):
+            if isinstance(error, TransportError) and address in str(error):
+                error.add_note(f"torch_bps[{self.name}]: server {address} is the embedded server of machine {node}, "
+                               "run by its local rank 0: if it is gone, so is probably that rank")  # fmt: skip
 
     def close(self) -> None:
         """Leave the job. The rank that started an embedded server waits for every rank to leave first."""
@@ -178,7 +211,8 @@ class Runtime:
             del _RUNTIMES[self.name]
         try:
             self._store.add("closed", 1)
-            if self._server_proc is not None:
+            # After a failure the job is broken and some ranks may be dead: wait for nobody.
+            if self._server_proc is not None and not self._failed:
                 deadline = time.monotonic() + self.config.connect_timeout
                 while self._store.add("closed", 0) < self.world_size and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -253,7 +287,8 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
-           "--engine-threads", str(config.server_engine_threads), "--max-frame-bytes", str(max_frame),
+           "--engine-threads", str(config.server_engine_threads), "--heartbeat-timeout", str(config.heartbeat_timeout),
+           "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
            "--job-lease", "1e9"]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}

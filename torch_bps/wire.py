@@ -48,7 +48,8 @@ class Status(enum.IntEnum):
     KEY_MISMATCH = 8  # size or dtype differs from the key's declaration
     BAD_ROUND = 9  # round already freed, or too far ahead
     INTERNAL = 10
-    # 16, not 11: leaves 11-15 to the statuses of worker-loss detection.
+    WORKER_LOST = 11  # the round can never close: a worker of the job disconnected before pushing it
+    ROUND_TIMEOUT = 12  # a PULL waited its wait_ms for workers that have not pushed
     OVER_QUOTA = 16  # the job's memory quota or the server's bound would be exceeded (see server/limits.py)
 
 
@@ -78,6 +79,7 @@ class Header:
     dtype: int = 0
     worker: int = 0
     num_workers: int = 0
+    wait_ms: int = 0  # PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
     incarnation: int = 0
     job_id: int = 0
     key: int = 0
@@ -94,7 +96,7 @@ class Header:
             self.dtype,
             self.worker,
             self.num_workers,
-            0,
+            self.wait_ms,
             self.incarnation,
             self.job_id,
             self.key,
@@ -108,13 +110,14 @@ class Header:
         """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad."""
         if len(data) != HEADER_SIZE:
             raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
-        (magic, version, command, status, dtype, worker, num_workers, _reserved, incarnation, job_id, key,
+        (magic, version, command, status, dtype, worker, num_workers, wait_ms, incarnation, job_id, key,
          rnd, request_id, nbytes) = HEADER.unpack(data)  # fmt: skip
         if magic != MAGIC:
             raise ProtocolError(Status.BAD_FRAME, f"bad magic 0x{magic:08x}")
         if version != VERSION:
             raise ProtocolError(Status.BAD_VERSION, f"protocol version {version}, this side speaks {VERSION}")
-        return cls(command, status, dtype, worker, num_workers, incarnation, job_id, key, rnd, request_id, nbytes)
+        return cls(command, status, dtype, worker, num_workers, wait_ms, incarnation, job_id, key, rnd, request_id,
+                   nbytes)  # fmt: skip
 
     def reply(self, status: int = Status.OK, **changes: int) -> Header:
         """Return the header of the reply to this request."""

@@ -1,16 +1,20 @@
-"""The worker pipeline: one push_pull, stage by stage.
+"""The worker pipeline: one collective's tensors, stage by stage, to one completion.
 
-    local reduce-scatter -> cut into partitions -> [compress] -> schedule (priority, credit)
-      -> push/pull through the C++ client -> [decompress] -> local all-gather -> complete the future
+    local reduce-scatter -> cut into partitions -> schedule (priority, credit)
+      -> push/pull through the C++ client -> local all-gather -> done(error)
 
-With one local rank the local stages are skipped and partitions are views of the caller's tensor, summed
-in place. With several, the local stages run on two threads of their own (reduce-scatter in submission
-order, all-gather in submission order), because every local rank must meet the others in the same
-sequence; the network stage in between is fully pipelined across collectives.
+A collective is a list of 1-D tensors summed in place; every partition of all of them counts down one
+counter, and `done` runs once, on one of the C++ client's completion threads: the only executor. Those
+threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
+the client's completion pool then starts another thread, so nested collectives always make progress.
 
-User futures are completed from a small thread pool, never from the client's threads: torch's comm hooks
-(PowerSGD) block inside Future callbacks on further collectives, which must still be able to complete.
-May import: torch, torch_bps.errors, torch_bps.engine.
+With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
+several, the local stages run on two threads of their own (reduce-scatter in submission order, all-gather
+in submission order), because every local rank must meet the others in the same sequence; the network
+stage in between is fully pipelined across collectives. The all-gather thread hands `done` to the client's
+completion threads, so a blocking `done` never stalls it.
+
+May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.engine.
 """
 
 from __future__ import annotations
@@ -18,25 +22,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from torch_bps.engine.partition import KeyBook, Part
 from torch_bps.engine.scheduler import CreditScheduler
-from torch_bps.errors import BpsError, BpsTimeoutError
+from torch_bps.errors import BpsTimeoutError
+from torch_bps.futures import completer
 
 log = logging.getLogger("torch_bps.engine")
+
+Done = Callable[[BaseException | None], None]
 
 
 @dataclass
 class _Op:
-    tensor: torch.Tensor  # 1-D, contiguous, CPU: summed in place
-    parts: list[Part]
+    tensors: Sequence[torch.Tensor]  # 1-D, contiguous, CPU: summed in place
+    plans: list[list[Part]]  # this rank's partitions of each tensor
     priority: int
-    future: torch.futures.Future
-    slice_: torch.Tensor | None = None  # this rank's slice after the local reduce-scatter
+    done: Done
+    slices: list[torch.Tensor] = field(default_factory=list)  # this rank's slices after the local reduce-scatter
     remaining: int = 0
     error: BaseException | None = None
     net_done: threading.Event = field(default_factory=threading.Event)
@@ -74,8 +81,7 @@ class PushPullEngine:
         self.local = local
         self.local_rank = local_rank
         self.timeout = timeout
-        self._lock = threading.Lock()  # push_pull may be called from several threads; plans must stay in order
-        self._completer = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bps-complete")
+        self._lock = threading.Lock()  # collectives may come from several threads; plans must stay in order
         self._threads: list[threading.Thread] = []
         if local is not None:
             self._rs_queue: queue.Queue = queue.Queue()
@@ -86,48 +92,55 @@ class PushPullEngine:
                 self._threads.append(t)
 
     def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
-        """Sum a 1-D contiguous CPU tensor in place over all workers; the future's value is the tensor.
-
-        Collective: every rank calls it with tensors of the same numel and dtype, in the same order.
-        """
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() != 1:
-            raise ValueError(
-                f"push_pull takes a 1-D contiguous CPU tensor, got {tuple(tensor.shape)} on {tensor.device}"
-            )
+        """Sum one tensor in place (see `run`); return a Future of it. For tests and benchmarks."""
         future = torch.futures.Future()
+        self.run([tensor], completer(future, tensor), priority=priority)
+        return future
+
+    def run(self, tensors: Sequence[torch.Tensor], done: Done, *, priority: int = 0) -> None:
+        """Sum each 1-D contiguous CPU tensor in place over all workers, then call `done(error or None)` once.
+
+        Collective: every rank calls it with tensors of the same numels and dtypes, in the same order.
+        `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
+        """
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
+                raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
+        mine = self.local_rank if self.local is not None else 0
         with self._lock:
-            plan = self.keys.plan(tensor.numel(), tensor.dtype)
-            op = _Op(tensor, plan[self.local_rank if self.local is not None else 0], priority, future)
+            plans = [self.keys.plan(t.numel(), t.dtype)[mine] for t in tensors]
+            op = _Op(tensors, plans, priority, done)
             if self.local is None:
-                self._schedule(op, tensor)
+                self._schedule(op, tensors)
             else:
                 self._rs_queue.put(op)
-        return future
 
     # -- stage: local reduce-scatter (several local ranks only)
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                lo, hi = self.local[0].slice_range(op.tensor.numel())
-                # In place: my slice of the sum lands in my own tensor (no allocation: big fresh buffers page-fault).
-                op.slice_ = self.local[0].reduce_scatter(op.tensor, out=op.tensor[lo:hi])
+                for t in op.tensors:
+                    lo, hi = self.local[0].slice_range(t.numel())
+                    # In place: my slice of the sum lands in my own tensor (big fresh buffers page-fault).
+                    op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
-                op.error = op.error or e
+                op.error = e
                 op.net_done.set()
             else:
-                self._schedule(op, op.slice_)
+                self._schedule(op, op.slices)
             self._ag_queue.put(op)
 
     # -- stage: partitions onto the network, highest priority first within the credit
-    def _schedule(self, op: _Op, data: torch.Tensor) -> None:
-        op.remaining = len(op.parts)
-        if not op.parts:
+    def _schedule(self, op: _Op, data: Sequence[torch.Tensor]) -> None:
+        op.remaining = sum(len(parts) for parts in op.plans)
+        if op.remaining == 0:
             self._network_done(op)
             return
-        for part in op.parts:
-            view = data.narrow(0, part.start, part.numel)
-            nbytes = view.numel() * view.element_size()
-            self.scheduler.submit(nbytes, op.priority, lambda v=view, p=part, n=nbytes: self._send(op, v, p, n))
+        for parts, flat in zip(op.plans, data, strict=True):
+            for part in parts:
+                view = flat.narrow(0, part.start, part.numel)
+                nbytes = view.numel() * view.element_size()
+                self.scheduler.submit(nbytes, op.priority, lambda v=view, p=part, n=nbytes: self._send(op, v, p, n))
 
     def _send(self, op: _Op, view: torch.Tensor, part: Part, nbytes: int) -> None:
         if op.error is not None:  # an earlier partition failed: do not push the rest
@@ -138,15 +151,12 @@ class PushPullEngine:
         # the other workers, whose schedulers may have picked other partitions first (priorities and
         # timing differ per worker), so holding credit until the pull would let workers wait on each
         # other forever.
-        pushed = torch.futures.Future()
-        pushed.add_done_callback(lambda _: self.scheduler.release(nbytes))
         try:
-            fut = self.client.push_pull(view, part.key, server=part.server, pushed=pushed)  # [compress] around here
+            self.client.push_pull(view, part.key, server=part.server, on_done=lambda e: self._part_done(op, e),
+                                  on_pushed=lambda _: self.scheduler.release(nbytes))  # fmt: skip
         except BaseException as e:  # noqa: BLE001
             self.scheduler.release(nbytes)
             self._part_done(op, e)
-            return
-        fut.add_done_callback(lambda f: self._part_done(op, _exception_of(f)))
 
     def _part_done(self, op: _Op, error: BaseException | None) -> None:
         with op.lock:
@@ -159,7 +169,7 @@ class PushPullEngine:
 
     def _network_done(self, op: _Op) -> None:
         if self.local is None:
-            self._finish(op)
+            op.done(op.error)
         else:
             op.net_done.set()
 
@@ -168,22 +178,16 @@ class PushPullEngine:
         while (op := self._ag_queue.get()) is not None:
             if not op.net_done.wait(self.timeout + 30):
                 op.error = op.error or BpsTimeoutError(
-                    f"local rank {self.local_rank}: network stage of a {op.tensor.numel()}-element collective "
+                    f"local rank {self.local_rank}: network stage of a collective of {len(op.tensors)} tensor(s) "
                     f"did not finish within {self.timeout + 30}s"
                 )
             if op.error is None:
                 try:
-                    self.local[1].all_gather(op.slice_, op.tensor)
+                    for slice_, t in zip(op.slices, op.tensors, strict=True):
+                        self.local[1].all_gather(slice_, t)
                 except BaseException as e:  # noqa: BLE001
                     op.error = e
-            self._finish(op)
-
-    def _finish(self, op: _Op) -> None:
-        # [decompress] slots in here. Completed off the client's threads (see module docstring).
-        try:
-            self._completer.submit(_complete, op.future, op.tensor, op.error)
-        except RuntimeError:  # closing: nobody can be blocked on our threads any more
-            _complete(op.future, op.tensor, op.error)
+            self.client.post(lambda op=op: op.done(op.error))
 
     def close(self) -> None:
         if self.local is not None:
@@ -191,19 +195,3 @@ class PushPullEngine:
             self._ag_queue.put(None)
             for t in self._threads:
                 t.join(timeout=5)
-        self._completer.shutdown(wait=False, cancel_futures=False)
-
-
-def _exception_of(fut: torch.futures.Future) -> BaseException | None:
-    try:
-        fut.value()
-    except BaseException as e:  # noqa: BLE001 - handed to the op's future
-        return e
-    return None
-
-
-def _complete(future: torch.futures.Future, value: torch.Tensor, error: BaseException | None) -> None:
-    if error is None:
-        future.set_result(value)
-    else:
-        future.set_exception(error if isinstance(error, BpsError) else BpsError(f"push_pull failed: {error}"))

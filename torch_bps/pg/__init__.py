@@ -2,9 +2,9 @@
 
 - `staging`: the caller's tensors seen as the flat CPU buffers a Runtime sums, and the sums copied back;
   dtype and layout checks with errors that name the op and the backend.
-- `work`: `launch` (push_pull a collective's buffers, finish on our own threads), the `BpsWork` handed to
-  torch, and the `Completer` threads that complete user-visible futures.
+- `work`: `launch` (sum a collective's buffers, finish, complete) and the C++ Work handed to torch.
 
-May import: torch, torch_bps.wire (the dtype table), torch_bps.errors. Never torch_bps.runtime: a Runtime is
+May import: torch, torch_bps.wire (the dtype table), torch_bps.errors; torch_bps._C only inside `launch`.
+Never torch_bps.runtime: a Runtime is
 passed in, so this package loads without the C++ client.
 """

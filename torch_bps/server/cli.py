@@ -64,6 +64,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="address workers reach this server at (default: --host, or this machine's name)",
     )
     p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=float(os.environ.get("BPS_HEARTBEAT_TIMEOUT", "10")),
+        help="seconds a worker may stay silent after a heartbeat before it counts as lost (default %(default)s)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=float(os.environ.get("BPS_HEARTBEAT_INTERVAL", "1")),
+        help="seconds between heartbeats (default %(default)s)",
+    )
+    p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
     )
     auth = p.add_argument_group("authentication (see torch_bps/server/auth.py)")
@@ -110,6 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
     if args.engine_threads < 1:
         p.error("--engine-threads must be at least 1")
+    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+        p.error("need 0 < --heartbeat-interval < --heartbeat-timeout")
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
     try:
@@ -159,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     _keep_freed_memory()
     try:
-        server = SummationServer(args.host, args.port, args.engine_threads, args.limits, args.security)
+        server = SummationServer(
+            args.host,
+            args.port,
+            args.engine_threads,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            limits=args.limits,
+            security=args.security,
+        )
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

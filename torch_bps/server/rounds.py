@@ -3,13 +3,19 @@
 The rules are docs/protocol.md's: round r closes when every worker of the job pushed it; a duplicate
 push is acknowledged and ignored; pulls of r are answered once r closed (a worker's second pull of a round
 still waiting is refused); r is freed once every worker pulled it; at most two rounds are alive (floor and
-floor + 1). A KeyRounds is owned by one engine thread: nothing here locks.
+floor + 1). A round that a lost worker has not pushed can never close: its pulls fail with WORKER_LOST,
+naming the worker. A pull that waited longer than it
+allows fails with ROUND_TIMEOUT, naming the workers that have not pushed (a stalled rank).
+
+A KeyRounds is owned by one engine thread: nothing here locks. The Job it reads is written by the
+server's front thread only (a lost worker is recorded there before the owners hear of it).
 
 May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,10 +26,30 @@ from torch_bps.wire import Status
 
 
 @dataclass
+class Job:
+    """What a server knows of one job's workers."""
+
+    num_workers: int
+    workers: set[int] = field(default_factory=set)
+    peers: dict[int, str] = field(default_factory=dict)  # worker -> the address its last HELLO came from
+    last_seen: dict[int, float] = field(default_factory=dict)  # worker -> time.monotonic() of its last request
+    lost: dict[int, str] = field(default_factory=dict)  # worker -> how it was lost
+
+    def describe(self, worker: int) -> str:
+        """Name a worker the way an operator finds it: index, address, when it was last heard from."""
+        if worker in self.lost:
+            return self.lost[worker]
+        if worker not in self.peers:
+            return f"worker {worker} (never said HELLO to this server)"
+        heard = f"last request {time.monotonic() - self.last_seen[worker]:.1f} s ago"
+        return f"worker {worker} (at {self.peers[worker]}, {heard})"
+
+
+@dataclass
 class Round:
     pushed: set[int] = field(default_factory=set)
     pulled: set[int] = field(default_factory=set)
-    waiting: list = field(default_factory=list)  # pulls that arrived before the round closed
+    waiting: list = field(default_factory=list)  # (token, worker, deadline) of pulls that came before it closed
     failure: str | None = None  # a worker's push was refused: the round can only end in an error
     # The sum so far: the first push as it arrived (a writable view of the received frame, no copy), into
     # which later pushes are added in place. No allocation: fresh big buffers cost page faults that ran
@@ -40,9 +66,10 @@ class SumCounters:
 class KeyRounds:
     """The live rounds of one (job, key)."""
 
-    def __init__(self, name: str, num_workers: int, counters: SumCounters):
+    def __init__(self, name: str, job: Job, counters: SumCounters):
         self.name = name  # "job J key K", for error messages
-        self.num_workers = num_workers
+        self.job = job
+        self.num_workers = job.num_workers
         self.floor = 0  # every round below floor has been freed
         self.rounds: dict[int, Round] = {}
         self._counters = counters
@@ -58,8 +85,8 @@ class KeyRounds:
         r = self._live(rnd, worker, "push")
         r.failure = r.failure or reason
         r.pushed.add(worker)
-        waiting = [token for token, _ in r.waiting]
-        r.pulled.update(puller for _, puller in r.waiting)
+        waiting = [token for token, _, _ in r.waiting]
+        r.pulled.update(puller for _, puller, _ in r.waiting)
         r.waiting.clear()
         self._free_done()
         return waiting
@@ -80,32 +107,80 @@ class KeyRounds:
         r.pushed.add(worker)
         if not self._closed(r):
             return []
-        ready = [(token, r.total) for token, _ in r.waiting]
-        for _, puller in r.waiting:
+        ready = [(token, r.total) for token, _, _ in r.waiting]
+        for _, puller, _ in r.waiting:
             r.pulled.add(puller)
         r.waiting.clear()
         self._free_done()
         return ready
 
-    def pull(self, worker: int, rnd: int, token: object) -> torch.Tensor | None:
-        """Return the sum of round rnd if it closed (the caller answers now), else queue token and return None."""
+    def pull(self, worker: int, rnd: int, token: object, deadline: float = math.inf) -> torch.Tensor | None:
+        """Return the sum of round rnd if it closed (the caller answers now), else queue token and return None.
+
+        A queued pull still waiting at `deadline` (time.monotonic()) is returned by `expire`.
+        """
         r = self._live(rnd, worker, "pull")
         if r.failure is not None:
             r.pulled.add(worker)
             self._free_done()
             raise ProtocolError(Status.KEY_MISMATCH, f"pull of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if not self._closed(r):
-            if any(waiting == worker for _, waiting in r.waiting):  # keeps waiting pulls <= workers per round
+            if lost := self._lost_before(r):
+                raise ProtocolError(Status.WORKER_LOST, f"pull of {self.name} round {rnd} by worker {worker}: {lost}")
+            if any(waiting == worker for _, waiting, _ in r.waiting):  # keeps waiting pulls <= workers per round
                 raise ProtocolError(
                     Status.BAD_ROUND,
                     f"pull of {self.name} round {rnd} by worker {worker}: this worker's pull of it already waits",
                 )
-            r.waiting.append((token, worker))
+            r.waiting.append((token, worker, deadline))
             return None
         r.pulled.add(worker)
         total = r.total
         self._free_done()
         return total
+
+    def fail_lost(self) -> list[tuple[object, str]]:
+        """Return (pull token, message) for every waiting pull of a round that a lost worker has not pushed."""
+        failed = []
+        for rnd, r in self.rounds.items():
+            if r.waiting and (lost := self._lost_before(r)):
+                failed += [
+                    (token, f"pull of {self.name} round {rnd} by worker {w}: {lost}") for token, w, _ in r.waiting
+                ]
+                r.waiting.clear()
+        return failed
+
+    def expire(self, now: float) -> list[tuple[object, str]]:
+        """Return (pull token, message) for every waiting pull past its deadline, naming who has not pushed."""
+        expired = []
+        for rnd, r in self.rounds.items():
+            if not any(deadline <= now for _, _, deadline in r.waiting):
+                continue
+            missing = [w for w in range(self.num_workers) if w not in r.pushed]
+            who = "; ".join(self.job.describe(w) for w in missing)
+            keep = []
+            for token, worker, deadline in r.waiting:
+                if deadline > now:
+                    keep.append((token, worker, deadline))
+                    continue
+                message = (
+                    f"pull of {self.name} round {rnd} by worker {worker}: the round is still waiting for "
+                    f"{len(missing)} of {self.num_workers} workers to push it (stalled or hung?): {who}"
+                )
+                expired.append((token, message))
+            r.waiting = keep
+        return expired
+
+    @property
+    def has_waiting(self) -> bool:
+        return any(r.waiting for r in self.rounds.values())
+
+    def _lost_before(self, r: Round) -> str | None:
+        """If a lost worker has not pushed round r (so it can never close), say which and how it was lost."""
+        for w, how in self.job.lost.items():
+            if w not in r.pushed:
+                return f"the round can never close: {how} before pushing it"
+        return None
 
     def _live(self, rnd: int, worker: int, what: str) -> Round:
         if rnd < self.floor:

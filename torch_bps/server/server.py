@@ -5,7 +5,10 @@ incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itse
 big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
 key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
 releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
-touch the ROUTER. Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
+touch the ROUTER. A monitor on the ROUTER reports dropped connections (a killed worker at once, a stopped
+one after the heartbeat timeout): the workers that said HELLO on it are lost, and pulls of rounds they
+never pushed fail naming them. Pulls waiting past their wait_ms fail naming the workers not yet pushed.
+Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
 thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
 busy machine is short of.
 
@@ -21,20 +24,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import queue
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
-from torch_bps.server.rounds import KeyRounds, SumCounters
+from torch_bps.server.rounds import Job, KeyRounds, SumCounters
 from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Status
 
 log = logging.getLogger("torch_bps.server")
@@ -43,14 +48,10 @@ _REPLIES = "inproc://bps-replies-{}"
 _POLL_MS = 200  # how often the front thread looks at the stop flag
 INLINE_BYTES = 1 << 20  # keys up to this size are summed on the front thread itself
 _FRONT = -1  # KeyInfo.engine of an inline key
-_FORGET = object()  # as an owner item's ident: drop every key of the job named by the item's header
+_EXPIRE_S = 0.25  # how often waiting pulls are checked against their deadlines
+_LOST = "lost"  # an engine inbox item: (_LOST, job_id), a worker of that job was lost
+_FORGET = "forget"  # an engine inbox item: (_FORGET, job_id), drop every key of that job (past its lease)
 _SWEEP_SECONDS = 10.0  # how often the front thread looks for jobs past their lease
-
-
-@dataclass
-class Job:
-    num_workers: int
-    workers: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -67,19 +68,19 @@ class KeyOwner:
         self.name = name
         self.counters = SumCounters()
         self._keys: dict[tuple[int, int], KeyRounds] = {}
+        self._waiting: set[KeyRounds] = set()  # keys with queued pulls, for expire()
+        self._next_expire = 0.0
 
     def handle(self, item: tuple, send) -> None:
-        """Process one (ident, header, payload, num_workers) item; `send(frames)` each reply.
+        """Process one (ident, header, payload, job) item; `send(frames)` each reply.
 
         ident None means the front thread refused a push of this key: its round fails for everyone.
         """
-        ident, header, payload, num_workers = item
-        if ident is _FORGET:
-            return self._forget(send, header)
+        ident, header, payload, job = item
         if ident is None:
-            return self._refuse(send, header, payload, num_workers)
+            return self._refuse(send, header, payload, job)
         try:
-            for frames in self._handle(ident, header, payload, num_workers):
+            for frames in self._handle(ident, header, payload, job):
                 send(frames)
         except ProtocolError as e:
             send(_error(ident, header, e.status, str(e)))
@@ -87,24 +88,46 @@ class KeyOwner:
             log.exception("%s failed on %s", self.name, header)
             send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
 
-    def _rounds(self, header: Header, num_workers: int) -> KeyRounds:
+    def worker_lost(self, job_id: int, send) -> None:
+        """Fail the waiting pulls of every round of job_id that one of its lost workers has not pushed."""
+        for (job, _), rounds in self._keys.items():
+            if job == job_id:
+                for (ident, pull), message in rounds.fail_lost():
+                    send(_error(ident, pull, Status.WORKER_LOST, message))
+
+    def expire(self, send) -> None:
+        """Answer every pull waiting past its deadline with ROUND_TIMEOUT (looks at most every _EXPIRE_S)."""
+        now = time.monotonic()
+        if now < self._next_expire:
+            return
+        self._next_expire = now + _EXPIRE_S
+        for rounds in list(self._waiting):
+            for (ident, pull), message in rounds.expire(now):
+                send(_error(ident, pull, Status.ROUND_TIMEOUT, message))
+            if not rounds.has_waiting:
+                self._waiting.discard(rounds)
+
+    def _rounds(self, header: Header, job: Job) -> KeyRounds:
         rounds = self._keys.get((header.job_id, header.key))
         if rounds is None:
             name = f"job {header.job_id:#x} key {header.key}"
-            rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, num_workers, self.counters)
+            rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, job, self.counters)
         return rounds
 
-    def _forget(self, send, job_id: int) -> None:
+    def forget(self, job_id: int, send) -> None:
+        """Drop every key of job_id; answer its waiting pulls with UNKNOWN_JOB."""
         for job_key in [k for k in self._keys if k[0] == job_id]:
-            for r in self._keys.pop(job_key).rounds.values():
-                for (ident, pull), _ in r.waiting:
+            rounds = self._keys.pop(job_key)
+            self._waiting.discard(rounds)
+            for r in rounds.rounds.values():
+                for (ident, pull), _, _ in r.waiting:
                     message = f"job {job_id:#x} was forgotten by this server: no request for longer than its lease"
                     send(_error(ident, pull, Status.UNKNOWN_JOB, message))
 
-    def _refuse(self, send, header: Header, reason: str, num_workers: int) -> None:
+    def _refuse(self, send, header: Header, reason: str, job: Job) -> None:
         reason = f"the round failed because another worker's push was refused ({reason})"
         try:
-            waiting = self._rounds(header, num_workers).refuse(header.worker, header.round, reason)
+            waiting = self._rounds(header, job).refuse(header.worker, header.round, reason)
         except ProtocolError as e:  # the refused push named a round that is not alive: nothing to fail
             log.info("%s", e)
             return
@@ -114,17 +137,20 @@ class KeyOwner:
             )
             send(_error(ident, pull, Status.KEY_MISMATCH, message))
 
-    def _handle(self, ident, header: Header, payload, num_workers: int):
-        rounds = self._rounds(header, num_workers)
+    def _handle(self, ident, header: Header, payload, job: Job):
+        rounds = self._rounds(header, job)
         if header.command == Command.PUSH:
             ready = rounds.push(header.worker, header.round, _as_tensor(payload, header))
             yield [ident, header.reply().pack()]
             for (pull_ident, pull_header), total in ready:
                 yield _sum_reply(pull_ident, pull_header, total)
         else:
-            total = rounds.pull(header.worker, header.round, (ident, header))
+            deadline = time.monotonic() + header.wait_ms / 1000 if header.wait_ms else math.inf
+            total = rounds.pull(header.worker, header.round, (ident, header), deadline)
             if total is not None:
                 yield _sum_reply(ident, header, total)
+            else:
+                self._waiting.add(rounds)
 
 
 class Engine(threading.Thread):
@@ -147,9 +173,21 @@ class Engine(threading.Thread):
         out.connect(self._reply_address)
         send = functools.partial(out.send_multipart, copy=False)
         try:
-            while (item := self.inbox.get()) is not None:
-                self.owner.handle(item, send)
-                self.backlog.release(_queued_bytes(item))
+            while True:
+                try:
+                    item = self.inbox.get(timeout=_EXPIRE_S)
+                except queue.Empty:
+                    item = ()
+                if item is None:
+                    break
+                if item and item[0] == _LOST:
+                    self.owner.worker_lost(item[1], send)
+                elif item and item[0] == _FORGET:
+                    self.owner.forget(item[1], send)
+                elif item:
+                    self.owner.handle(item, send)
+                    self.backlog.release(_queued_bytes(item))
+                self.owner.expire(send)
         finally:
             out.close()
 
@@ -183,14 +221,9 @@ class SummationServer:
         server = SummationServer("127.0.0.1", 0, engine_threads=2); server.start(); ...; server.stop()
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 9000,
-        engine_threads: int = 2,
-        limits: Limits | None = None,
-        security: ServerSecurity | None = None,
-    ):
+    def __init__(self, host: str = "127.0.0.1", port: int = 9000, engine_threads: int = 2, *,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, limits: Limits | None = None,
+                 security: ServerSecurity | None = None):  # fmt: skip
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
         self.limits = (limits or Limits()).resolved()
         self.limits.check()
@@ -203,6 +236,13 @@ class SummationServer:
         self._router.setsockopt(zmq.RCVHWM, self.limits.queue_messages)
         self.security = security
         self.zap = security.apply(self._ctx, self._router) if security is not None else None
+        # A worker silent for heartbeat_timeout after a PING (stopped, cut off) is disconnected; a killed one
+        # closes TCP at once. Either way the monitor reports the connection's fd, and the workers that said
+        # HELLO on it are lost (see _on_disconnect).
+        self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._connections: dict[int, list[tuple[int, int]]] = {}  # fd -> (job, worker) that said HELLO on it
         if port:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -243,6 +283,9 @@ class SummationServer:
         even when that worker is killed without a chance to stop it.
         """
         poller = zmq.Poller()
+        # The monitor first: a disconnect must be seen before a message from a new connection that reuses
+        # its fd number (its HELLO would otherwise be recorded, then dropped with the old connection).
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
         try:
@@ -251,16 +294,22 @@ class SummationServer:
                     log.warning("parent process %d is gone: shutting down", parent_pid)
                     break
                 for sock, _ in poller.poll(_POLL_MS):
-                    if sock is self._router:
+                    if sock is self._monitor:
+                        while self._monitor.poll(0):
+                            self._on_monitor(self._monitor.recv_multipart())
+                    elif sock is self._router:
                         self._on_request(self._router.recv_multipart(copy=False))
                     else:
                         self._send(self._replies.recv_multipart(copy=False))
+                self._inline.expire(self._send)
         finally:
             for e in self._engines:
                 e.inbox.put(None)
             for e in self._engines:
                 e.join(timeout=5)
             self._replies.close()
+            self._router.disable_monitor()
+            self._monitor.close()
             self._router.close()
             self._ctx.term()
 
@@ -273,6 +322,25 @@ class SummationServer:
                 self._counts["errors"] += 1
         self._router.send_multipart(frames, copy=False)
 
+    def _on_monitor(self, frames: list) -> None:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._on_disconnect(event["value"])
+
+    def _on_disconnect(self, fd: int) -> None:
+        """The connection on fd is gone: every worker that said HELLO on it is lost to its job."""
+        for job_id, worker in self._connections.pop(fd, ()):
+            job = self._jobs.get(job_id)
+            if job is None or worker in job.lost:
+                continue
+            job.lost[worker] = (
+                f"worker {worker} of job {job_id:#x} (at {job.peers.get(worker, 'an unknown address')}) disconnected"
+            )
+            log.warning("%s", job.lost[worker])
+            self._inline.worker_lost(job_id, self._send)
+            for e in self._engines:
+                e.inbox.put((_LOST, job_id))
+
     def _on_request(self, frames: list) -> None:
         ident, rest = frames[0], frames[1:]
         header = None
@@ -283,7 +351,7 @@ class SummationServer:
             header = Header.unpack(rest[0].bytes)
             identity = JobGuard.identity(rest[0]) if self.security is not None else ""
             self._guard.check(header, identity)
-            self._dispatch(ident, header, rest[1:])
+            self._dispatch(ident, header, rest[0], rest[1:])
             if header.command == Command.HELLO:
                 self._guard.bind(header, identity)
         except ProtocolError as e:
@@ -293,19 +361,19 @@ class SummationServer:
                 info = self._keys.get((header.job_id, header.key))
                 job = self._jobs.get(header.job_id)
                 if info is not None and job is not None and header.worker < job.num_workers:
-                    self._to_owner(info, (None, header, str(e), job.num_workers))
+                    self._to_owner(info, (None, header, str(e), job))
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("front thread failed on %s", header)
             self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
 
-    def _dispatch(self, ident, h: Header, payload: list) -> None:
+    def _dispatch(self, ident, h: Header, head: zmq.Frame, payload: list) -> None:
         expect = 1 if h.command == Command.PUSH else 0
         if len(payload) != expect:
             raise ProtocolError(
                 Status.BAD_FRAME, f"command {h.command} takes {expect + 1} frame(s), got {len(payload) + 1}"
             )
         if h.command == Command.HELLO:
-            return self._hello(ident, h)
+            return self._hello(ident, h, head)
         if h.command == Command.STATS:
             return self._send([ident, h.reply().pack(), self._stats()])
         if h.command not in (Command.INIT, Command.PUSH, Command.PULL):
@@ -324,6 +392,7 @@ class SummationServer:
                 Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}"
             )
         self._book.touch(h.job_id)
+        job.last_seen[h.worker] = time.monotonic()
         if h.command == Command.INIT:
             return self._init(ident, h)
         info = self._check_key(h)
@@ -337,10 +406,10 @@ class SummationServer:
                 )
             self._counts["pushes"] += 1
             self._counts["bytes_in"] += got
-            self._to_owner(info, (ident, h, payload[0], job.num_workers))
+            self._to_owner(info, (ident, h, payload[0], job))
         else:
             self._counts["pulls"] += 1
-            self._to_owner(info, (ident, h, None, job.num_workers))
+            self._to_owner(info, (ident, h, None, job))
 
     def _to_owner(self, info: KeyInfo, item: tuple) -> None:
         if info.engine == _FRONT:
@@ -349,7 +418,7 @@ class SummationServer:
             self._backlog.acquire(_queued_bytes(item))
             self._engines[info.engine].inbox.put(item)
 
-    def _hello(self, ident, h: Header) -> None:
+    def _hello(self, ident, h: Header, head: zmq.Frame) -> None:
         job = self._jobs.get(h.job_id)
         if h.num_workers == 0 or h.worker >= h.num_workers or h.num_workers > self.limits.max_workers:
             raise ProtocolError(
@@ -368,6 +437,12 @@ class SummationServer:
                 f"but the job was declared with {job.num_workers}",
             )
         job.workers.add(h.worker)
+        # Which connection this worker is on, to know it lost when that connection drops. A worker that
+        # says HELLO again (after a reconnection) is back.
+        self._connections.setdefault(head.get(zmq.SRCFD), []).append((h.job_id, h.worker))
+        job.peers[h.worker] = head.get("Peer-Address") or "an unknown address"
+        job.last_seen[h.worker] = time.monotonic()
+        job.lost.pop(h.worker, None)
         self._book.touch(h.job_id)
         self._send([ident, h.reply(incarnation=self.incarnation).pack()])
 
@@ -424,9 +499,9 @@ class SummationServer:
             info = self._keys.pop(job_key)
             if info.engine != _FRONT:
                 self._engines[info.engine].bytes_owned -= info.nbytes
-        self._inline.handle((_FORGET, job_id, None, 0), self._send)
+        self._inline.forget(job_id, self._send)
         for e in self._engines:
-            e.inbox.put((_FORGET, job_id, None, 0))
+            e.inbox.put((_FORGET, job_id))
         self._book.release(job_id)
 
     def _check_key(self, h: Header) -> KeyInfo:
