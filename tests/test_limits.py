@@ -137,3 +137,21 @@ def test_a_second_pull_of_a_waiting_round_is_refused():
         assert h.status == Status.OK and torch.equal(torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 2 * t)
     finally:
         server.stop()
+
+
+def test_a_job_whose_workers_are_all_gone_is_forgotten_long_before_its_lease():
+    server = limited_server("--lost-job-lease", "1", "--job-lease", "3600")
+    try:
+        workers = [RawPeer(server.address, 21, w, 2) for w in range(2)]
+        for p in workers:
+            p.hello()
+        declare(workers, 0, torch.ones(4))
+        for p in workers:
+            p.close()  # the server sees both connections drop: the job's workers are all lost
+        time.sleep(2.0)
+        still_sums(server, 22)  # any request sweeps
+        again = RawPeer(server.address, 21, 0, 3)  # the id is free: a new job of 3 workers may take it
+        assert again.hello().status == Status.OK
+        again.close()
+    finally:
+        server.stop()

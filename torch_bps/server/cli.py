@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=float(os.environ.get("BPS_SERVER_JOB_LEASE", Limits.job_lease_seconds)),
         help="seconds without a request after which a job is forgotten (default %(default)s)",
     )
+    limits.add_argument(
+        "--lost-job-lease",
+        type=float,
+        default=float(os.environ.get("BPS_SERVER_LOST_JOB_LEASE", Limits.lost_job_seconds)),
+        help="seconds without a request after which a job whose workers are all lost is forgotten "
+        "(default %(default)s)",
+    )
     args = p.parse_args(argv)
     if not args.host:
         p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
@@ -130,7 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.security = _security(args)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    args.limits = Limits(args.max_frame_bytes, args.max_memory_bytes, args.job_quota_bytes, args.job_lease)
+    args.limits = Limits(args.max_frame_bytes, args.max_memory_bytes, args.job_quota_bytes, args.job_lease,
+                         lost_job_seconds=args.lost_job_lease)  # fmt: skip
     try:
         args.limits.check()
     except ValueError as e:

@@ -66,13 +66,16 @@ class Limits:
     queue_messages: int = 32
     # Bytes of pushes queued for the engine threads before the front thread stops reading.
     backlog_bytes: int = 256 << 20
+    # A job every worker of which is lost (its connection dropped) is forgotten after this many seconds
+    # without a request, long before the lease: nobody is left to finish its rounds.
+    lost_job_seconds: float = 60.0
 
     def resolved(self) -> Limits:
         """Return a copy with the 0 ("default") fields filled in."""
         memory = self.max_memory_bytes or _physical_memory() // 2
         return Limits(
             self.max_frame_bytes, memory, self.job_quota_bytes or memory, self.job_lease_seconds,
-            self.max_workers, self.queue_messages, self.backlog_bytes,
+            self.max_workers, self.queue_messages, self.backlog_bytes, self.lost_job_seconds,
         )  # fmt: skip
 
     def check(self) -> None:
@@ -80,7 +83,7 @@ class Limits:
         for name in ("max_frame_bytes", "max_memory_bytes", "job_quota_bytes", "max_workers", "backlog_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative")
-        if self.job_lease_seconds <= 0 or self.queue_messages < 1:
+        if self.job_lease_seconds <= 0 or self.lost_job_seconds <= 0 or self.queue_messages < 1:
             raise ValueError(f"job_lease_seconds={self.job_lease_seconds}, queue_messages={self.queue_messages}")
 
 
@@ -113,6 +116,10 @@ class MemoryBook:
 
     def touch(self, job_id: int) -> None:
         self._seen[job_id] = time.monotonic()
+
+    def idle(self, job_id: int) -> float:
+        """Seconds since job_id's last request."""
+        return time.monotonic() - self._seen.get(job_id, time.monotonic())
 
     def charged(self, job_id: int) -> int:
         return self._charged.get(job_id, 0)

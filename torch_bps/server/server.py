@@ -479,20 +479,26 @@ class SummationServer:
             add(*args)
 
     def _sweep(self, force: bool = False) -> None:
-        """Forget every job past its lease: every _SWEEP_SECONDS (or a quarter lease), or when forced because
-        the book is full, but then at most once a second (a sweep walks every job)."""
+        """Forget every job past its lease, and every job whose workers are all lost and silent for
+        lost_job_seconds: every _SWEEP_SECONDS (or a quarter of either), or when forced because the book is
+        full, but then at most once a second (a sweep walks every job)."""
         now = time.monotonic()
         if now < self._next_sweep and not (force and now >= self._last_sweep + 1.0):
             return
         self._last_sweep = now
-        self._next_sweep = now + min(_SWEEP_SECONDS, self.limits.job_lease_seconds / 4)
+        limits = self.limits
+        self._next_sweep = now + min(_SWEEP_SECONDS, limits.job_lease_seconds / 4, limits.lost_job_seconds / 4)
         for job_id in self._book.expired():
-            self.forget_job(job_id)
+            self.forget_job(job_id, f"no request for {limits.job_lease_seconds:.0f} s")
+        gone = [j for j, job in self._jobs.items() if job.workers and job.workers <= job.lost.keys()]
+        for job_id in gone:
+            if self._book.idle(job_id) > limits.lost_job_seconds:
+                self.forget_job(job_id, f"every worker lost, no request for {limits.lost_job_seconds:.0f} s")
 
-    def forget_job(self, job_id: int) -> None:
+    def forget_job(self, job_id: int, why: str = "") -> None:
         """Drop job_id: its registration, identity binding, keys and rounds (pulls still waiting are answered
         UNKNOWN_JOB by their owners), and its memory charge."""
-        log.info("job %#x: forgotten after %.0f s without a request", job_id, self.limits.job_lease_seconds)
+        log.info("job %#x: forgotten (%s)", job_id, why)
         self._jobs.pop(job_id, None)
         self._guard.forget(job_id)
         for job_key in [k for k in self._keys if k[0] == job_id]:
