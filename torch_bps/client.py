@@ -13,7 +13,8 @@ becomes ServerError(status, message). After a failure the key's rounds may be ou
 other workers (the job is broken, as after a collective error), and a timed-out push may still be
 leaving: do not reuse that tensor's memory for anything the server must not see.
 
-May import: the standard library, torch, torch_bps.wire, torch_bps.errors, torch_bps.security and torch_bps._C.
+May import: the standard library, torch, torch_bps.wire, torch_bps.errors, torch_bps.futures, torch_bps.security and
+torch_bps._C.
 """
 
 from __future__ import annotations

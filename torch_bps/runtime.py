@@ -10,7 +10,7 @@ process that started it dies.
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.config, errors, topology, registry, security, client, local, engine.
+May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch_bps.config import Config
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
-from torch_bps.errors import BpsTimeoutError, ConfigError, TransportError
+from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
@@ -190,12 +190,13 @@ class Runtime:
         """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""
         if not hasattr(error, "add_note"):
             return
-        if self._local is not None:
-            L = self.topology.local_size
-            error.add_note(f"torch_bps[{self.name}]: the servers' worker i is machine i (global ranks i*{L} .. "
-                           f"i*{L}+{L - 1}); this is rank {self.rank}, machine {self.topology.node_rank}")  # fmt: skip
-        else:
-            error.add_note(f"torch_bps[{self.name}]: the servers' worker i is rank i of this group")
+        if isinstance(error, (ServerError, BpsTimeoutError)):  # the servers' errors name workers by index
+            if self._local is not None:
+                L, me = self.topology.local_size, self.topology.node_rank
+                error.add_note(f"torch_bps[{self.name}]: the servers' worker i is machine i (global ranks "
+                               f"i*{L} .. i*{L}+{L - 1}); this is rank {self.rank}, machine {me}")  # fmt: skip
+            else:
+                error.add_note(f"torch_bps[{self.name}]: the servers' worker i is rank i of this group")
         for node, address in enumerate(self._colocated):
             if isinstance(error, TransportError) and address in str(error):
                 error.add_note(f"torch_bps[{self.name}]: server {address} is the embedded server of machine {node}, "

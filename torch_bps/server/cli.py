@@ -34,18 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="address to listen on, required: the interface workers reach this server at (0.0.0.0: every "
         "interface); env BPS_SERVER_HOST",
     )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=int(os.environ.get("BPS_SERVER_PORT", "9000")),
-        help="TCP port; 0 picks a free one (default %(default)s)",
-    )
-    p.add_argument(
-        "--engine-threads",
-        type=int,
-        default=int(os.environ.get("BPS_SERVER_ENGINE_THREADS", "2")),
-        help="summation threads; each owns a disjoint set of keys (default %(default)s)",
-    )
+    _option(p, "--port", "BPS_SERVER_PORT", int, 9000, "TCP port; 0 picks a free one")
+    _option(p, "--engine-threads", "BPS_SERVER_ENGINE_THREADS", int, 2,
+            "summation threads; each owns a disjoint set of keys")  # fmt: skip
     p.add_argument(
         "--log-level",
         default=os.environ.get("BPS_LOG_LEVEL", "WARNING"),
@@ -63,18 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="address workers reach this server at (default: --host, or this machine's name)",
     )
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=float(os.environ.get("BPS_HEARTBEAT_TIMEOUT", "10")),
-        help="seconds a worker may stay silent after a heartbeat before it counts as lost (default %(default)s)",
-    )
-    p.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=float(os.environ.get("BPS_HEARTBEAT_INTERVAL", "1")),
-        help="seconds between heartbeats (default %(default)s)",
-    )
+    _option(p, "--heartbeat-timeout", "BPS_HEARTBEAT_TIMEOUT", float, 10.0,
+            "seconds a worker may stay silent after a heartbeat before it counts as lost")  # fmt: skip
+    _option(p, "--heartbeat-interval", "BPS_HEARTBEAT_INTERVAL", float, 1.0, "seconds between heartbeats")
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
     )
@@ -92,38 +74,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="file holding the pool credential (default: env BPS_POOL_CREDENTIAL); give jobs the same one",
     )
     limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
-    limits.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=_env_int("BPS_SERVER_MAX_FRAME_BYTES", Limits.max_frame_bytes),
-        help="largest frame read from a peer; a bigger one drops its connection unread; must cover the workers' "
-        "BPS_PARTITION_BYTES (default %(default)s)",
-    )
-    limits.add_argument(
-        "--max-memory-bytes",
-        type=int,
-        default=_env_int("BPS_SERVER_MAX_MEMORY_BYTES", 0),
-        help="what all jobs together may make this server hold (default 0: half the machine's memory)",
-    )
-    limits.add_argument(
-        "--job-quota-bytes",
-        type=int,
-        default=_env_int("BPS_SERVER_JOB_QUOTA_BYTES", 0),
-        help="what one job may make this server hold (default 0: --max-memory-bytes)",
-    )
-    limits.add_argument(
-        "--job-lease",
-        type=float,
-        default=float(os.environ.get("BPS_SERVER_JOB_LEASE", Limits.job_lease_seconds)),
-        help="seconds without a request after which a job is forgotten (default %(default)s)",
-    )
-    limits.add_argument(
-        "--lost-job-lease",
-        type=float,
-        default=float(os.environ.get("BPS_SERVER_LOST_JOB_LEASE", Limits.lost_job_seconds)),
-        help="seconds without a request after which a job whose workers are all lost is forgotten "
-        "(default %(default)s)",
-    )
+    _option(limits, "--max-frame-bytes", "BPS_SERVER_MAX_FRAME_BYTES", int, Limits.max_frame_bytes,
+            "largest frame read from a peer; a bigger one drops its connection unread; must cover the workers' "
+            "BPS_PARTITION_BYTES")  # fmt: skip
+    _option(limits, "--max-memory-bytes", "BPS_SERVER_MAX_MEMORY_BYTES", int, 0,
+            "what all jobs together may make this server hold (0: half the machine's memory)")  # fmt: skip
+    _option(limits, "--job-quota-bytes", "BPS_SERVER_JOB_QUOTA_BYTES", int, 0,
+            "what one job may make this server hold (0: --max-memory-bytes)")  # fmt: skip
+    _option(limits, "--job-lease", "BPS_SERVER_JOB_LEASE", float, Limits.job_lease_seconds,
+            "seconds without a request after which a job is forgotten")  # fmt: skip
+    _option(limits, "--lost-job-lease", "BPS_SERVER_LOST_JOB_LEASE", float, Limits.lost_job_seconds,
+            "seconds without a request after which a job whose workers are all lost is forgotten")  # fmt: skip
     args = p.parse_args(argv)
     if not args.host:
         p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
@@ -170,8 +131,11 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
     return ServerSecurity.for_pool(credential)
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+def _option(group, flag: str, env: str, kind, default, text: str) -> None:
+    """Add a numeric option whose default comes from environment variable `env`, else `default`."""
+    raw = os.environ.get(env)
+    group.add_argument(flag, type=kind, default=kind(raw) if raw else default,
+                       help=f"{text} (env {env}; default %(default)s)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

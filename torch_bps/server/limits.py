@@ -114,8 +114,9 @@ class MemoryBook:
         """Charge a new key of job_id; raise ProtocolError(OVER_QUOTA) past the job's quota or the server's bound."""
         self._take(job_id, key_charge(nbytes, num_workers), f"INIT of {nbytes} bytes for job {job_id:#x}")
 
-    def touch(self, job_id: int) -> None:
-        self._seen[job_id] = time.monotonic()
+    def touch(self, job_id: int, now: float) -> None:
+        """Record a request of job_id at time.monotonic() `now`."""
+        self._seen[job_id] = now
 
     def idle(self, job_id: int) -> float:
         """Seconds since job_id's last request."""

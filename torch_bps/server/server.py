@@ -302,6 +302,7 @@ class SummationServer:
                     else:
                         self._send(self._replies.recv_multipart(copy=False))
                 self._inline.expire(self._send)
+                self._sweep()
         finally:
             for e in self._engines:
                 e.inbox.put(None)
@@ -336,7 +337,7 @@ class SummationServer:
             job.lost[worker] = (
                 f"worker {worker} of job {job_id:#x} (at {job.peers.get(worker, 'an unknown address')}) disconnected"
             )
-            log.warning("%s", job.lost[worker])
+            log.info("%s", job.lost[worker])  # also how every job ends: the errors tell the failures
             self._inline.worker_lost(job_id, self._send)
             for e in self._engines:
                 e.inbox.put((_LOST, job_id))
@@ -344,7 +345,6 @@ class SummationServer:
     def _on_request(self, frames: list) -> None:
         ident, rest = frames[0], frames[1:]
         header = None
-        self._sweep()
         try:
             if not rest:
                 raise ProtocolError(Status.BAD_FRAME, "message has no header frame")
@@ -391,8 +391,9 @@ class SummationServer:
             raise ProtocolError(
                 Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}"
             )
-        self._book.touch(h.job_id)
-        job.last_seen[h.worker] = time.monotonic()
+        now = time.monotonic()
+        self._book.touch(h.job_id, now)
+        job.last_seen[h.worker] = now
         if h.command == Command.INIT:
             return self._init(ident, h)
         info = self._check_key(h)
@@ -441,9 +442,9 @@ class SummationServer:
         # says HELLO again (after a reconnection) is back.
         self._connections.setdefault(head.get(zmq.SRCFD), []).append((h.job_id, h.worker))
         job.peers[h.worker] = head.get("Peer-Address") or "an unknown address"
-        job.last_seen[h.worker] = time.monotonic()
+        job.last_seen[h.worker] = now = time.monotonic()
         job.lost.pop(h.worker, None)
-        self._book.touch(h.job_id)
+        self._book.touch(h.job_id, now)
         self._send([ident, h.reply(incarnation=self.incarnation).pack()])
 
     def _init(self, ident, h: Header) -> None:
