@@ -107,6 +107,7 @@ class RawPeer:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a refused handshake leaves no pipe: send blocks
         if curve is None and (keys := ClientKeys.from_environment(job_id, 1)) is not None:
             curve = (keys.client, keys.server_keys[0])
         if curve:
@@ -114,6 +115,7 @@ class RawPeer:
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = (
                 client.public, client.secret, server_key)  # fmt: skip
         self.sock.connect(f"tcp://{address}")
+        self.address = address
         self.timeout_ms = int(timeout * 1000)
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self.incarnation = 0
@@ -130,7 +132,10 @@ class RawPeer:
         base = dict(
             command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid
         )
-        self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
+        try:
+            self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
+        except zmq.Again:
+            raise TimeoutError(f"could not send to {self.address} within {self.timeout_ms} ms") from None
         return rid
 
     def send_frames(self, frames: list[bytes]) -> None:
