@@ -41,8 +41,11 @@ class Peer:
         keys = ClientKeys.from_environment(job_id, 1)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.curve_publickey, self.sock.curve_secretkey = keys.client.public, keys.client.secret
-        self.sock.curve_serverkey = keys.server_keys[0]
+        if keys.mechanism == "curve":
+            self.sock.curve_publickey, self.sock.curve_secretkey = keys.client.public, keys.client.secret
+            self.sock.curve_serverkey = keys.server_keys[0]
+        else:
+            self.sock.plain_username, self.sock.plain_password = keys.client.public, keys.tokens[0]
         self.sock.connect(f"tcp://{address}")
         self.job_id, self.num_workers, self.incarnation = job_id, num_workers, 0
 

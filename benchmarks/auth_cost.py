@@ -1,9 +1,9 @@
-"""What authentication and encryption (CURVE) cost on push/pull throughput, on and off in one run.
+"""What authentication (token, the default) and encryption (CURVE) cost on push/pull throughput, in one run.
 
-Two servers on loopback, one with `--auth curve` (the default) and one with `--auth off`; per tensor size,
-the library's engine push_pull (4 MB partitions, pipelined: what the backend and the DDP hook run) with
-one worker, and the 2-worker round time (the server really adds), alternated in short bursts between the
-two servers so drifting machine load hits both alike. Prints goodput on each and the ratio on / off.
+Three servers on loopback, with `--auth token`, `--auth curve` and `--auth off`; per tensor size, the
+library's engine push_pull (4 MB partitions, pipelined: what the backend and the DDP hook run) with one
+worker, and the 2-worker round time (the server really adds), alternated in short bursts between the
+servers so drifting machine load hits all alike. Prints goodput on each and the ratios to off.
 
 Usage: python benchmarks/auth_cost.py [--quick] [--json out.json]
 May import: the standard library, torch and torch_bps (and benchmarks.pushpull's helpers).
@@ -24,10 +24,12 @@ sys.path.insert(0, REPO)
 
 from benchmarks.pushpull import KB, MB, human, library_engine, start_server, stop, timed  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
+from torch_bps.security import ClientKeys  # noqa: E402
 
 FULL_SIZES = [64 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB]
 QUICK_SIZES = [1 * MB, 16 * MB]
-MODES = ("curve", "off")
+MODES = ("token", "curve", "off")
+ON = MODES[:2]
 
 
 class Setup:
@@ -36,11 +38,16 @@ class Setup:
     def __init__(self, auth: str):
         self.auth = auth
         self.server, address = start_server(2, 16 * MB, auth)
-        curve = False if auth == "off" else None  # None: the keys of BPS_POOL_CREDENTIAL
         tag = f"{auth}-{os.getpid()}"
-        self.engine_client = Client([address], job_id_from_name(f"engine-{tag}"), 0, 1, curve=curve)
+
+        def client(job: str, worker: int, n: int) -> Client:
+            job_id = job_id_from_name(f"{job}-{tag}")
+            keys = auth != "off" and ClientKeys.for_pool(os.environ["BPS_POOL_CREDENTIAL"], job_id, 1, auth)
+            return Client([address], job_id, worker, n, auth=keys)
+
+        self.engine_client = client("engine", 0, 1)
         self.engine = library_engine(self.engine_client, address)
-        self.pair = [Client([address], job_id_from_name(f"pair-{tag}"), w, 2, curve=curve) for w in range(2)]
+        self.pair = [client("pair", w, 2) for w in range(2)]
         self.engines2 = [library_engine(c, address) for c in self.pair]
 
     def one_worker(self, t: torch.Tensor) -> None:
@@ -78,8 +85,9 @@ def measure(sizes: list[int], budget: float) -> list[dict]:
             for auth in MODES:
                 row[f"one_worker_{auth}_Bps"] = size / statistics.median(one[auth])
                 row[f"two_workers_{auth}_Bps"] = size / statistics.median(two[auth])
-            row["one_worker_ratio"] = row["one_worker_curve_Bps"] / row["one_worker_off_Bps"]
-            row["two_workers_ratio"] = row["two_workers_curve_Bps"] / row["two_workers_off_Bps"]
+            for auth in ON:
+                for what in ("one_worker", "two_workers"):
+                    row[f"{what}_{auth}_ratio"] = row[f"{what}_{auth}_Bps"] / row[f"{what}_off_Bps"]
             rows.append(row)
             print_row(row)
     finally:
@@ -96,7 +104,8 @@ def print_row(r: dict) -> None:
     size = f"{r['size'] // MB} MB" if r["size"] >= MB else f"{r['size'] // KB} KB"
     cells = []
     for what in ("one_worker", "two_workers"):
-        cells.append(f"{rate(r[f'{what}_curve_Bps']):>11} {rate(r[f'{what}_off_Bps']):>11} {r[f'{what}_ratio']:>6.2f}")
+        rates = " ".join(f"{rate(r[f'{what}_{a}_Bps']):>11}" for a in MODES)
+        cells.append(rates + " " + " ".join(f"{r[f'{what}_{a}_ratio']:>6.2f}" for a in ON))
     print(f"{size:>7} | {cells[0]} | {cells[1]}", flush=True)
 
 
@@ -109,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
     budget = args.budget or (2.0 if args.quick else 6.0)
-    print(f"engine push_pull on loopback, auth curve vs off in this run; torch {torch.__version__}")
-    print(f"{'size':>7} | {'1 worker':>11} {'':>11} {'':>6} | {'2 workers':>11}")
-    print(f"{'':>7} | {'curve':>11} {'off':>11} {'ratio':>6} | {'curve':>11} {'off':>11} {'ratio':>6}")
+    print(f"engine push_pull on loopback, auth token / curve / off in this run; torch {torch.__version__}")
+    heads = " ".join(f"{a:>11}" for a in MODES) + " " + " ".join(f"{a + '/off':>9}" for a in ON)
+    print(f"{'size':>7} | 1 worker: {heads} | 2 workers: {heads}")
     rows = measure(sizes, budget)
     largest = max(rows, key=lambda r: r["size"])
-    print(f"largest size {human(largest['size'])}: CURVE keeps {largest['one_worker_ratio']:.2f} of one worker's "
-          f"goodput and {largest['two_workers_ratio']:.2f} of the 2-worker round rate")  # fmt: skip
+    for a in ON:
+        print(
+            f"largest size {human(largest['size'])}: {a} keeps {largest[f'one_worker_{a}_ratio']:.2f} of one "
+            f"worker's goodput and {largest[f'two_workers_{a}_ratio']:.2f} of the 2-worker round rate"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=2)

@@ -216,10 +216,11 @@ FIGURES = ("one_message", "tcp_one_message", "one_message_vs_tcp", "engine", "tc
            "server_add_kernel")  # fmt: skip
 
 
-def start_server(engine_threads: int, max_frame: int, auth: str = "curve") -> tuple[subprocess.Popen, str]:
-    """A summation server on loopback: `auth` curve (with the pool credential of BPS_POOL_CREDENTIAL, which
-    Client also picks up) or off. Returns it and its address."""
+def start_server(engine_threads: int, max_frame: int, auth: str = "") -> tuple[subprocess.Popen, str]:
+    """A summation server on loopback: `auth` token, curve (with the pool credential of BPS_POOL_CREDENTIAL,
+    which Client also picks up) or off; default BPS_AUTH's, as Client's. Returns it and its address."""
     os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
+    auth = auth or os.environ.get("BPS_AUTH", "token")
     server, port = start_process(
         [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
          "--engine-threads", str(engine_threads), "--max-frame-bytes", str(max(max_frame, 16 * MB))],

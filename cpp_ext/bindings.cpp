@@ -76,7 +76,7 @@ c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeout
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
-           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, CurveKeys curve) {
+           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -92,7 +92,7 @@ class PyClient {
       }
     };
     ClientOptions options{std::move(servers), jobId,           worker,          numWorkers,
-                          timeout,            heartbeatInterval, heartbeatTimeout, std::move(curve)};
+                          timeout,            heartbeatInterval, heartbeatTimeout, std::move(auth)};
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete));
   }
@@ -198,15 +198,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
-                       std::string curvePublic, std::string curveSecret, std::vector<std::string> curveServerKeys) {
-             bps::CurveKeys curve{std::move(curvePublic), std::move(curveSecret), std::move(curveServerKeys)};
+                       std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
+                       std::vector<std::string> tokens) {
+             bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
+                                  std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
-                                 heartbeatTimeout, std::move(onComplete), std::move(curve));
+                                 heartbeatTimeout, std::move(onComplete), std::move(auth));
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
-           py::arg("curve_public") = "", py::arg("curve_secret") = "",
-           py::arg("curve_server_keys") = std::vector<std::string>{})
+           py::arg("identity") = "", py::arg("curve_secret") = "",
+           py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{})
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",

@@ -49,7 +49,7 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
       std::string monitor = formatText("inproc://bps-monitor-%p-%zu", static_cast<void*>(this), i);
       links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor,
                                                     options_.heartbeatIntervalSeconds,
-                                                    options_.heartbeatTimeoutSeconds, options_.curve.forServer(i)));
+                                                    options_.heartbeatTimeoutSeconds, options_.auth.forServer(i)));
     }
   } catch (...) {
     links_.clear();

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "completion_pool.h"
-#include "curve_keys.h"
+#include "auth_keys.h"
 #include "errors.h"
 #include "server_link.h"
 #include "wire.h"
@@ -42,7 +42,7 @@ struct ClientOptions {
   // server closes TCP and is known at once.
   double heartbeatIntervalSeconds = 1.0;
   double heartbeatTimeoutSeconds = 10.0;
-  CurveKeys curve;  // no server keys: no CURVE
+  ClientAuth auth;  // no tokens and no server keys: no authentication
 };
 
 // Runs on a CompletionPool thread once per pushPull()/stats(), with the token given there.

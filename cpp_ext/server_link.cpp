@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace bps {
 namespace {
@@ -28,17 +29,20 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
   setInt(socket_, ZMQ_RCVHWM, 0);
   setInt(socket_, ZMQ_HEARTBEAT_IVL, static_cast<int>(heartbeatInterval * 1000));
   setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, static_cast<int>(heartbeatTimeout * 1000));
-  if (keys.enabled()) {
-    // Before connecting: the handshake of the very first connection must already be CURVE.
-    const std::pair<int, const std::string*> options[] = {
-        {ZMQ_CURVE_SERVERKEY, &keys.serverKey}, {ZMQ_CURVE_PUBLICKEY, &keys.publicKey},
-        {ZMQ_CURVE_SECRETKEY, &keys.secretKey}};
-    for (const auto& [option, key] : options) {
-      if (zmq_setsockopt(socket_, option, key->data(), key->size()) != 0) {
-        std::string message = zmqError("cannot set the CURVE keys for " + address);
-        close();
-        throw Error(ErrorKind::kTransport, message);
-      }
+  // Before connecting: the handshake of the very first connection must already use the mechanism.
+  std::vector<std::pair<int, const std::string*>> options;
+  if (keys.token_auth()) {
+    options = {{ZMQ_PLAIN_USERNAME, &keys.publicKey}, {ZMQ_PLAIN_PASSWORD, &keys.token}};
+  } else if (keys.curve()) {
+    options = {{ZMQ_CURVE_SERVERKEY, &keys.serverKey},
+               {ZMQ_CURVE_PUBLICKEY, &keys.publicKey},
+               {ZMQ_CURVE_SECRETKEY, &keys.secretKey}};
+  }
+  for (const auto& [option, value] : options) {
+    if (zmq_setsockopt(socket_, option, value->data(), value->size()) != 0) {
+      std::string message = zmqError("cannot set the credentials for " + address);
+      close();
+      throw Error(ErrorKind::kTransport, message);
     }
   }
   bool ipv6 = address.find('[') != std::string::npos;

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "curve_keys.h"
+#include "auth_keys.h"
 #include "wire.h"
 
 namespace bps {
@@ -49,8 +49,8 @@ enum class LinkEvent { kNothing, kConnected, kDisconnected, kOther };
 
 class ServerLink {
  public:
-  // Connect a DEALER to `address` ("host:port"), as a CURVE client if keys.enabled(); throws
-  // Error(kTransport) if ZeroMQ refuses it (an address, or keys that are not 40 characters of Z85).
+  // Connect a DEALER to `address` ("host:port") with keys' mechanism (token, CURVE or none); throws
+  // Error(kTransport) if ZeroMQ refuses it (an address, or CURVE keys that are not 40 characters of Z85).
   // Heartbeats catch a server that vanished without closing TCP (stopped, cut off): silent for
   // heartbeatTimeout after a PING, the connection drops. Any traffic counts as an answer, so a PING
   // queued behind a big message does not time out. A killed process closes TCP and is noticed at once.

@@ -101,19 +101,20 @@ class RawPeer:
     """A worker speaking the wire protocol by hand through a pyzmq DEALER: for server-side tests."""
 
     def __init__(self, address: str, job_id: int = 1, worker: int = 0, num_workers: int = 1, timeout: float = 10.0,
-                 curve: tuple | bool | None = None):  # fmt: skip
-        """curve: (client KeyPair, server public key) to connect with (torch_bps.security.derive); None: the
-        pool keys of BPS_POOL_CREDENTIAL for job_id, as `Client` uses, if it is set; False: no CURVE."""
+                 auth: ClientKeys | bool | None = None):  # fmt: skip
+        """auth: credentials to connect with (their server 0's); None: those of BPS_POOL_CREDENTIAL for
+        job_id, as `Client` uses, if it is set; False: none."""
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a refused handshake leaves no pipe: send blocks
-        if curve is None and (keys := ClientKeys.from_environment(job_id, 1)) is not None:
-            curve = (keys.client, keys.server_keys[0])
-        if curve:
-            client, server_key = curve
-            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = (
-                client.public, client.secret, server_key)  # fmt: skip
+        if auth is None:
+            auth = ClientKeys.from_environment(job_id, 1)
+        if auth and auth.mechanism == "curve":
+            self.sock.curve_publickey, self.sock.curve_secretkey = auth.client.public, auth.client.secret
+            self.sock.curve_serverkey = auth.server_keys[0]
+        elif auth:
+            self.sock.plain_username, self.sock.plain_password = auth.client.public, auth.tokens[0]
         self.sock.connect(f"tcp://{address}")
         self.address = address
         self.timeout_ms = int(timeout * 1000)

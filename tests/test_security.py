@@ -1,5 +1,5 @@
-"""Only the job gets in (issue 12): CURVE authentication, jobs bound to identities, servers that listen where
-they should. Real server processes, real clients and raw peers over real sockets.
+"""Only the job gets in (issue 12): authentication by token and by CURVE, jobs bound to identities, servers
+that listen where they should. Real server processes, real clients and raw peers over real sockets.
 
 The cast: a pool server holding the session's pool credential P; a *job* whose workers connect with the
 keys of their own job secret (as torch_bps.runtime does); *strangers* who know the server's address and the
@@ -23,7 +23,7 @@ from torch_bps.config import Config
 from torch_bps.engine.placement import Server
 from torch_bps.errors import ConfigError, TransportError
 from torch_bps.runtime import _client_keys, _start_server
-from torch_bps.security import ClientKeys, derive, new_secret
+from torch_bps.security import ClientKeys, KeyPair, derive, new_secret, token
 from torch_bps.wire import Command, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,14 +36,14 @@ def pool() -> str:
 
 
 def job_clients(server: ServerProcess, secret: str, job_id: int = JOB, n: int = 2) -> list[Client]:
-    keys = ClientKeys.for_servers(secret, [pool()])
-    return [Client([server.address], job_id, w, n, timeout=20, curve=keys) for w in range(n)]
+    keys = ClientKeys.for_servers(secret, [pool()], server.mechanism)
+    return [Client([server.address], job_id, w, n, timeout=20, auth=keys) for w in range(n)]
 
 
 def neighbour(server: ServerProcess, job_id: int = JOB, worker: int = 0) -> RawPeer:
     """A peer holding the pool credential with an identity of its own (another job on the pool)."""
     return RawPeer(server.address, job_id, worker, 2, timeout=5,
-                   curve=(derive(new_secret(), "client"), derive(pool(), "server").public))  # fmt: skip
+                   auth=ClientKeys.for_servers(new_secret(), [pool()], server.mechanism))  # fmt: skip
 
 
 def all_reduce_rounds(clients: list[Client], rounds: int, key: int = 3) -> int:
@@ -57,9 +57,10 @@ def all_reduce_rounds(clients: list[Client], rounds: int, key: int = 3) -> int:
     return wrong
 
 
-@pytest.fixture
-def pool_server():
-    s = ServerProcess(engine_threads=1)
+@pytest.fixture(params=["token", "curve"])
+def pool_server(request):
+    s = ServerProcess(engine_threads=1, extra_args=("--auth", request.param))
+    s.mechanism = request.param
     yield s
     s.stop()
 
@@ -73,9 +74,9 @@ def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool
     seen: list[tuple[int, bytes]] = []
 
     def attack():
-        stranger = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, curve=False)
-        other_pool = (derive(new_secret(), "client"), derive("another pool", "server").public)
-        wrong_pool = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, curve=other_pool)
+        stranger = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, auth=False)
+        other_pool = ClientKeys.for_servers(new_secret(), ["another pool"], pool_server.mechanism)
+        wrong_pool = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, auth=other_pool)
         insider = neighbour(pool_server)
         while not stop.is_set():
             for peer in (stranger, wrong_pool):
@@ -108,7 +109,7 @@ def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool
 def test_a_stranger_cannot_squat_the_jobs_keys(pool_server):
     """INIT of the job's keys with a wrong size before the job starts used to kill the job."""
     secret = new_secret()
-    stranger = RawPeer(pool_server.address, JOB + 1, 0, 2, timeout=0.5, curve=False)
+    stranger = RawPeer(pool_server.address, JOB + 1, 0, 2, timeout=0.5, auth=False)
     with pytest.raises(TimeoutError):
         stranger.request(Command.HELLO, num_workers=2)
     for key in range(4):  # whatever it sends, nothing reaches the server's state
@@ -127,9 +128,9 @@ def test_two_jobs_with_different_secrets_on_one_pool_cannot_touch_each_others_ke
     a = job_clients(pool_server, new_secret(), JOB + 2)
     try:
         assert all_reduce_rounds(a, 1) == 0  # job A holds its job id and key 3 now
-        b_keys = ClientKeys.for_servers(new_secret(), [pool()])
+        b_keys = ClientKeys.for_servers(new_secret(), [pool()], pool_server.mechanism)
         with pytest.raises(Exception, match="belongs to another job"):  # B names A's job id
-            Client([pool_server.address], JOB + 2, 0, 2, curve=b_keys, connect_timeout=5)
+            Client([pool_server.address], JOB + 2, 0, 2, auth=b_keys, connect_timeout=5)
         b_peer = neighbour(pool_server, JOB + 2)
         for command in (Command.INIT, Command.PUSH, Command.PULL):
             frames = [b"\0" * 16384] if command == Command.PUSH else []
@@ -137,7 +138,7 @@ def test_two_jobs_with_different_secrets_on_one_pool_cannot_touch_each_others_ke
                                      incarnation=pool_server.incarnation)  # fmt: skip
             assert h.status == Status.UNKNOWN_JOB and rest[0].endswith(b"has not said HELLO to this server")
         b_peer.close()
-        b = [Client([pool_server.address], JOB + 3, w, 2, curve=b_keys) for w in range(2)]  # B's own job works
+        b = [Client([pool_server.address], JOB + 3, w, 2, auth=b_keys) for w in range(2)]  # B's own job works
         try:
             assert all_reduce_rounds(b, 3) == 0
             assert all_reduce_rounds(a, 3) == 0
@@ -149,20 +150,26 @@ def test_two_jobs_with_different_secrets_on_one_pool_cannot_touch_each_others_ke
             c.close()
 
 
-def test_an_embedded_server_lets_in_its_job_only_and_listens_on_the_jobs_interface():
+@pytest.mark.parametrize("mechanism", ["token", "curve"])
+def test_an_embedded_server_lets_in_its_job_only_and_listens_on_the_jobs_interface(mechanism):
     secret = new_secret()
-    proc, port = _start_server(Config.resolve(), 30, "127.0.0.1", secret)
+    proc, port = _start_server(Config.resolve(auth=mechanism), 30, "127.0.0.1", secret)
     try:
         assert _listening(proc.pid, port) == {"127.0.0.1"}
         address = f"127.0.0.1:{port}"
-        mine = ClientKeys.for_servers(secret, [secret])
-        with Client([address], 9, 0, 1, curve=mine) as c:
+        mine = ClientKeys.for_servers(secret, [secret], mechanism)
+        with Client([address], 9, 0, 1, auth=mine) as c:
             assert torch.equal(c.push_pull(torch.ones(3), 0).wait(), torch.ones(3))
-        # Knowing the server's key is not enough here: the ZAP handler admits the job's own key only.
-        other = ClientKeys(derive(new_secret(), "client"), mine.server_keys)
-        for keys in (other, ClientKeys.for_pool(pool(), 9, 1), False):
+        # Knowing the server's secret is not enough here: the ZAP handler admits the job's own identity only.
+        other = ClientKeys._make(derive(new_secret(), "client"), [secret], mechanism)
+        # The job's identity with a proof made without the secret: a token of another secret, a CURVE secret key
+        # that is not the identity's.
+        forged = ClientKeys(KeyPair(mine.client.public, other.client.secret), mine.server_keys,
+                            (token(new_secret(), mine.client.public),), mechanism)  # fmt: skip
+        other_mechanism = ClientKeys.for_servers(secret, [secret], "curve" if mechanism == "token" else "token")
+        for keys in (other, forged, other_mechanism, ClientKeys.for_pool(pool(), 9, 1, mechanism), False):
             with pytest.raises(TransportError, match="drops the connection"):
-                Client([address], 9, 0, 1, curve=keys, connect_timeout=5)
+                Client([address], 9, 0, 1, auth=keys, connect_timeout=5)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -212,7 +219,7 @@ def _all_reduce(rank, world, gloo):
     return t[:2].tolist()
 
 
-@pytest.mark.parametrize("auth", ["curve", "off"])
-def test_a_job_runs_with_authentication_on_and_off(auth):
-    """The default (embedded servers, CURVE with the job's secret from the store) and BPS_AUTH=off."""
+@pytest.mark.parametrize("auth", ["token", "curve", "off"])
+def test_a_job_runs_with_every_authentication(auth):
+    """The default (embedded servers, a token from the job's secret in the store), CURVE, and BPS_AUTH=off."""
     assert run_ranks(_all_reduce, 2, env={"BPS_AUTH": auth}) == [[3.0, 3.0]] * 2

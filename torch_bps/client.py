@@ -83,10 +83,10 @@ class Client:
         connect_timeout: seconds to wait for every server's HELLO reply.
         heartbeat_interval, heartbeat_timeout: a server silent for heartbeat_timeout seconds after a
             heartbeat (stopped, cut off) counts as lost; a killed one is known at once.
-        curve: CURVE keys (torch_bps.security.ClientKeys, one server key per server): every connection is
-            authenticated and encrypted. None: keys from BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is
-            not off; see ClientKeys.from_environment); False: plain connections, for servers run with
-            `--auth off`.
+        auth: credentials (torch_bps.security.ClientKeys, for every server): every connection is
+            authenticated by token, or also encrypted by CURVE (`auth.mechanism`). None: those of
+            BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is not off; see ClientKeys.from_environment);
+            False: no authentication, for servers run with `--auth off`.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -104,7 +104,7 @@ class Client:
         connect_timeout: float = 30.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
-        curve: ClientKeys | bool | None = None,
+        auth: ClientKeys | bool | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -130,13 +130,17 @@ class Client:
         self._keys: dict[int, tuple[int, torch.dtype, int]] = {}  # key -> (numel, dtype, server)
         self._pending = _Pending()
         keys = {}
-        if curve is None:
-            curve = ClientKeys.from_environment(job_id, len(self._servers))
-        if isinstance(curve, ClientKeys):
-            if len(curve.server_keys) != len(self._servers):
-                raise ValueError(f"curve has {len(curve.server_keys)} server keys for {len(self._servers)} servers")
-            keys = dict(curve_public=curve.client.public.decode(), curve_secret=curve.client.secret.decode(),
-                        curve_server_keys=[k.decode() for k in curve.server_keys])  # fmt: skip
+        if auth is None:
+            auth = ClientKeys.from_environment(job_id, len(self._servers))
+        if isinstance(auth, ClientKeys):
+            if len(auth.tokens) != len(self._servers):
+                raise ValueError(f"auth has credentials for {len(auth.tokens)} servers, not {len(self._servers)}")
+            keys = {"identity": auth.client.public.decode()}
+            if auth.mechanism == "curve":
+                keys["curve_secret"] = auth.client.secret.decode()
+                keys["curve_server_keys"] = [k.decode() for k in auth.server_keys]
+            else:
+                keys["tokens"] = [t.decode() for t in auth.tokens]
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
@@ -144,7 +148,7 @@ class Client:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
         except TransportError as e:
             self.close()
-            how = "with CURVE keys" if isinstance(curve, ClientKeys) else "without authentication"
+            how = f"with BPS_AUTH={auth.mechanism}" if isinstance(auth, ClientKeys) else "without authentication"
             raise TransportError(
                 f"{e}. This client connects {how}: a server that runs otherwise, or holds another credential, "
                 "drops the connection (check BPS_AUTH and BPS_POOL_CREDENTIAL on both sides)"

@@ -60,9 +60,10 @@ class Config:
     # routes to MASTER_ADDR.
     host: str = field(default="", metadata={"env": "BPS_HOST", "parse": str})
     server_engine_threads: int = field(default=2, metadata={"env": "BPS_SERVER_ENGINE_THREADS", "parse": int})
-    # "curve": workers and servers authenticate each other and every connection is encrypted (CurveZMQ);
-    # "off": plain connections anyone who reaches a server's port can use (trusted networks only).
-    auth: str = field(default="curve", metadata={"env": "BPS_AUTH", "parse": str})
+    # "token": only workers that prove the job's secret (or the pool credential) get in, not encrypted;
+    # "curve": the same, and every connection encrypted (CurveZMQ; for networks you do not control);
+    # "off": plain connections anyone who reaches a server's port can use. See torch_bps/security.py.
+    auth: str = field(default="token", metadata={"env": "BPS_AUTH", "parse": str})
     # The secret a pool of dedicated servers was given by its operator (bps-server's BPS_POOL_CREDENTIAL):
     # needed to use dedicated servers with auth on. Embedded servers need none: their job's secret comes
     # from the rendezvous store.
@@ -114,7 +115,7 @@ class Config:
             raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: the default)")
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
-        if self.auth not in ("curve", "off"):
-            raise ConfigError(f"auth={self.auth!r}: use curve (the default) or off")
+        if self.auth not in ("token", "curve", "off"):
+            raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.num_servers < 0 or self.server_engine_threads < 1:
             raise ConfigError(f"num_servers={self.num_servers}, server_engine_threads={self.server_engine_threads}")

@@ -129,7 +129,7 @@ class Runtime:
             connect_timeout=timeout,
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_timeout=config.heartbeat_timeout,
-            curve=_client_keys(config, secret, weights),
+            auth=_client_keys(config, secret, weights),
         )
         local = None
         if hierarchical:
@@ -252,7 +252,7 @@ def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
 
 
 def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
-    """CURVE keys for the servers in placement order: embedded ones from the job's secret, dedicated ones
+    """Credentials for the servers in placement order: embedded ones from the job's secret, dedicated ones
     from the pool credential."""
     if config.auth == "off":
         return False
@@ -261,7 +261,8 @@ def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
             "dedicated servers need the pool credential their operator gave them: set BPS_POOL_CREDENTIAL "
             "(or BPS_AUTH=off if they run with --auth off, on a trusted network)"
         )
-    return ClientKeys.for_servers(secret, [config.pool_credential if s.dedicated else secret for s in weights])
+    held = [config.pool_credential if s.dedicated else secret for s in weights]
+    return ClientKeys.for_servers(secret, held, config.auth)
 
 
 def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
@@ -293,8 +294,7 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
            "--job-lease", "1e9"]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}
-    if config.auth == "off":
-        cmd += ["--auth", "off"]
+    cmd += ["--auth", config.auth]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)

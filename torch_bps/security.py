@@ -1,21 +1,32 @@
-"""CURVE keys from a shared secret: how workers and summation servers prove who they are on the wire.
+"""Credentials from a shared secret: how workers and summation servers prove who they are on the wire.
 
-The wire uses ZeroMQ's own CURVE mechanism (CurveZMQ: every connection authenticated and encrypted,
-with nonces that make a replayed or altered frame fail). A *secret* is a string both sides hold; from it
-each side derives, with no message exchanged, the server's key pair and the client's key pair:
+A *secret* is a string both sides hold. Two ZeroMQ mechanisms use it (BPS_AUTH; docs/protocol.md,
+"Security"), both checked by libzmq and the server's ZAP handler before a single frame reaches the
+server's code:
+- **token** (the default, ZeroMQ's PLAIN mechanism): the client names its identity and a token, a MAC of
+  the identity under the server's secret, at connect time; the connection is then trusted, and not
+  encrypted. Only a holder of the secret can make a token, but a token crosses the wire in clear: someone
+  who can read the network can reuse it (for that job only) and read the gradients anyway.
+- **curve** (ZeroMQ's CURVE): every connection authenticated and encrypted, with nonces that make a
+  replayed or altered frame fail; for networks you do not control. Costs CPU per byte (README).
 
-    seed = blake2b(secret, key=b"torch_bps", person=role, digest_size=32)   role: b"server" or b"client"
-    secret key = seed (Z85 text), public key = curve_public(secret key)
+Everything derives from a secret with no message exchanged (keyed BLAKE2b, a MAC):
 
-Two kinds of secret (docs/protocol.md, "Security"):
+    seed(secret, role) = blake2b(secret, key=b"torch_bps", person=role, digest_size=32)
+    CURVE key pair of role "server" / "client": secret key = seed (Z85 text), public key = curve_public(it)
+    token(secret, identity) = hex(blake2b(identity, key=seed(secret, "token"), digest_size=32))
+
+A client's identity is the public key of its "client" key pair, in both mechanisms.
+
+Two kinds of secret:
 - a **job secret**, drawn by rank 0 into the job's rendezvous store: the job's embedded servers accept
-  exactly the job's client key;
+  exactly the job's client identity;
 - a **pool credential** (BPS_POOL_CREDENTIAL), which an operator gives a pool of dedicated servers and
-  the jobs allowed on it: those servers accept a client only if it knows their key, which needs the
-  credential; each job still connects with the client key of its own job secret, and a server binds a
-  job id to the key that first said HELLO for it, so jobs sharing a pool cannot touch each other's keys.
+  the jobs allowed on it: those servers accept any identity that proves it holds the credential; each
+  job still connects with the identity of its own job secret, and a server binds a job id to the identity
+  that first said HELLO for it, so jobs sharing a pool cannot touch each other's keys.
 
-Neither derived key is ever sent or printed: CurveZMQ never sends the server's public key on the wire.
+No secret is ever sent or printed; a token is sent (token mechanism only), a secret key never.
 May import: the standard library and pyzmq.
 """
 
@@ -54,48 +65,72 @@ def derive(secret: str | bytes, role: str) -> KeyPair:
     """
     if role not in ("server", "client"):
         raise ValueError(f"role {role!r}: use 'server' or 'client'")
+    secret_key = z85.encode(_seed(secret, role))
+    return KeyPair(zmq.curve_public(secret_key), secret_key)
+
+
+def token(secret: str | bytes, identity: bytes) -> bytes:
+    """The token a server holding `secret` accepts from the client `identity` (mechanism "token")."""
+    return hashlib.blake2b(identity, key=_seed(secret, "token"), digest_size=32).hexdigest().encode()
+
+
+def _seed(secret: str | bytes, role: str) -> bytes:
     if not secret:
         raise ValueError("an empty secret authenticates nobody")
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-    seed = hashlib.blake2b(raw, key=_KEY, person=role.encode(), digest_size=32).digest()
-    secret_key = z85.encode(seed)
-    return KeyPair(zmq.curve_public(secret_key), secret_key)
+    return hashlib.blake2b(raw, key=_KEY, person=role.encode(), digest_size=32).digest()
+
+
+MECHANISMS = ("token", "curve")  # what BPS_AUTH may be besides "off"
 
 
 @dataclass(frozen=True)
 class ClientKeys:
-    """What a client needs to connect under CURVE: its own key pair and each server's public key.
+    """What a client needs to connect with authentication: its identity and, per server, what proves it.
 
-    `server_keys[i]` is the public key of server i (the order of the client's server list).
+    `tokens[i]` is the token server i accepts (mechanism "token"); `server_keys[i]` server i's CURVE
+    public key (mechanism "curve"), both in the order of the client's server list.
     """
 
     client: KeyPair
     server_keys: tuple[bytes, ...]
+    tokens: tuple[bytes, ...]
+    mechanism: str = "token"
+
+    def __post_init__(self):
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism {self.mechanism!r}: use one of {MECHANISMS}")
 
     @classmethod
-    def for_servers(cls, job_secret: str, servers: list[str | None]) -> ClientKeys:
-        """Keys for a job: `servers[i]` is the secret server i's key derives from (a job secret or a pool
-        credential). Example: `ClientKeys.for_servers(s, [s, s])` for two embedded servers of job secret s.
+    def _make(cls, client: KeyPair, servers: list[str], mechanism: str) -> ClientKeys:
+        keys = tuple(derive(s, "server").public for s in servers)
+        return cls(client, keys, tuple(token(s, client.public) for s in servers), mechanism)
+
+    @classmethod
+    def for_servers(cls, job_secret: str, servers: list[str | None], mechanism: str = "token") -> ClientKeys:
+        """Keys for a job: `servers[i]` is the secret server i holds (a job secret or a pool credential).
+        Example: `ClientKeys.for_servers(s, [s, s])` for two embedded servers of job secret s.
         """
-        return cls(derive(job_secret, "client"), tuple(derive(s, "server").public for s in servers))
+        return cls._make(derive(job_secret, "client"), servers, mechanism)
 
     @classmethod
-    def for_pool(cls, credential: str, job_id: int, num_servers: int) -> ClientKeys:
+    def for_pool(cls, credential: str, job_id: int, num_servers: int, mechanism: str = "token") -> ClientKeys:
         """Keys for a job on a pool, with the job's identity derived from the credential and the job id.
 
         What `Client` uses when given no keys: any holder of the credential who knows the job id can act
         as this job. The runtime instead draws a random job secret per job (`for_servers`).
         """
-        server = derive(credential, "server").public
-        return cls(derive(f"{credential}/job/{job_id:#x}", "client"), (server,) * num_servers)
+        return cls._make(derive(f"{credential}/job/{job_id:#x}", "client"), [credential] * num_servers, mechanism)
 
     @classmethod
     def from_environment(cls, job_id: int, num_servers: int) -> ClientKeys | None:
-        """`for_pool` with BPS_POOL_CREDENTIAL, or None (plain connections) if it is unset or BPS_AUTH=off."""
+        """`for_pool` with BPS_POOL_CREDENTIAL and BPS_AUTH's mechanism, or None (no authentication) if the
+        credential is unset or BPS_AUTH=off."""
         credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
-        if not credential or os.environ.get("BPS_AUTH", "curve") == "off":
+        mechanism = os.environ.get("BPS_AUTH", "token")
+        if not credential or mechanism == "off":
             return None
-        return cls.for_pool(credential, job_id, num_servers)
+        return cls.for_pool(credential, job_id, num_servers, mechanism)
 
 
 if __name__ == "__main__":  # `python -m torch_bps.security`: print a new pool credential

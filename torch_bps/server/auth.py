@@ -1,12 +1,14 @@
-"""Who may talk to a summation server: CURVE on the ROUTER, a ZAP handler, and jobs bound to identities.
+"""Who may talk to a summation server: a ZeroMQ security mechanism on the ROUTER, a ZAP handler, and jobs
+bound to identities.
 
-- `ServerSecurity` makes the ROUTER a CURVE server (every connection authenticated and encrypted by
-  libzmq before a single frame reaches the server's code) and starts a `ZapHandler`: libzmq asks it, once
-  per connection, whether the client's public key may in. A peer that fails gets no frame and changes
-  nothing. Two policies (torch_bps/security.py): an embedded server accepts exactly its job's client key;
-  a pool server accepts any client that completes the handshake, which needs the pool credential (the
-  server's key derives from it and is never sent).
-- The accepted key becomes the connection's ZAP user id, which libzmq attaches to every frame the
+- `ServerSecurity` makes the ROUTER a PLAIN server (mechanism "token": a client's identity and token,
+  checked once per connection) or a CURVE server (mechanism "curve": every connection also encrypted) and
+  starts a `ZapHandler`: libzmq asks it, once per connection and before a single frame reaches the
+  server's code, whether the client may in. A peer that fails gets no frame and changes nothing. Two
+  policies (torch_bps/security.py): an embedded server accepts exactly its job's client identity; a pool
+  server accepts any identity that proves it holds the pool credential (a token made with it; or, under
+  CURVE, completing the handshake with the server key that derives from it).
+- The accepted identity becomes the connection's ZAP user id, which libzmq attaches to every frame the
   connection delivers (`Frame.get("User-Id")`). `JobGuard` binds each job id to the user id that said
   the job's first HELLO; a request of a job bound to another user id is refused as if the job did not
   exist, so it learns nothing about the job (no key sizes, no rounds).
@@ -16,6 +18,7 @@ May import: the standard library, pyzmq, torch_bps.wire, torch_bps.errors and to
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 
@@ -23,7 +26,7 @@ import zmq
 from zmq.utils import z85
 
 from torch_bps.errors import ProtocolError
-from torch_bps.security import derive
+from torch_bps.security import MECHANISMS, derive, token
 from torch_bps.wire import Command, Header, Status
 
 log = logging.getLogger("torch_bps.server")
@@ -33,15 +36,14 @@ ZAP_DOMAIN = b"torch_bps"
 
 
 class ZapHandler(threading.Thread):
-    """Answers libzmq's ZAP requests: CURVE clients whose key `allowed` accepts get in, anything else not.
+    """Answers libzmq's ZAP requests: a client gets in if `security.admit` accepts its credentials.
 
-    allowed: a set of Z85 public keys, or None for any client that completed the CURVE handshake.
     Runs until the context is terminated.
     """
 
-    def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes] | None):
+    def __init__(self, ctx: zmq.Context, security: ServerSecurity):
         super().__init__(name="bps-zap", daemon=True)
-        self.allowed = allowed
+        self.security = security
         self.refused = 0
         self._socket = ctx.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -61,43 +63,65 @@ class ZapHandler(threading.Thread):
         if len(request) < 6:
             return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
         version, request_id, domain, address, _identity, mechanism, *credentials = request
-        ok = version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE" and len(credentials) == 1
-        key = z85.encode(credentials[0]) if ok and len(credentials[0]) == 32 else b""
-        if key and (self.allowed is None or key in self.allowed):
-            return [b"1.0", request_id, b"200", b"OK", key, b""]
+        identity = None
+        if version == b"1.0" and domain == ZAP_DOMAIN:
+            identity = self.security.admit(mechanism, credentials)
+        if identity:
+            return [b"1.0", request_id, b"200", b"OK", identity, b""]
         self.refused += 1
         log.info("refused a connection from %s (mechanism %s)", address.decode(errors="replace"), mechanism)
         return [b"1.0", request_id, b"400", b"not allowed", b"", b""]
 
 
 class ServerSecurity:
-    """How a server authenticates: from a job secret (embedded) or a pool credential (dedicated pool).
+    """How a server authenticates: from a job secret (embedded) or a pool credential (dedicated pool),
+    with mechanism "token" or "curve" (torch_bps/security.py).
 
     Example:
         sec = ServerSecurity.for_job(job_secret); server = SummationServer("10.0.0.5", 0, security=sec)
     """
 
-    def __init__(self, secret: str, allowed: frozenset[bytes] | None, kind: str):
+    def __init__(self, secret: str, allowed: frozenset[bytes] | None, kind: str, mechanism: str = "token"):
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism {mechanism!r}: use one of {MECHANISMS}")
+        self._secret = secret
         self._keys = derive(secret, "server")
-        self.allowed = allowed
+        self.allowed = allowed  # the client identities that may in; None: any that proves the secret
         self.kind = kind  # "job" or "pool", for logs
+        self.mechanism = mechanism
 
     @classmethod
-    def for_job(cls, job_secret: str) -> ServerSecurity:
+    def for_job(cls, job_secret: str, mechanism: str = "token") -> ServerSecurity:
         """An embedded server: only the clients of the job with this secret get in."""
-        return cls(job_secret, frozenset({derive(job_secret, "client").public}), "job")
+        return cls(job_secret, frozenset({derive(job_secret, "client").public}), "job", mechanism)
 
     @classmethod
-    def for_pool(cls, credential: str) -> ServerSecurity:
+    def for_pool(cls, credential: str, mechanism: str = "token") -> ServerSecurity:
         """A pool server: any client holding the pool credential gets in; jobs are kept apart by JobGuard."""
-        return cls(credential, None, "pool")
+        return cls(credential, None, "pool", mechanism)
+
+    def admit(self, mechanism: bytes, credentials: list[bytes]) -> bytes | None:
+        """The identity (ZAP user id) of a client that proved itself with credentials, else None."""
+        if mechanism == b"PLAIN" and self.mechanism == "token" and len(credentials) == 2:
+            identity, proof = credentials
+            if not hmac.compare_digest(proof, token(self._secret, identity)):
+                return None
+        elif mechanism == b"CURVE" and self.mechanism == "curve" and len(credentials) == 1:
+            # libzmq completed the handshake: the client knows the server key, which derives from the secret
+            identity = z85.encode(credentials[0]) if len(credentials[0]) == 32 else b""
+        else:
+            return None
+        return identity if identity and (self.allowed is None or identity in self.allowed) else None
 
     def apply(self, ctx: zmq.Context, router: zmq.Socket) -> ZapHandler:
-        """Start the ZAP handler on ctx and make router a CURVE server; call before router binds."""
-        zap = ZapHandler(ctx, self.allowed)
+        """Start the ZAP handler on ctx and set router's mechanism; call before router binds."""
+        zap = ZapHandler(ctx, self)
         zap.start()
-        router.setsockopt(zmq.CURVE_SERVER, 1)
-        router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
+        if self.mechanism == "curve":
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
+        else:
+            router.setsockopt(zmq.PLAIN_SERVER, 1)
         router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         return zap
 

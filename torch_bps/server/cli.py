@@ -63,10 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     auth = p.add_argument_group("authentication (see torch_bps/server/auth.py)")
     auth.add_argument(
         "--auth",
-        choices=("curve", "off"),
-        default=os.environ.get("BPS_AUTH", "curve"),
-        help="curve: only workers holding the pool credential get in, every connection encrypted; off: anyone "
-        "who reaches the port, in clear (a trusted network only). Env BPS_AUTH (default %(default)s)",
+        choices=("token", "curve", "off"),
+        default=os.environ.get("BPS_AUTH", "token"),
+        help="token: only workers that prove they hold the pool credential get in, connections not encrypted; "
+        "curve: the same, every connection encrypted (networks you do not control); off: anyone who reaches "
+        "the port (a trusted network only). Env BPS_AUTH (default %(default)s)",
     )
     auth.add_argument(
         "--credential-file",
@@ -114,7 +115,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
     if args.auth == "off":
         return None
     if job_secret:
-        return ServerSecurity.for_job(job_secret)
+        return ServerSecurity.for_job(job_secret, args.auth)
     if args.credential_file:
         with open(args.credential_file) as f:
             credential = f.read().strip()
@@ -128,7 +129,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
             "the pool credential the jobs also get (`python -m torch_bps.security` prints a new one), or --auth off "
             "on a trusted network"
         )
-    return ServerSecurity.for_pool(credential)
+    return ServerSecurity.for_pool(credential, args.auth)
 
 
 def _option(group, flag: str, env: str, kind, default, text: str) -> None:
