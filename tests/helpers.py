@@ -39,7 +39,8 @@ class ServerProcess:
         extra_args: tuple[str, ...] = (),
         auth: bool = True,
     ):
-        """auth: require BPS_POOL_CREDENTIAL (conftest sets one for the session) with CURVE; False: --auth off."""
+        """auth: require BPS_POOL_CREDENTIAL (conftest sets one for the session) with BPS_AUTH's mechanism;
+        False: --auth off."""
         self.extra_args = tuple(extra_args)
         self.credential = os.environ.get("BPS_POOL_CREDENTIAL", "") if auth else ""
         self.port = port

@@ -70,7 +70,7 @@ class Runtime:
         self._client = client
         self._local = local
         self._server_proc = server_proc
-        self._secret = ""  # the job's secret, which its CURVE keys derive from; set by create()
+        self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._closed = False
         self._close_lock = threading.Lock()
@@ -244,7 +244,7 @@ def _agree_job_id(ns: dist.Store, rank: int, timeout: float) -> int:
 
 
 def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
-    """The job's secret, drawn by rank 0: every worker's CURVE key and its embedded servers' derive from it."""
+    """The job's secret, drawn by rank 0: every worker's credentials and its embedded servers' derive from it."""
     if rank == 0:
         ns.set("secret", new_secret())
     _wait(ns, ["secret"], timeout, "the job's secret from rank 0")

@@ -13,9 +13,9 @@ thread wake-ups, an inproc message) costs more CPU than the addition, and thread
 busy machine is short of.
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
-peers that pass CURVE and the ZAP handler, and auth.JobGuard refuses a job's requests to any identity but
-the one that said its first HELLO; limits.py bounds frame sizes and charges every new job and key against
-the job's quota and the server's bound.
+peers that pass the mechanism (token or CURVE) and the ZAP handler, and auth.JobGuard refuses a job's
+requests to any identity but the one that said its first HELLO; limits.py bounds frame sizes and charges
+every new job and key against the job's quota and the server's bound.
 
 May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
 """
