@@ -16,8 +16,8 @@ struct LinkKeys {
   std::string secretKey;  // this client's CURVE secret key
   std::string serverKey;  // CURVE: the server's public key; the handshake fails unless the server holds its secret
   std::string token;      // token: the PLAIN password the server accepts for publicKey
-  bool token_auth() const { return !token.empty(); }
-  bool curve() const { return token.empty() && !serverKey.empty(); }
+  bool usesToken() const { return !token.empty(); }
+  bool usesCurve() const { return token.empty() && !serverKey.empty(); }
 };
 
 // A client's credentials for all of its servers: one identity, and per server a token or a CURVE key.

@@ -31,9 +31,9 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
   setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, static_cast<int>(heartbeatTimeout * 1000));
   // Before connecting: the handshake of the very first connection must already use the mechanism.
   std::vector<std::pair<int, const std::string*>> options;
-  if (keys.token_auth()) {
+  if (keys.usesToken()) {
     options = {{ZMQ_PLAIN_USERNAME, &keys.publicKey}, {ZMQ_PLAIN_PASSWORD, &keys.token}};
-  } else if (keys.curve()) {
+  } else if (keys.usesCurve()) {
     options = {{ZMQ_CURVE_SERVERKEY, &keys.serverKey},
                {ZMQ_CURVE_PUBLICKEY, &keys.publicKey},
                {ZMQ_CURVE_SECRETKEY, &keys.secretKey}};
