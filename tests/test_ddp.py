@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.helpers import run_ranks
-from torch_bps.process_group import ProcessGroupBPS
+from torch_bps.process_group import BackendBPS, implementation
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 STEPS = 4
@@ -81,7 +81,7 @@ def _train_pair(rank, world, gloo, bps_group, ddp_kwargs, with_unused, hooks=Non
 
 def _ddp_configs(rank, world, gloo):
     bps = dist.group.WORLD
-    assert isinstance(bps, ProcessGroupBPS)
+    assert isinstance(implementation(bps), BackendBPS)
     return {name: _train_pair(rank, world, gloo, bps, kw, with_unused=name == "unused_parameters")
             for name, kw in CONFIGS.items()}  # fmt: skip
 
