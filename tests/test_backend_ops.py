@@ -50,6 +50,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a, b, what):
+    """`a` (ours) holds `b`'s bits; our bools are bytes 0 or 1 only (a byte of 2 is no bool)."""
+    if a.dtype == torch.bool:
+        assert a.detach().contiguous().view(torch.uint8).max() <= 1, f"{what}: bool bytes {a.view(torch.uint8)}"
     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)), f"{what}: {a} != {b}"
 
 
