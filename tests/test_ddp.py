@@ -110,7 +110,7 @@ def _torch_hooks(rank, world, gloo):
     worst["powerSGD"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
     # Its callbacks block on nested all_reduces, so the client's completion pool had to grow (idle threads
     # leave after 10 s).
-    worst["completion_threads"] = bps.runtime._client._impl.completion_threads()
+    worst["completion_threads"] = implementation(bps).runtime._client._impl.completion_threads()
     # the bps_hook on a "byteps" group reuses the group's Runtime
     import torch_bps
 
