@@ -77,7 +77,7 @@ class BackendBPS:
         return self._group_name
 
     def set_timeout(self, seconds: float) -> None:
-        """The group's default timeout (torch's `_set_pg_timeout`); a collective's opts.timeout overrides it."""
+        """The group's default timeout (torch's `ProcessGroup.set_timeout`); a collective's opts.timeout wins."""
         self._timeout = seconds
         if self.p2p is not None:
             self.p2p.set_timeout(timedelta(seconds=seconds))
