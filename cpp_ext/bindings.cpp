@@ -16,6 +16,7 @@
 #include "client.h"
 #include "errors.h"
 #include "future_work.h"
+#include "py_backend.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -177,6 +178,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_work", &bps::makeWork,
         "A c10d Work over `future`: wait(timeout) rethrows its error, get_future() works from C++ too.",
         py::arg("future"), py::arg("timeout"), py::arg("what"));
+  m.def(
+      "make_backend",
+      [](py::object impl, int rank, int size) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<bps::PyBackend>(std::move(impl), rank, size);
+      },
+      "A c10d Backend (for ProcessGroup._register_backend) whose collectives are `impl`'s methods.",
+      py::arg("impl"), py::arg("rank"), py::arg("size"));
+  m.def(
+      "backend_impl",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
+        auto* ours = dynamic_cast<bps::PyBackend*>(backend.get());
+        return ours != nullptr ? ours->impl() : py::none();
+      },
+      "The Python object behind a Backend made by make_backend, else None.", py::arg("backend"));
   m.def("pack_header", &bps::packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
         py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
         py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,

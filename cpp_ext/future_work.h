@@ -35,6 +35,8 @@ class FutureWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // A per-call timeout (a collective's opts.timeout): set before the Work is handed out.
+  void setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
  private:
   // Signalled by a callback on the future: c10::ivalue::Future has no timed wait.

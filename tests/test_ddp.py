@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.helpers import run_ranks
-from torch_bps.process_group import ProcessGroupBPS
+from torch_bps.process_group import BackendBPS, implementation
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 STEPS = 4
@@ -81,7 +81,7 @@ def _train_pair(rank, world, gloo, bps_group, ddp_kwargs, with_unused, hooks=Non
 
 def _ddp_configs(rank, world, gloo):
     bps = dist.group.WORLD
-    assert isinstance(bps, ProcessGroupBPS)
+    assert isinstance(implementation(bps), BackendBPS)
     return {name: _train_pair(rank, world, gloo, bps, kw, with_unused=name == "unused_parameters")
             for name, kw in CONFIGS.items()}  # fmt: skip
 
@@ -110,7 +110,7 @@ def _torch_hooks(rank, world, gloo):
     worst["powerSGD"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
     # Its callbacks block on nested all_reduces, so the client's completion pool had to grow (idle threads
     # leave after 10 s).
-    worst["completion_threads"] = bps.runtime._client._impl.completion_threads()
+    worst["completion_threads"] = implementation(bps).runtime._client._impl.completion_threads()
     # the bps_hook on a "byteps" group reuses the group's Runtime
     import torch_bps
 

@@ -19,7 +19,7 @@ def _parse_servers(value: str) -> tuple[str, ...]:
     for s in servers:
         host, _, port = s.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"BPS_SERVERS entry {s!r} is not host:port")
+            raise ConfigError(f"{s!r} is not host:port (BPS_SERVERS, BPS_REGISTRY)")
     return servers
 
 
@@ -48,6 +48,10 @@ class Config:
     # Dedicated servers may instead register themselves in the job's store (`bps-server --register`):
     # workers then wait for this many registrations.
     num_servers: int = field(default=0, metadata={"env": "BPS_NUM_SERVERS", "parse": int})
+    # Where those registrations are: "host:port" of a TCPStore both the workers and `bps-server --register`
+    # reach. Empty: the job's own store (MASTER_ADDR:MASTER_PORT), which a server can only find under a
+    # static rendezvous; under torchrun's c10d rendezvous give the rendezvous endpoint to both sides.
+    registry: str = field(default="", metadata={"env": "BPS_REGISTRY", "parse": str})
     # "optimal" (the paper's split between dedicated and colocated servers), "dedicated" or "colocated".
     placement: str = field(default="optimal", metadata={"env": "BPS_PLACEMENT", "parse": str})
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
@@ -117,5 +121,7 @@ class Config:
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         if self.auth not in ("token", "curve", "off"):
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
+        if self.registry:
+            _parse_servers(self.registry)  # host:port, named in the error
         if self.num_servers < 0 or self.server_engine_threads < 1:
             raise ConfigError(f"num_servers={self.num_servers}, server_engine_threads={self.server_engine_threads}")

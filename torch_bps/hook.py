@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch_bps.config import Config
 from torch_bps.pg.staging import Staged
 from torch_bps.pg.work import Transfer, launch
-from torch_bps.process_group import ProcessGroupBPS
+from torch_bps.process_group import implementation
 
 
 class _SharedRuntime:
@@ -79,8 +79,8 @@ class BpsHookState:
     def _connect(self):
         default = dist.distributed_c10d._get_default_group()
         pg = self.process_group if self.process_group is not None else default
-        if isinstance(pg, ProcessGroupBPS):
-            return pg.runtime
+        if (impl := implementation(pg)) is not None:
+            return impl.runtime
         name = self.name or ("hook" if pg is default else f"hook-{pg.group_name}")
         with _SHARED_LOCK:
             conn = _SHARED.get(name)

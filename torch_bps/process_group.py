@@ -1,12 +1,16 @@
-"""The "byteps" torch.distributed backend: every collective is a sum on the summation servers.
+"""The "byteps" torch.distributed backend: collectives are sums on the summation servers.
 
-`import torch_bps` registers it; then `dist.init_process_group("byteps")`, and `dist.new_group(ranks)` for
-subgroups. Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
+`import torch_bps` registers it for cpu and cuda; then `dist.init_process_group("byteps")`, and
+`dist.new_group(ranks)` for subgroups. torch makes its own ProcessGroup and registers, for both devices,
+the C++ Backend `torch_bps._C.make_backend` builds around a `BackendBPS` (cpp_ext/py_backend.h): so
+`group._device_types`, DCP and FSDP2's default-device lookups and the dispatcher's c10d ops all find it.
+Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 
 | collective | as a sum |
 | --- | --- |
 | all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first) |
 | all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
+| all_reduce of bools | int32 counts of True, summed (gloo's or / and / xor) |
 | broadcast | the root's data; the other ranks add -0.0 (x + -0.0 == x bit for bit) |
 | all_gather, all_gather_single, gather | each rank fills its slot of a (world * n) buffer, -0.0 elsewhere |
 | reduce_scatter, reduce_scatter_single | the whole input summed; each rank keeps its slice (world x ideal traffic) |
@@ -14,17 +18,14 @@ subgroups. Each collective becomes one or more `Runtime.push_pull`s of flat CPU 
 | reduce | an all-reduce; only the root's tensor is written |
 | barrier | a 1-element sum |
 
-Point-to-point and all-to-all are refused with an error naming the op (a summation service has no cheap
-way to do them): use a gloo group for those. Collectives are launched under a per-group lock, so one
-collective's push_pulls stay contiguous even when several threads use the group (DDP's autograd thread and
-a comm hook's callbacks); ranks must still call collectives in the same order, as with any backend.
+Point-to-point (send, recv, recv_anysource, and so batch_isend_irecv), all-to-all and monitored_barrier
+go worker to worker through an internal gloo group on the same store (torch_bps/pg/p2p.py). Collectives
+are launched under a per-group lock, so one collective's push_pulls stay contiguous even when several
+threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must still call
+collectives in the same order, as with any backend.
 
-Subgroups go through torch's own per-group creator path (this class deliberately has no `new_group`
-method: torch 2.13 would then route every `dist.new_group` to it, losing its `backend=` argument, so
-`new_group(backend="gloo")` under a "byteps" default group would silently become a byteps group).
-
-May import: torch, torch_bps.config, torch_bps.errors, torch_bps.pg; torch_bps.runtime only when a group is
-created (it loads the C++ client, which `import torch_bps` must not).
+May import: torch, torch_bps.config, torch_bps.errors, torch_bps.pg; torch_bps.runtime and torch_bps._C only
+when a group is created (they load the C++ client, which `import torch_bps` must not).
 """
 
 from __future__ import annotations
@@ -39,27 +40,35 @@ import torch.distributed as dist
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 from torch_bps.pg import staging
+from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import BACKEND, Staged, check_tensor, copy_into, cpu_flat, fill_except, neutral, real
 from torch_bps.pg.work import Transfer, launch
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
 
-class ProcessGroupBPS(dist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on a torch_bps Runtime. Created by torch, not by hand."""
+class BackendBPS:
+    """One "byteps" group's collectives, on a torch_bps Runtime (and point-to-point on `p2p`, a GlooSide).
 
-    def __init__(self, runtime, rank: int, size: int, timeout: timedelta = _DEFAULT_TIMEOUT):
-        super().__init__(rank, size)
+    Created by torch through `register_backend`'s creator, not by hand; `implementation(group)` finds it.
+    Its methods carry the names and arguments of torch's ProcessGroup methods.
+    """
+
+    def __init__(self, runtime, rank: int, size: int, timeout: timedelta = _DEFAULT_TIMEOUT, p2p=None):
         self.runtime = runtime
+        self.p2p = p2p
+        self._rank, self._size = rank, size
         self._timeout = timeout.total_seconds()
         self._launch_lock = threading.Lock()
         self._launched = 0  # collectives launched so far: the priority of the next one
         self._group_name = ""
-        self._group_desc = ""
 
     # -- identity -------------------------------------------------------------------------------------------
-    def getBackendName(self) -> str:
-        return BACKEND
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -67,14 +76,14 @@ class ProcessGroupBPS(dist.ProcessGroup):
     def getGroupName(self) -> str:
         return self._group_name
 
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
+    def set_timeout(self, seconds: float) -> None:
+        """The group's default timeout (torch's `ProcessGroup.set_timeout`); a collective's opts.timeout wins."""
+        self._timeout = seconds
+        if self.p2p is not None:
+            self.p2p.set_timeout(timedelta(seconds=seconds))
 
     def __repr__(self) -> str:
-        return f"ProcessGroupBPS(name={self._group_name!r}, rank={self.rank()}, size={self.size()})"
+        return f"BackendBPS(name={self._group_name!r}, rank={self.rank()}, size={self.size()})"
 
     def shutdown(self) -> None:
         """Leave the summation job (torch calls this from destroy_process_group)."""
@@ -88,7 +97,7 @@ class ProcessGroupBPS(dist.ProcessGroup):
         t = self._single("allreduce", tensors)
         op = self._op("allreduce", opts, t)
         s = Staged("allreduce", t)
-        return self._launch("allreduce", [self._reduction(s.flat, op, s.write_back)], tensors, device=t.device)
+        return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""
@@ -96,12 +105,12 @@ class ProcessGroupBPS(dist.ProcessGroup):
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             self._op(name, opts, t)
-            by_dtype.setdefault(real(t).dtype, []).append(t)
+            by_dtype.setdefault(t.dtype, []).append(t)
         op = staging.op_name(opts.reduceOp) if opts is not None else "SUM"
         transfers = []
-        for group in by_dtype.values():
+        for dtype, group in by_dtype.items():
             flat = torch.cat([cpu_flat(t) for t in group])
-            transfers.append(self._reduction(flat, op, lambda g=group, f=flat: _scatter_back(g, f)))
+            transfers.append(self._reduce(dtype, flat, op, lambda g=group, f=flat: _scatter_back(g, f)))
         return self._launch(name, transfers, tensors, device=_device(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
@@ -109,9 +118,9 @@ class ProcessGroupBPS(dist.ProcessGroup):
         op = self._op("reduce", opts, t)
         if self.rank() == opts.rootRank:
             s = Staged("reduce", t)
-            transfer = self._reduction(s.flat, op, s.write_back)
+            transfer = self._reduce(t.dtype, s.flat, op, s.write_back)
         else:  # the sum is computed everywhere; only the root's tensor is written
-            transfer = self._reduction(cpu_flat(t), op, None)
+            transfer = self._reduce(t.dtype, cpu_flat(t), op, None)
         return self._launch("reduce", [transfer], tensors, device=t.device)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
@@ -153,7 +162,12 @@ class ProcessGroupBPS(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts=None) -> dist.Work:  # fmt: skip
-        plans = [t for outs, i in zip(output_lists, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
+        """output_lists[r][j] receives rank r's inputs[j] (torch's layout): one all_gather per input."""
+        if len(output_lists) != self.size() or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: expected world_size ({self.size()}) output lists of "
+                             f"{len(inputs)} tensors, one per input ('{BACKEND}' backend)")  # fmt: skip
+        per_input = [[outs[j] for outs in output_lists] for j in range(len(inputs))]
+        plans = [t for outs, i in zip(per_input, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
         return self._launch("all_gather_coalesced", plans, output_lists, device=_device(inputs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
@@ -197,25 +211,36 @@ class ProcessGroupBPS(dist.ProcessGroup):
     def barrier(self, opts=None) -> dist.Work:
         return self._launch("barrier", [Transfer(torch.zeros(1, dtype=torch.int32))], [])
 
-    # -- refused ----------------------------------------------------------------------------------------------
-    def send(self, tensors, dst, tag=0):
-        raise _refused("send")
+    # -- worker to worker, through the internal gloo group (pg/p2p.py) --------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        return self.p2p.send(tensors, dst, tag)
 
-    def recv(self, tensors, src, tag=0):
-        raise _refused("recv")
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self.p2p.recv(tensors, src, tag)
 
-    def recv_anysource(self, tensors, tag=0):
-        raise _refused("recv_anysource")
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return self.p2p.recv_anysource(tensors, tag)
 
-    def alltoall(self, outputs, inputs, opts=None):
-        raise _refused("all_to_all")
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        return self.p2p.alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        raise _refused("all_to_all_single")
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts=None) -> dist.Work:  # fmt: skip
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        return self.p2p.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
-    alltoall_base = all_to_all_single
+    def monitored_barrier(self, opts, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier: names the ranks that did not arrive within opts.timeout."""
+        self.p2p.monitored_barrier(opts, wait_all_ranks)
 
     # -- plans: the transfers of one collective ------------------------------------------------------------------
+    def _reduce(self, dtype: torch.dtype, flat: torch.Tensor, op: str, finish) -> Transfer:
+        """`_reduction`, but bools (their bytes in `flat`) go as one sum of int32 counts of True."""
+        if dtype != torch.bool:
+            return self._reduction(flat, op, finish)
+        counts, back = staging.logical_counts(flat, op, self.size())
+        return Transfer(counts, lambda: (back(), finish() if finish is not None else None))
+
     def _reduction(self, flat: torch.Tensor, op: str, finish) -> Transfer:
         """Reduce `flat` (1-D contiguous CPU) over the group with `op`, then run `finish` (may be None)."""
         if op in ("SUM", "AVG"):
@@ -333,12 +358,6 @@ def _device(tensors) -> torch.device | None:
     return tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else None
 
 
-def _refused(op: str) -> NotImplementedError:
-    return NotImplementedError(f"{op} is not offered by the '{BACKEND}' backend: it computes collectives as sums on "
-                               f"summation servers and has no point-to-point path; run {op} on a gloo group "
-                               f"(dist.new_group(backend='gloo'))")  # fmt: skip
-
-
 def _config(pg_options) -> Config:
     if pg_options is None:
         return Config.resolve()
@@ -347,14 +366,28 @@ def _config(pg_options) -> Config:
     raise ConfigError(f"pg_options for the '{BACKEND}' backend must be a torch_bps.Config, got {type(pg_options)}")
 
 
-def _create(opts, pg_options) -> ProcessGroupBPS:
-    """torch's creator (extended API): one Runtime per group; the default group's is named "default"."""
-    from torch_bps.runtime import Runtime  # loads the C++ client: only when a group is really created
+def _create(opts, pg_options):
+    """torch's creator (extended API): one Runtime and one internal gloo group per group (the default group's
+    Runtime is named "default"); returns the C++ Backend torch registers for cpu and cuda."""
+    from torch_bps import _C  # loads the C++ client: only when a group is really created
+    from torch_bps.runtime import Runtime
 
     is_default = len(opts.global_ranks_in_group) == 0  # torch passes no ranks for the default group
     name = "default" if is_default else f"group-{opts.group_id}"
     runtime = Runtime.create(opts.store, opts.group_rank, opts.group_size, name=name, config=_config(pg_options))
-    return ProcessGroupBPS(runtime, opts.group_rank, opts.group_size, timeout=opts.timeout)
+    p2p = GlooSide(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    impl = BackendBPS(runtime, opts.group_rank, opts.group_size, timeout=opts.timeout, p2p=p2p)
+    return _C.make_backend(impl, opts.group_rank, opts.group_size)
+
+
+def implementation(group: dist.ProcessGroup | None = None) -> BackendBPS | None:
+    """The BackendBPS behind a "byteps" group (None: the default group), or None for any other group."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if group in (None, dist.GroupMember.NON_GROUP_MEMBER) or dist.get_backend(group) != BACKEND:
+        return None
+    from torch_bps import _C
+
+    return _C.backend_impl(group._get_backend(torch.device("cpu")))
 
 
 def register_backend() -> None:

@@ -1,6 +1,8 @@
-"""Dedicated servers announce themselves in a job's c10d store; workers read the list back.
+"""Dedicated servers announce themselves in a store; workers read the list back.
 
-The store is the raw TCPStore (torchrun's MASTER_ADDR:MASTER_PORT); keys live under "torch_bps/servers/".
+The store is the job's raw TCPStore (torchrun's MASTER_ADDR:MASTER_PORT) or, when the servers cannot know
+that address (torchrun's c10d rendezvous puts it on a random port), any TCPStore both sides reach
+(`BPS_REGISTRY`, e.g. the rendezvous endpoint). Keys live under "torch_bps/servers/".
 May import: the standard library and torch.distributed only (the server uses it too).
 """
 
@@ -13,6 +15,17 @@ import torch.distributed as dist
 _PREFIX = "torch_bps/servers/"
 
 
+def connect(address: str, timeout: float) -> dist.TCPStore:
+    """A client of the TCPStore at "host:port"; waits up to timeout seconds for it to listen."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as e:
+        raise TimeoutError(f"no TCPStore answered at {address} within {timeout}s: {e}") from e
+
+
 def register_server(store: dist.Store, address: str) -> int:
     """Append a dedicated server's "host:port" to the store; return its index."""
     index = store.add(_PREFIX + "count", 1) - 1
@@ -20,15 +33,21 @@ def register_server(store: dist.Store, address: str) -> int:
     return index
 
 
-def registered_servers(store: dist.Store, count: int, timeout: float) -> list[str]:
-    """Wait (up to timeout seconds) until `count` servers registered; return their addresses in index order."""
+def registered_servers(store: dist.Store, count: int, timeout: float, where: str = "") -> list[str]:
+    """Wait (up to timeout seconds) until `count` servers registered; return their addresses in index order.
+    `where`: the registry's address, for the error ("": the job's store)."""
     keys = [f"{_PREFIX}{i}" for i in range(count)]
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:
         have = store.add(_PREFIX + "count", 0)
+        store_name = f"the registry at {where} (BPS_REGISTRY)" if where else "the job's store (MASTER_ADDR:MASTER_PORT)"
+        hint = "" if where else (
+            "; under torchrun's c10d rendezvous the servers cannot know that store's port: set BPS_REGISTRY on the "
+            "workers to an address both sides reach (the rendezvous endpoint) and register the servers there"
+        )  # fmt: skip
         raise TimeoutError(
-            f"waited {timeout}s for {count} dedicated servers to register in the job store (bps-server --register); "
-            f"{have} did"
+            f"waited {timeout}s for {count} dedicated servers to register in {store_name} (bps-server --register); "
+            f"{have} did{hint}"
         ) from e
     return [store.get(k).decode() for k in keys]

@@ -35,7 +35,7 @@ from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
-from torch_bps.registry import registered_servers
+from torch_bps.registry import connect, registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
 from torch_bps.topology import Topology
 
@@ -108,7 +108,8 @@ class Runtime:
             secret = _agree_secret(ns, rank, timeout)
             dedicated = list(config.servers)
             if config.num_servers:
-                dedicated += registered_servers(raw_store(store), config.num_servers, timeout)
+                registry = connect(config.registry, timeout) if config.registry else raw_store(store)
+                dedicated += registered_servers(registry, config.num_servers, timeout, where=config.registry)
             colocated = []
             needs_colocated = config.placement == "colocated" or (
                 config.placement == "optimal" and len(dedicated) < topology.num_nodes

@@ -3,8 +3,8 @@
 - `staging`: the caller's tensors seen as the flat CPU buffers a Runtime sums, and the sums copied back;
   dtype and layout checks with errors that name the op and the backend.
 - `work`: `launch` (sum a collective's buffers, finish, complete) and the C++ Work handed to torch.
+- `p2p`: point-to-point, all-to-all and monitored barriers on an internal gloo group.
 
-May import: torch, torch_bps.wire (the dtype table), torch_bps.errors; torch_bps._C only inside `launch`.
-Never torch_bps.runtime: a Runtime is
-passed in, so this package loads without the C++ client.
+May import: torch, torch_bps.wire (the dtype table), torch_bps.errors, torch_bps.futures; torch_bps._C only
+inside functions. Never torch_bps.runtime: a Runtime is passed in, so this package loads without the C++ client.
 """

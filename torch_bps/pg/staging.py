@@ -12,6 +12,8 @@ May import: torch, torch_bps.wire (the protocol's dtype table), torch_bps.pg.dev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -21,6 +23,7 @@ from torch_bps.wire import DTYPES
 BACKEND = "byteps"
 SUPPORTED_DTYPES = frozenset(DTYPES.values())
 _REAL_OF_COMPLEX = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+_CARRIED_AS = {**_REAL_OF_COMPLEX, torch.bool: torch.uint8}  # bools travel as their bytes (0 or 1)
 _SUM_OPS = ("SUM", "AVG")
 _GATHERED_OPS = ("MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR")  # served by an all-gather and a local reduce
 
@@ -51,15 +54,17 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__} ('{BACKEND}' backend)")
     if t.layout != torch.strided:
         raise ValueError(f"{name}: {t.layout} tensors are not supported by the '{BACKEND}' backend (dense only)")
-    if _REAL_OF_COMPLEX.get(t.dtype, t.dtype) not in SUPPORTED_DTYPES:
+    if _CARRIED_AS.get(t.dtype, t.dtype) not in SUPPORTED_DTYPES:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
         raise TypeError(f"{name}: dtype {t.dtype} is not supported by the '{BACKEND}' backend "
-                        f"(supported: {names}, and complex types as pairs of their real type)")  # fmt: skip
+                        f"(supported: {names}, bool, and complex types as pairs of their real type)")  # fmt: skip
 
 
 def real(t: torch.Tensor) -> torch.Tensor:
-    """`t` detached, complex tensors seen as (..., 2) real views: what travels on the wire."""
+    """`t` detached, complex tensors seen as (..., 2) real views, bools as uint8: what travels on the wire."""
     t = t.detach()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
     return torch.view_as_real(t) if t.is_complex() else t
 
 
@@ -113,9 +118,30 @@ class Staged:
 
 
 def copy_into(dst: torch.Tensor, src_flat: torch.Tensor) -> None:
-    """Copy a flat slice of a sum into a caller's tensor (any device, any strides)."""
+    """Copy a flat slice of a sum into a caller's tensor (any device, any strides). A bool tensor gets
+    `sum != 0` (gloo's sum of bools is a logical or): a byte of 2 in a bool's storage is no bool."""
+    if dst.dtype == torch.bool:
+        dst.detach().copy_(src_flat.view(dst.shape) != 0)
+        return
     r = real(dst)
     r.copy_(src_flat.view(r.shape))
+
+
+def logical_counts(flat: torch.Tensor, op: str, world: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A reduction of bools (`flat`: their uint8 bytes) as one sum of int32 counts of True, exact at any world
+    size: returns the counts to sum and the function that writes the result back into `flat`, as gloo
+    computes it: SUM, MAX, BOR -> any; MIN, PRODUCT, BAND -> all; BXOR -> an odd count."""
+    counts = flat.to(torch.int32)
+
+    def back() -> None:
+        if op in ("MIN", "PRODUCT", "BAND"):
+            flat.copy_(counts == world)
+        elif op == "BXOR":
+            flat.copy_(counts % 2 == 1)
+        else:
+            flat.copy_(counts != 0)
+
+    return counts, back
 
 
 def reduce_gathered(rows: torch.Tensor, op: str) -> torch.Tensor:

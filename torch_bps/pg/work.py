@@ -65,3 +65,10 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
 
     runtime.run([t.buffer for t in transfers if t.buffer.numel() > 0], done, priority=priority)
     return _C.make_work(future, timeout, f"{op} {where}")
+
+
+def make_work(future: torch.futures.Future, timeout: float, what: str) -> dist.Work:
+    """The C++ Work over `future` that torch gets: wait() rethrows its error and honours `timeout` (seconds)."""
+    from torch_bps import _C
+
+    return _C.make_work(future, timeout, what)

@@ -46,8 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--register",
         metavar="HOST:PORT",
         default=os.environ.get("BPS_REGISTER"),
-        help="register this server in a job's c10d store (torchrun's MASTER_ADDR:MASTER_PORT); workers with "
-        "BPS_NUM_SERVERS=k wait for k registrations",
+        help="register this server in the TCPStore at HOST:PORT, where workers with BPS_NUM_SERVERS=k wait for k "
+        "registrations: the workers' BPS_REGISTRY (under torchrun's c10d rendezvous: its --rdzv-endpoint), or their "
+        "MASTER_ADDR:MASTER_PORT under a static rendezvous. Waits for that store to listen; env BPS_REGISTER",
     )
     p.add_argument(
         "--advertise",
@@ -191,13 +192,7 @@ def _keep_freed_memory() -> None:
 
 
 def register(store_address: str, my_address: str, timeout: float = 300.0) -> None:
-    """Append my_address to the job store's list of dedicated servers (see torch_bps.runtime)."""
-    from datetime import timedelta
+    """Append my_address to the list of dedicated servers in the store at store_address (see torch_bps.registry)."""
+    from torch_bps.registry import connect, register_server
 
-    import torch.distributed as dist
-
-    from torch_bps.registry import register_server
-
-    host, _, port = store_address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-    register_server(store, my_address)
+    register_server(connect(store_address, timeout), my_address)
