@@ -178,11 +178,11 @@ class PushPullEngine:
         if op.remaining == 0:
             self._network_done(op)
             return
-        ranks = self.worker_ranks
         for x, parts in zip(op.items, op.plans, strict=True):
             t = x.tensor
             # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
             base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
+            ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
             pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
             for part in parts:
                 lo = base + part.start
