@@ -1,7 +1,8 @@
 """The summation server: a ZeroMQ ROUTER front thread and engine threads that own disjoint keys.
 
 The front thread receives every message, checks what can be checked from metadata alone (header,
-incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itself. PUSH and PULL of a
+incarnation, job, key declaration, sizes and byte ranges: keys.py) and answers HELLO, INIT and STATS itself.
+A key sums its rounds (SUM) or gathers them, copying each push's bytes into place (COPY: rounds.py). PUSH and PULL of a
 big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
 key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
 releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
