@@ -128,8 +128,9 @@ class PyClient {
 
 py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
                        uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
-                       uint64_t nbytes, uint32_t waitMs) {
-  Header h{command, status, dtype, worker, numWorkers, waitMs, incarnation, jobId, key, round, requestId, nbytes};
+                       uint64_t nbytes, uint32_t waitMs, uint32_t mode, uint64_t offset, uint64_t length) {
+  Header h{command, status, dtype, worker, numWorkers, waitMs, mode,   incarnation,
+           jobId,   key,    round, requestId, nbytes,  offset, length};
   uint8_t out[kHeaderSize];
   packHeader(h, out);
   return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
@@ -145,12 +146,15 @@ py::dict unpackHeaderPy(py::bytes data) {
   d["worker"] = h.worker;
   d["num_workers"] = h.numWorkers;
   d["wait_ms"] = h.waitMs;
+  d["mode"] = h.mode;
   d["incarnation"] = h.incarnation;
   d["job_id"] = h.jobId;
   d["key"] = h.key;
   d["round"] = h.round;
   d["request_id"] = h.requestId;
   d["nbytes"] = h.nbytes;
+  d["offset"] = h.offset;
+  d["length"] = h.length;
   return d;
 }
 
@@ -195,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pack_header", &bps::packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
         py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
         py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
-        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0);
+        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0,
+        py::arg("mode") = 0, py::arg("offset") = 0, py::arg("length") = 0);
   m.def("unpack_header", &bps::unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
         py::arg("data"));
 
@@ -229,13 +234,15 @@ PYBIND11_MODULE(_C, m) {
           "push_pull",
           // detach(): the client holds its own TensorImpls, never the ones owned by Python objects, so
           // dropping them (on ZeroMQ's thread, for a sent payload) never needs the GIL.
-          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, const at::Tensor& src,
-             const at::Tensor& dst, uint64_t pushedToken) {
-            c.get().pushPull(token, server, key, dtype, src.detach(), dst.detach(), pushedToken);
+          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, uint32_t mode,
+             uint64_t keyBytes, const at::Tensor& src, uint64_t pushOffset, const at::Tensor& dst, uint64_t pullOffset,
+             uint64_t pushedToken) {
+            c.get().pushPull(token, server, key, dtype, static_cast<bps::Mode>(mode), keyBytes, src.detach(),
+                             pushOffset, dst.detach(), pullOffset, pushedToken);
           },
-          py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("src"), py::arg("dst"),
-          py::arg("pushed_token") = 0,
-          release())
+          py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("mode"),
+          py::arg("key_bytes"), py::arg("src"), py::arg("push_offset"), py::arg("dst"), py::arg("pull_offset"),
+          py::arg("pushed_token") = 0, release())
       .def(
           "stats",
           [](PyClient& c, uint64_t token, size_t server, const at::Tensor& dst) {

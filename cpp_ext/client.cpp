@@ -144,14 +144,25 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
   return incarnations_;
 }
 
-void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst,
+void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
+                      at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset,
                       uint64_t pushedToken) {
   if (server >= links_.size()) {
     throw Error(ErrorKind::kValue, formatText("server index %zu is out of range: %zu servers", server, links_.size()));
   }
-  if (src.nbytes() != dst.nbytes() || !src.is_contiguous() || !dst.is_contiguous() || !src.is_cpu() ||
-      !dst.is_cpu()) {
-    throw Error(ErrorKind::kValue, "push_pull needs contiguous CPU tensors of equal size");
+  if (!src.is_contiguous() || !dst.is_contiguous() || !src.is_cpu() || !dst.is_cpu()) {
+    throw Error(ErrorKind::kValue, "push_pull needs contiguous CPU tensors");
+  }
+  // The server refuses these too; refusing here names the caller's mistake before anything is sent.
+  bool fits = pushOffset <= keyBytes && src.nbytes() <= keyBytes - pushOffset && pullOffset <= keyBytes &&
+              dst.nbytes() <= keyBytes - pullOffset;
+  if (!fits || (mode == kModeSum && (pushOffset != 0 || src.nbytes() != keyBytes)) ||
+      (mode != kModeSum && mode != kModeCopy)) {
+    throw Error(ErrorKind::kValue,
+                formatText("push_pull of key %" PRIu64 " (%" PRIu64 " bytes, mode %u): push of %zu bytes at %" PRIu64
+                           ", pull of %zu bytes at %" PRIu64 " do not fit (a SUM key takes whole-key pushes)",
+                           key, keyBytes, static_cast<unsigned>(mode), src.nbytes(), pushOffset, dst.nbytes(),
+                           pullOffset));
   }
   auto op = std::make_shared<Op>();
   op->kind = kPush;
@@ -160,9 +171,12 @@ void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtyp
   op->server = server;
   op->key = key;
   op->dtype = dtype;
-  op->nbytes = src.nbytes();
+  op->mode = mode;
+  op->nbytes = keyBytes;
   op->src = std::move(src);
   op->dst = std::move(dst);
+  op->pushOffset = pushOffset;
+  op->pullOffset = pullOffset;
   op->timeout = timeout_;
   submit(std::move(op));
 }

@@ -60,11 +60,13 @@ class Client {
   // Error(kServer) if a server refuses, Error(kTimeout) naming every silent server.
   std::vector<uint64_t> hello(double timeoutSeconds);
 
-  // Sum `src` over all workers into `dst` (same nbytes, both contiguous CPU; may be the same tensor).
+  // One round of `key` (keyBytes long, `mode`): push `src` at byte `pushOffset` of the key, then pull the
+  // round's bytes [pullOffset, pullOffset + dst.nbytes()) into `dst` (both contiguous CPU, either may be empty,
+  // may share memory). A SUM key takes whole-key pushes only; a COPY key's pushes of all workers tile it.
   // pushedToken (if not 0) completes once, when the server acknowledged the PUSH (or the op ended first):
   // the push's bytes have left this worker, which is what a sender's flow control waits for.
-  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, at::Tensor src, at::Tensor dst,
-                uint64_t pushedToken = 0);
+  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
+                at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset, uint64_t pushedToken = 0);
 
   // Read the server's counters into `dst` (kStatsCounters little-endian u64, i.e. an int64 tensor).
   void stats(uint64_t token, size_t server, at::Tensor dst);
@@ -90,9 +92,12 @@ class Client {
     uint64_t key = 0;
     uint64_t round = 0;
     uint16_t dtype = 0;
-    uint64_t nbytes = 0;
-    at::Tensor src;
-    at::Tensor dst;
+    Mode mode = kModeSum;
+    uint64_t nbytes = 0;  // the key's size
+    at::Tensor src;  // pushed at pushOffset
+    at::Tensor dst;  // pulled from pullOffset
+    uint64_t pushOffset = 0;
+    uint64_t pullOffset = 0;
     Clock::duration timeout{};
     std::deque<uint64_t> requests;  // ids of wire requests still awaiting their reply, in send order
     bool holdsKey = false;  // this push_pull is its key's round in flight

@@ -112,6 +112,14 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
   h.round = op->round;
   h.requestId = nextRequestId_++;
   h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
+  h.mode = op->mode;
+  if (command == kPush) {
+    h.offset = op->pushOffset;
+    h.length = op->src.nbytes();
+  } else if (command == kPull) {
+    h.offset = op->pullOffset;
+    h.length = op->dst.nbytes();
+  }
   ServerLink& link = *links_[op->server];
   if (!link.send(h, command == kPush ? &op->src : nullptr)) {
     failOp(op, {ErrorKind::kTransport, 0,
@@ -169,7 +177,7 @@ void Client::onReply(size_t server, Message& message) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     incarnations_[server] = h.incarnation;
   } else if (command == kPull || command == kStats) {
-    size_t expected = command == kPull ? op->nbytes : kStatsCounters * sizeof(uint64_t);
+    size_t expected = command == kPull ? op->dst.nbytes() : kStatsCounters * sizeof(uint64_t);
     size_t got = message.frames == 2 ? message.payload.size() : 0;
     if (message.frames != 2 || got != expected) {
       failOp(op, {ErrorKind::kProtocol, kBadFrame,

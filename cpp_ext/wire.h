@@ -1,5 +1,5 @@
-// The 72-byte message header of docs/protocol.md, packed and unpacked byte for byte as
-// torch_bps/wire.py does (struct format "<IHHHHIII6Q"); tests/test_wire.py checks the two agree.
+// The 96-byte message header of docs/protocol.md, packed and unpacked byte for byte as
+// torch_bps/wire.py does (struct format "<IHHHHIIIII8Q"); tests/test_wire.py checks the two agree.
 //
 // Buffer lifetime: a payload sent zero-copy must stay untouched until ZeroMQ releases it; the client
 // keeps a tensor reference alive in the message's free function for exactly that.
@@ -18,12 +18,15 @@ namespace bps {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire is little-endian; add byte swaps here");
 
 constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
-constexpr uint16_t kVersion = 1;
-constexpr size_t kHeaderSize = 72;
+constexpr uint16_t kVersion = 2;
+constexpr size_t kHeaderSize = 96;
 constexpr uint16_t kReplyFlag = 0x80;
 constexpr size_t kStatsCounters = 7;  // pushes, pulls, bytes_in, bytes_out, bytes_summed, sum_ns, errors
 
 enum Command : uint16_t { kHello = 1, kInit = 2, kPush = 3, kPull = 4, kStats = 5 };
+
+// What a key's rounds do with pushes, fixed by its INIT: sum whole-key pushes, or copy byte ranges.
+enum Mode : uint32_t { kModeSum = 0, kModeCopy = 1 };
 
 enum Status : uint16_t {
   kOk = 0,
@@ -49,12 +52,15 @@ struct Header {
   uint32_t worker = 0;
   uint32_t numWorkers = 0;
   uint32_t waitMs = 0;  // PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
+  uint32_t mode = kModeSum;  // INIT/PUSH/PULL: the key's Mode
   uint64_t incarnation = 0;
   uint64_t jobId = 0;
   uint64_t key = 0;
   uint64_t round = 0;
   uint64_t requestId = 0;
-  uint64_t nbytes = 0;
+  uint64_t nbytes = 0;  // INIT/PUSH/PULL: the key's size in bytes
+  uint64_t offset = 0;  // PUSH: where the payload goes in the key; PULL: first byte wanted
+  uint64_t length = 0;  // PUSH: payload bytes; PULL: bytes wanted
 };
 
 namespace detail {
@@ -81,12 +87,16 @@ inline void packHeader(const Header& h, uint8_t* out) {
   store<uint32_t>(out, 12, h.worker);
   store<uint32_t>(out, 16, h.numWorkers);
   store<uint32_t>(out, 20, h.waitMs);
-  store<uint64_t>(out, 24, h.incarnation);
-  store<uint64_t>(out, 32, h.jobId);
-  store<uint64_t>(out, 40, h.key);
-  store<uint64_t>(out, 48, h.round);
-  store<uint64_t>(out, 56, h.requestId);
-  store<uint64_t>(out, 64, h.nbytes);
+  store<uint32_t>(out, 24, h.mode);
+  store<uint32_t>(out, 28, 0);  // reserved: keeps the u64 fields 8-byte aligned
+  store<uint64_t>(out, 32, h.incarnation);
+  store<uint64_t>(out, 40, h.jobId);
+  store<uint64_t>(out, 48, h.key);
+  store<uint64_t>(out, 56, h.round);
+  store<uint64_t>(out, 64, h.requestId);
+  store<uint64_t>(out, 72, h.nbytes);
+  store<uint64_t>(out, 80, h.offset);
+  store<uint64_t>(out, 88, h.length);
 }
 
 // Parse a header frame; throw Error(kProtocol, status) with the status a server would answer.
@@ -116,12 +126,15 @@ inline Header unpackHeader(const uint8_t* in, size_t size) {
   h.worker = load<uint32_t>(in, 12);
   h.numWorkers = load<uint32_t>(in, 16);
   h.waitMs = load<uint32_t>(in, 20);
-  h.incarnation = load<uint64_t>(in, 24);
-  h.jobId = load<uint64_t>(in, 32);
-  h.key = load<uint64_t>(in, 40);
-  h.round = load<uint64_t>(in, 48);
-  h.requestId = load<uint64_t>(in, 56);
-  h.nbytes = load<uint64_t>(in, 64);
+  h.mode = load<uint32_t>(in, 24);
+  h.incarnation = load<uint64_t>(in, 32);
+  h.jobId = load<uint64_t>(in, 40);
+  h.key = load<uint64_t>(in, 48);
+  h.round = load<uint64_t>(in, 56);
+  h.requestId = load<uint64_t>(in, 64);
+  h.nbytes = load<uint64_t>(in, 72);
+  h.offset = load<uint64_t>(in, 80);
+  h.length = load<uint64_t>(in, 88);
   return h;
 }
 

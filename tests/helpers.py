@@ -134,6 +134,11 @@ class RawPeer:
         base = dict(
             command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid
         )
+        # Unless told otherwise: a PUSH's length is its payload's, a PULL asks for the whole key.
+        if command == Command.PUSH and payload:
+            base["length"] = len(payload[0])
+        elif command == Command.PULL:
+            base["length"] = fields.get("nbytes", 0) - fields.get("offset", 0)
         try:
             self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
         except zmq.Again:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.helpers import RawPeer, ServerProcess, rss_bytes
 from torch_bps.client import Client
 from torch_bps.security import ClientKeys, new_secret
-from torch_bps.wire import MAGIC, VERSION, Command, Header
+from torch_bps.wire import MAGIC, VERSION, Command, Header, Mode
 
 MB = 1 << 20
 MAX_FRAME = 1 * MB
@@ -36,6 +36,7 @@ def plausible(draw, incarnation: int) -> list[bytes]:
     """A request that is nearly right: a real command and job, small keys and rounds, sizes off by a little."""
     command = draw(st.sampled_from([Command.HELLO, Command.INIT, Command.PUSH, Command.PUSH, Command.PULL]))
     nbytes = draw(st.sampled_from([16, 16, 4096, 4097, 0, MAX_FRAME + 8]))
+    sent = draw(st.sampled_from([nbytes, nbytes, max(nbytes - 1, 0), 0, 8])) if command == Command.PUSH else 0
     h = Header(
         command=command,
         dtype=draw(st.sampled_from([1, 1, 3, 7, 9])),
@@ -47,8 +48,12 @@ def plausible(draw, incarnation: int) -> list[bytes]:
         round=draw(st.integers(0, 3)),
         request_id=draw(st.integers(0, 100)),
         nbytes=nbytes,
+        # protocol 2: a key's mode, and the byte range a PUSH writes or a PULL reads (COPY: any, maybe overlapping)
+        mode=draw(st.sampled_from([Mode.SUM, Mode.COPY, Mode.COPY, 2])),
+        offset=draw(st.sampled_from([0, 0, 8, nbytes, max(nbytes - 4, 0), 2**64 - 1])),
+        length=draw(st.sampled_from([sent, sent, nbytes, 0, 8, 2**64 - 1])),
     )
-    payload = [b"\x01" * draw(st.sampled_from([nbytes, nbytes, nbytes - 1, 0]))] if command == Command.PUSH else []
+    payload = [b"\x01" * sent] if command == Command.PUSH else []
     return [h.pack(), *payload]
 
 
@@ -67,6 +72,9 @@ def broken(draw, incarnation: int) -> list[bytes]:
         key=draw(st.integers(0, (1 << 64) - 1)),
         round=draw(st.integers(0, (1 << 64) - 1)),
         nbytes=draw(st.sampled_from([MAX_FRAME, 8 * MB]) | st.integers(0, (1 << 64) - 1)),
+        mode=draw(st.integers(0, 3) | st.integers(0, (1 << 32) - 1)),
+        offset=draw(st.integers(0, (1 << 64) - 1)),
+        length=draw(st.integers(0, (1 << 64) - 1)),
     )
     data = h.pack()
     if kind == "random":
@@ -131,6 +139,12 @@ class Fuzzing:
                 futures = [c.push_pull(t.clone(), key) for c, t in zip(clients, ts, strict=True) for key in (0, 1)]
                 for f in futures:
                     assert torch.equal(f.wait(), ts[0] + ts[1])
+                # and gathers: each worker writes its half of key 2, both read the whole
+                outs = [torch.empty(40000, dtype=torch.float32) for _ in clients]
+                futures = [c.push_pull(t, 2, out=o, mode=Mode.COPY, key_numel=40000, offset=20000 * w)
+                           for w, (c, t, o) in enumerate(zip(clients, ts, outs, strict=True))]  # fmt: skip
+                for f in futures:
+                    assert torch.equal(f.wait(), torch.cat(ts))
         finally:
             for c in clients:
                 c.close()

@@ -18,7 +18,14 @@ ALLOWED = {
         "torch_bps.server",
         "torch_bps.security",
     },
-    "torch_bps/engine": {"torch_bps.errors", "torch_bps.engine", "torch_bps.config", "torch_bps.futures"},
+    # The wire format is the bottom layer: the engine names its key modes (SUM, COPY).
+    "torch_bps/engine": {
+        "torch_bps.errors",
+        "torch_bps.engine",
+        "torch_bps.config",
+        "torch_bps.futures",
+        "torch_bps.wire",
+    },
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
     "triton_kernels": {"triton_kernels"},
 }

@@ -20,9 +20,11 @@ from torch._C import _distributed_c10d as c10d
 
 import torch_bps
 from tests.helpers import exact_floats, run_ranks
+from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError
 from torch_bps.pg.work import Transfer, launch
 from torch_bps.process_group import BackendBPS
+from torch_bps.wire import Mode
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: every collective, byteps against gloo, in the same processes.
@@ -326,21 +328,28 @@ class _Hub:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._complete, daemon=True).start()
 
-    def push_pull(self, rank: int, index: int, tensor: torch.Tensor, fut: torch.futures.Future) -> None:
+    def push_pull(self, rank: int, index: int, x: Exchange, fut: torch.futures.Future) -> None:
         with self._lock:
             entries = self._rounds.setdefault(index, [])
-            entries.append((tensor, fut))
+            entries.append((rank, x, fut))
             if len(entries) < self.world:
                 return
             del self._rounds[index]
-        if len({t.numel() for t, _ in entries}) > 1:
-            for _, f in entries:
-                self._done.put((f, ServerError(8, f"key {index}: size mismatch {[t.numel() for t, _ in entries]}")))
+        if len({x.tensor.numel() for _, x, _ in entries}) > 1:
+            sizes = [x.tensor.numel() for _, x, _ in entries]
+            for _, _, f in entries:
+                self._done.put((f, ServerError(8, f"key {index}: size mismatch {sizes}")))
             return
-        total = functools.reduce(torch.add, [t.to(torch.float64) for t, _ in entries])  # keeps -0.0, like the server
-        for t, f in entries:
-            t.copy_(total)
-            self._done.put((f, t))
+        if x.mode == Mode.COPY:  # every rank's own range, copied (pulled ranges: a subset of everything)
+            total = torch.empty_like(x.tensor)
+            for r, y, _ in entries:
+                lo, hi = y.push[r]
+                total[lo:hi] = y.tensor[lo:hi]
+        else:  # keeps -0.0, like the server
+            total = functools.reduce(torch.add, [x.tensor.to(torch.float64) for _, x, _ in entries])
+        for _, x, f in entries:
+            x.tensor.copy_(total)
+            self._done.put((f, x.tensor))
 
     def _complete(self) -> None:
         while True:
@@ -366,11 +375,12 @@ class _FakeRuntime:
         """Like Runtime.run; `done` runs on a thread of its own, as the client's completion pool would give a
         callback that blocks (here every one does)."""
         futures = []
-        for tensor in tensors:
-            assert tensor.device.type == "cpu" and tensor.dim() == 1 and tensor.is_contiguous()
+        for item in tensors:
+            x = item if isinstance(item, Exchange) else Exchange(item)
+            assert x.tensor.device.type == "cpu" and x.tensor.dim() == 1 and x.tensor.is_contiguous()
             futures.append(torch.futures.Future())
             self.calls += 1
-            self.hub.push_pull(self.rank, self.calls, tensor, futures[-1])
+            self.hub.push_pull(self.rank, self.calls, x, futures[-1])
         if not futures:
             return done(None)
 

@@ -177,7 +177,7 @@ def test_two_machines_two_local_ranks_push_one_copy_per_machine():
     assert [o["payload"] for o in out.values()] == [payload] * 4
     for node in range(2):
         sent = out[2 * node]["sent"] + out[2 * node + 1]["sent"]
-        # Each machine sends its gradients once (its two local ranks one half each), plus 72-byte headers:
+        # Each machine sends its gradients once (its two local ranks one half each), plus 96-byte headers:
         # not the two copies a machine without local reduction would send.
         assert payload <= sent <= payload * 1.01, (node, sent, payload)
 

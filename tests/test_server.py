@@ -228,6 +228,9 @@ header_fields = st.fixed_dictionaries(
         "round": st.integers(0, 2**64 - 1),
         "request_id": st.integers(0, 2**64 - 1),
         "nbytes": st.integers(0, 2**64 - 1),
+        "mode": st.sampled_from([0, 1, 2]) | st.integers(0, 0xFFFFFFFF),
+        "offset": st.sampled_from([0, 1]) | st.integers(0, 2**64 - 1),
+        "length": st.sampled_from([0, 4]) | st.integers(0, 2**64 - 1),
     }
 )
 
@@ -237,7 +240,7 @@ header_fields = st.fixed_dictionaries(
     frames=frames_strategy,
     fields=header_fields,
     payload=st.lists(st.binary(max_size=64), max_size=2),
-    version=st.sampled_from([1, 1, 2]),
+    version=st.sampled_from([2, 2, 1, 3]),
 )
 def test_garbage_never_crashes_the_server(server, frames, fields, payload, version):
     """Random frames and random well-formed-but-wrong headers: every one is answered or dropped, never fatal."""
@@ -248,7 +251,9 @@ def test_garbage_never_crashes_the_server(server, frames, fields, payload, versi
             h, rest = peer.recv_any()
             assert h.status == Status.BAD_FRAME and h.command == REPLY and rest
         values = [MAGIC, version, *[fields[k] for k in ("command", "status", "dtype", "worker", "num_workers")], 0]
-        values += [fields[k] for k in ("incarnation", "job_id", "key", "round", "request_id", "nbytes")]
+        values += [fields["mode"], 0]
+        values += [fields[k] for k in ("incarnation", "job_id", "key", "round", "request_id", "nbytes", "offset")]
+        values += [fields["length"]]
         peer.send_frames([HEADER.pack(*values), *payload])
         h, rest = peer.recv_any()
         # Either a well-formed reply to that request, or a refusal.
@@ -265,8 +270,9 @@ def test_dtype_table_matches_protocol_doc():
     assert {c: str(d).removeprefix("torch.") for c, d in DTYPES.items()} == {
         1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int32", 6: "int64", 7: "uint8", 8: "int8",
     }  # fmt: skip
-    assert HEADER_SIZE == 72
-    h = Header(command=Command.PUSH, worker=3, job_id=9, key=5, round=2, request_id=11, nbytes=400)
+    assert HEADER_SIZE == 96
+    h = Header(command=Command.PUSH, worker=3, job_id=9, key=5, round=2, request_id=11, nbytes=400, mode=1, offset=8,
+               length=16)  # fmt: skip
     assert Header.unpack(h.pack()) == h
 
 

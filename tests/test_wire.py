@@ -24,12 +24,16 @@ headers = st.builds(
     dtype=u16,
     worker=u32,
     num_workers=u32,
+    wait_ms=u32,
+    mode=u32,
     incarnation=u64,
     job_id=u64,
     key=u64,
     round=u64,
     request_id=u64,
     nbytes=u64,
+    offset=u64,
+    length=u64,
 )
 
 
@@ -38,7 +42,17 @@ def as_dict(h: Header) -> dict[str, int]:
 
 
 def test_header_size_agrees():
-    assert _C.HEADER_SIZE == HEADER_SIZE == 72
+    assert _C.HEADER_SIZE == HEADER_SIZE == 96
+
+
+def test_version_2_layout_by_offset():
+    """The offsets docs/protocol.md gives, read from a packed header (both sides pack alike, tested below)."""
+    h = Header(command=3, dtype=7, worker=5, wait_ms=9, mode=1, key=11, round=12, nbytes=13, offset=14, length=15)
+    raw = h.pack()
+    assert struct.unpack_from("<IHH", raw, 0) == (MAGIC, 2, 3)
+    assert struct.unpack_from("<HIIIII", raw, 10) == (7, 5, 0, 9, 1, 0)
+    assert struct.unpack_from("<5Q", raw, 48) == (11, 12, 0, 13, 14)
+    assert struct.unpack_from("<Q", raw, 88) == (15,)
 
 
 @settings(max_examples=300, deadline=None)
@@ -55,10 +69,11 @@ def test_cpp_unpack_reads_python_pack(h):
 
 
 def test_reserved_field_is_written_zero_and_ignored_on_read():
-    raw = bytearray(_C.pack_header(command=3, key=7))
-    assert struct.unpack_from("<I", raw, 20) == (0,)
-    struct.pack_into("<I", raw, 20, 0xDEADBEEF)
-    assert _C.unpack_header(bytes(raw))["key"] == 7
+    raw = bytearray(_C.pack_header(command=3, key=7, mode=1))
+    assert struct.unpack_from("<I", raw, 28) == (0,)
+    struct.pack_into("<I", raw, 28, 0xDEADBEEF)
+    assert _C.unpack_header(bytes(raw)) == as_dict(Header(command=3, key=7, mode=1))
+    assert Header.unpack(bytes(raw)) == Header(command=3, key=7, mode=1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -80,8 +95,10 @@ def test_garbage_is_refused_like_python(data):
     [
         (b"", Status.BAD_FRAME, "0 bytes"),
         (b"\0" * 71, Status.BAD_FRAME, "71 bytes"),
-        (HEADER.pack(MAGIC ^ 1, VERSION, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), Status.BAD_FRAME, "magic"),
-        (HEADER.pack(MAGIC, VERSION + 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), Status.BAD_VERSION, "version 2"),
+        (b"\0" * 72, Status.BAD_FRAME, "72 bytes"),  # a version 1 header
+        (HEADER.pack(MAGIC ^ 1, VERSION, 1, *[0] * 15), Status.BAD_FRAME, "magic"),
+        (HEADER.pack(MAGIC, VERSION + 1, 1, *[0] * 15), Status.BAD_VERSION, "version 3"),
+        (HEADER.pack(MAGIC, 1, 1, *[0] * 15), Status.BAD_VERSION, "version 1, this side speaks 2"),
     ],
 )
 def test_bad_headers_raise_protocol_error(data, status, words):

@@ -31,7 +31,7 @@ from torch_bps import _C
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
-from torch_bps.wire import DTYPE_CODES, STATS_FIELDS
+from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode
 
 _U64 = 1 << 64
 
@@ -127,7 +127,7 @@ class Client:
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
-        self._keys: dict[int, tuple[int, torch.dtype, int]] = {}  # key -> (numel, dtype, server)
+        self._keys: dict[int, tuple[int, torch.dtype, int, Mode]] = {}  # key -> (numel, dtype, server, mode)
         self._pending = _Pending()
         keys = {}
         if auth is None:
@@ -176,17 +176,28 @@ class Client:
         pushed: torch.futures.Future | None = None,
         on_done: Callable[[BaseException | None], None] | None = None,
         on_pushed: Callable[[BaseException | None], None] | None = None,
+        mode: Mode = Mode.SUM,
+        key_numel: int | None = None,
+        offset: int = 0,
+        out_offset: int = 0,
     ) -> torch.futures.Future | None:
         """Sum `tensor` over all workers of the job; return a Future of `out` holding the sum.
 
         Each call is the key's next round. A round still in flight holds the next one back until its
         result arrived. `tensor` must stay unchanged until the future completes (it is sent zero-copy).
+        With `mode=Mode.COPY` nothing is summed: each worker writes `tensor` at element `offset` of the
+        key (the workers' pieces must tile it; a piece may be empty) and `out` receives the gathered bytes.
 
         Args:
             tensor: CPU, contiguous, a dtype of torch_bps.wire.DTYPE_CODES; same numel/dtype every call.
             key: the partition's key (u64); the same on every worker.
             server: index into `servers`; default `key % len(servers)`; fixed per key.
-            out: where the sum goes (contiguous, same numel and dtype); default `tensor`, in place.
+            out: where the result goes (contiguous, same dtype): elements [out_offset, out_offset + out.numel())
+                of the key's result; default `tensor`, in place (SUM), or the whole key (COPY: required).
+            mode: Mode.SUM (the default) or Mode.COPY; fixed per key.
+            key_numel: the key's size in elements; default tensor.numel() (SUM keys are pushed whole).
+            offset: COPY only: where `tensor` goes in the key, in elements.
+            out_offset: the first element of the result to pull into `out`.
             pushed: optional Future, completed (with None) once the server acknowledged the push, or when
                 the push_pull ends without that: for flow control of bytes leaving this worker.
             on_done, on_pushed: instead of the futures, callables run with None or the error on a completion
@@ -195,29 +206,37 @@ class Client:
         Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
         """
         _check_tensor(tensor, "tensor")
+        mode = Mode(mode)
+        key_numel = tensor.numel() if key_numel is None else key_numel
         if out is None:
+            if mode == Mode.COPY:
+                raise ValueError("push_pull with mode=Mode.COPY needs `out`, where the gathered key goes")
             out = tensor
         else:
             _check_tensor(out, "out")
-            if out.dtype != tensor.dtype or out.numel() != tensor.numel():
-                raise ValueError(
-                    f"out ({out.dtype}, {out.numel()} elements) differs from tensor "
-                    f"({tensor.dtype}, {tensor.numel()} elements)"
-                )
+            if out.dtype != tensor.dtype:
+                raise ValueError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
+        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() == key_numel)
+        fits = 0 <= offset <= offset + tensor.numel() <= key_numel and 0 <= out_offset <= out_offset + out.numel()
+        if not (whole and fits and out_offset + out.numel() <= key_numel):
+            raise ValueError(
+                f"push_pull of key {key} ({key_numel} elements, {mode.name}): tensor of {tensor.numel()} elements "
+                f"at {offset} and out of {out.numel()} at {out_offset} do not fit (a SUM key is pushed whole)"
+            )
         if not isinstance(key, int) or not 0 <= key < _U64:
             raise ValueError(f"key {key!r} is not a u64")
         if server is None:
             server = key % len(self._servers)
         elif not 0 <= server < len(self._servers):
             raise ValueError(f"server index {server} is out of range: {len(self._servers)} servers")
-        signature = (tensor.numel(), tensor.dtype, server)
+        signature = (key_numel, tensor.dtype, server, mode)
         with self._lock:
             known = self._keys.setdefault(key, signature)
         if known != signature:
             raise ValueError(
-                f"key {key} was first used with {known[0]} elements of {known[1]} on server {known[2]}, "
-                f"now {signature[0]} elements of {signature[1]} on server {signature[2]}: a key's size, dtype "
-                "and server never change"
+                f"key {key} was first used with {known[0]} elements of {known[1]} on server {known[2]} "
+                f"({known[3].name}), now {signature[0]} elements of {signature[1]} on server {signature[2]} "
+                f"({mode.name}): a key's size, dtype, server and mode never change"
             )
         future = None
         if on_done is None:
@@ -228,7 +247,9 @@ class Client:
         token = self._register(on_done)
         pushed_token = self._register(on_pushed) if on_pushed is not None else 0
         try:
-            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], tensor, out, pushed_token)
+            size = tensor.element_size()
+            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], int(mode), key_numel * size, tensor,
+                                 offset * size, out, out_offset * size, pushed_token)  # fmt: skip
         except BaseException:
             self._pending.callbacks.pop(token, None)
             self._pending.callbacks.pop(pushed_token, None)

@@ -11,9 +11,10 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 | all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first) |
 | all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
 | all_reduce of bools | int32 counts of True, summed (gloo's or / and / xor) |
-| broadcast | the root's data; the other ranks add -0.0 (x + -0.0 == x bit for bit) |
-| all_gather, all_gather_single, gather | each rank fills its slot of a (world * n) buffer, -0.0 elsewhere |
-| reduce_scatter, reduce_scatter_single | the whole input summed; each rank keeps its slice (world x ideal traffic) |
+| broadcast | bytes copied, not summed: the root pushes them, every other rank pulls them |
+| all_gather, all_gather_single | bytes copied: each rank pushes only its slot, pulls the whole buffer |
+| gather | each rank fills its slot of a (world * n) buffer, -0.0 elsewhere |
+| reduce_scatter, reduce_scatter_single | the whole input summed; each rank pulls only its own slice of the sum |
 | scatter | a broadcast of the root's concatenated list; each rank keeps its slice |
 | reduce | an all-reduce; only the root's tensor is written |
 | barrier | a 1-element sum |
@@ -30,6 +31,7 @@ when a group is created (they load the C++ client, which `import torch_bps` must
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -41,8 +43,20 @@ from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 from torch_bps.pg import staging
 from torch_bps.pg.p2p import GlooSide
-from torch_bps.pg.staging import BACKEND, Staged, check_tensor, copy_into, cpu_flat, fill_except, neutral, real
+from torch_bps.pg.staging import (
+    BACKEND,
+    Staged,
+    as_bytes,
+    check_movable,
+    check_tensor,
+    copy_into,
+    cpu_flat,
+    fill_except,
+    neutral,
+    real,
+)
 from torch_bps.pg.work import Transfer, launch
+from torch_bps.wire import Mode
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
@@ -140,21 +154,24 @@ class BackendBPS:
         inputs = self._single(name, input_lists, what="input list")
         self._check_world_list(name, inputs)
         for t in inputs:
-            self._op(name, opts, t)
+            op = self._op(name, opts, t)
+        slots = _slots([real(t).numel() for t in inputs])
         flat = torch.cat([cpu_flat(t) for t in inputs])
-        start = sum(real(t).numel() for t in inputs[: self.rank()])
-        mine = flat[start : start + real(out).numel()]
-        transfer = self._reduction(flat, staging.op_name(opts.reduceOp), lambda: copy_into(out, mine))
-        return self._launch(name, [transfer], outputs, device=out.device)
+        mine = flat[slice(*slots[self.rank()])]
+        transfer = self._reduction(flat, op, lambda: copy_into(out, mine))
+        return self._launch(name, [_pull_only(transfer, op, slots)], outputs, device=out.device)
 
-    # -- data movement --------------------------------------------------------------------------------------
+    # -- data movement: bytes copied, never summed (bit-exact for every pattern, any dtype) -------------------
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("broadcast", tensors)
         root = opts.rootRank if opts is not None else 0
-        s = Staged("broadcast", t, load=self.rank() == root)
-        if self.rank() != root:
-            s.flat.fill_(neutral(s.flat.dtype))
-        return self._launch("broadcast", [Transfer(s.flat, s.write_back)], tensors, device=t.device)
+        s = Staged("broadcast", t, load=self.rank() == root, movable=True)
+        buf = as_bytes(s.flat)
+        everything, nothing = (0, buf.numel()), (0, 0)
+        push = [everything if r == root else nothing for r in range(self.size())]
+        pull = [nothing if r == root else everything for r in range(self.size())]  # the root has it already
+        transfer = Transfer(buf, s.write_back, Mode.COPY, push, pull)
+        return self._launch("broadcast", [transfer], tensors, device=t.device)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         return self._launch("all_gather", self._allgather_plan(output_lists, inputs), output_lists,
@@ -269,39 +286,41 @@ class BackendBPS:
         self._check_world_multiple(name, "input", input, "output", output)
         flat = cpu_flat(input)  # a copy: the caller's input must stay untouched
         mine = flat[self.rank() * n : (self.rank() + 1) * n]
-        return [self._reduction(flat, op, lambda: copy_into(output, mine))]
+        transfer = self._reduction(flat, op, lambda: copy_into(output, mine))
+        return [_pull_only(transfer, op, _slots([n] * self.size()))]
 
     def _allgather_plan(self, output_lists, inputs) -> list[Transfer]:
         name = "all_gather"
         inp = self._single(name, inputs)
+        check_movable(name, inp)
         outs = self._single(name, output_lists, what="output list")
-        self._check_world_list(name, outs, like=inp, same_size=False)
+        self._check_world_list(name, outs, like=inp, same_size=False, movable=True)
         sizes = [real(o).numel() for o in outs]
         if sizes[self.rank()] != real(inp).numel():
             raise ValueError(f"{name}: output tensor {self.rank()} has {outs[self.rank()].numel()} elements, the "
                              f"input {inp.numel()} ('{BACKEND}' backend)")  # fmt: skip
-        start = sum(sizes[: self.rank()])
-        buf = torch.empty(sum(sizes), dtype=real(inp).dtype)
-        fill_except(buf, start, start + sizes[self.rank()])
-        buf[start : start + sizes[self.rank()]].copy_(real(inp).reshape(-1))
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        size = real(inp).element_size()
+        slots = _slots([n * size for n in sizes])  # in bytes
+        buf = torch.empty(slots[-1][1], dtype=torch.uint8)
+        buf[slice(*slots[self.rank()])].copy_(as_bytes(real(inp).reshape(-1).contiguous()))
 
         def unpack() -> None:
-            for o, off, size in zip(outs, offsets, sizes, strict=True):
-                copy_into(o, buf[off : off + size])
+            for o, (lo, hi) in zip(outs, slots, strict=True):
+                copy_into(o, buf[lo:hi].view(real(o).dtype))
 
-        return [Transfer(buf, unpack)]
+        return [Transfer(buf, unpack, Mode.COPY, push=slots)]
 
     def _gather_single_plan(self, output: torch.Tensor, input: torch.Tensor) -> list[Transfer]:
         name = "all_gather_single"
-        check_tensor(name, input)
+        check_movable(name, input)
         n = real(input).numel()
         self._check_world_multiple(name, "output", output, "input", input)
-        s = Staged(name, output, load=False)
+        s = Staged(name, output, load=False, movable=True)
         lo, hi = self.rank() * n, (self.rank() + 1) * n
-        s.flat[lo:hi].copy_(real(input).reshape(-1))  # first: `input` may be this very slice of `output`
-        fill_except(s.flat, lo, hi)
-        return [Transfer(s.flat, s.write_back)]
+        s.flat[lo:hi].copy_(real(input).reshape(-1))  # `input` may be this very slice of `output`
+        size = s.flat.element_size()
+        slots = _slots([n * size] * self.size())  # in bytes
+        return [Transfer(as_bytes(s.flat), s.write_back, Mode.COPY, push=slots)]
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> dist.Work:
@@ -333,17 +352,30 @@ class BackendBPS:
         return op
 
     def _check_world_list(self, name: str, tensors: list[torch.Tensor], like: torch.Tensor | None = None,
-                          same_size: bool = True) -> None:  # fmt: skip
+                          same_size: bool = True, movable: bool = False) -> None:  # fmt: skip
         if len(tensors) != self.size():
             raise ValueError(f"{name}: expected a list of world_size ({self.size()}) tensors, got {len(tensors)} "
                              f"('{BACKEND}' backend)")  # fmt: skip
         for t in tensors:
-            check_tensor(name, t)
+            (check_movable if movable else check_tensor)(name, t)
             if like is not None and t.dtype != like.dtype:
                 raise TypeError(f"{name}: tensors of dtype {t.dtype} and {like.dtype} mixed ('{BACKEND}' backend)")
             if like is not None and same_size and t.numel() != like.numel():
                 raise ValueError(f"{name}: every tensor must have {like.numel()} elements, one has {t.numel()} "
                                  f"('{BACKEND}' backend)")  # fmt: skip
+
+
+def _slots(sizes: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) of each piece when pieces of these sizes are laid end to end."""
+    ends = list(itertools.accumulate(sizes))
+    return [(end - n, end) for n, end in zip(sizes, ends, strict=True)]
+
+
+def _pull_only(transfer: Transfer, op: str, slots: list[tuple[int, int]]) -> Transfer:
+    """A reduce-scatter's sum: each rank pulls only its own slot of it (MIN, MAX... gather every row instead)."""
+    if op in ("SUM", "AVG"):
+        transfer.pull = slots
+    return transfer
 
 
 def _scatter_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """The wire format shared by the summation server and the push/pull client.
 
-Every message is a ZeroMQ multipart message: one fixed 72-byte header frame, then at most one frame of
+Every message is a ZeroMQ multipart message: one fixed 96-byte header frame, then at most one frame of
 payload (raw tensor bytes, a UTF-8 error message, or a fixed table of counters). Nothing received from
 a peer is ever unpickled. docs/protocol.md is the normative description; this module and
 cpp_ext/wire.h must agree with it byte for byte (tests/test_wire.py checks the C++ side).
@@ -22,17 +22,18 @@ import torch
 from torch_bps.errors import ProtocolError
 
 MAGIC = 0x31535042  # b"BPS1" little-endian
-VERSION = 1
-HEADER = struct.Struct("<IHHHHIII6Q")
-HEADER_SIZE = HEADER.size  # 72
+VERSION = 2
+# magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, reserved (0), then the u64s
+HEADER = struct.Struct("<IHHHHIIIII8Q")
+HEADER_SIZE = HEADER.size  # 96
 REPLY = 0x80  # a reply's command is the request's command | REPLY
 
 
 class Command(enum.IntEnum):
     HELLO = 1  # worker introduces itself: job_id, worker, num_workers
     INIT = 2  # declare a key: nbytes and dtype; idempotent, checked across workers
-    PUSH = 3  # add payload into (job, key, round)
-    PULL = 4  # fetch the sum of (job, key, round); answered once every worker pushed it
+    PUSH = 3  # SUM key: add payload into (job, key, round); COPY key: write it at `offset`
+    PULL = 4  # fetch bytes [offset, offset + length) of (job, key, round); answered once every worker pushed it
     STATS = 5  # server counters, for tests and benchmarks
 
 
@@ -51,6 +52,13 @@ class Status(enum.IntEnum):
     WORKER_LOST = 11  # the round can never close: a worker of the job disconnected before pushing it
     ROUND_TIMEOUT = 12  # a PULL waited its wait_ms for workers that have not pushed
     OVER_QUOTA = 16  # the job's memory quota or the server's bound would be exceeded (see server/limits.py)
+
+
+class Mode(enum.IntEnum):
+    """What a key's rounds do with pushes, fixed by its INIT."""
+
+    SUM = 0  # every worker pushes the whole key; the round's result is the sum
+    COPY = 1  # each worker writes a byte range (maybe empty); the ranges must tile the key; bytes are copied
 
 
 # dtype codes on the wire; the table is part of the protocol (never renumber).
@@ -80,12 +88,15 @@ class Header:
     worker: int = 0
     num_workers: int = 0
     wait_ms: int = 0  # PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
+    mode: int = 0  # INIT/PUSH/PULL: the key's Mode
     incarnation: int = 0
     job_id: int = 0
     key: int = 0
     round: int = 0
     request_id: int = 0
-    nbytes: int = 0
+    nbytes: int = 0  # INIT/PUSH/PULL: the key's size in bytes
+    offset: int = 0  # PUSH: where the payload goes in the key; PULL: first byte wanted
+    length: int = 0  # PUSH: payload bytes; PULL: bytes wanted
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -97,12 +108,16 @@ class Header:
             self.worker,
             self.num_workers,
             self.wait_ms,
+            self.mode,
+            0,  # reserved: keeps the u64 fields 8-byte aligned
             self.incarnation,
             self.job_id,
             self.key,
             self.round,
             self.request_id,
             self.nbytes,
+            self.offset,
+            self.length,
         )
 
     @classmethod
@@ -110,14 +125,14 @@ class Header:
         """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad."""
         if len(data) != HEADER_SIZE:
             raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
-        (magic, version, command, status, dtype, worker, num_workers, wait_ms, incarnation, job_id, key,
-         rnd, request_id, nbytes) = HEADER.unpack(data)  # fmt: skip
+        (magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, _reserved, incarnation, job_id,
+         key, rnd, request_id, nbytes, offset, length) = HEADER.unpack(data)  # fmt: skip
         if magic != MAGIC:
             raise ProtocolError(Status.BAD_FRAME, f"bad magic 0x{magic:08x}")
         if version != VERSION:
             raise ProtocolError(Status.BAD_VERSION, f"protocol version {version}, this side speaks {VERSION}")
-        return cls(command, status, dtype, worker, num_workers, wait_ms, incarnation, job_id, key, rnd, request_id,
-                   nbytes)  # fmt: skip
+        return cls(command, status, dtype, worker, num_workers, wait_ms, mode, incarnation, job_id, key, rnd,
+                   request_id, nbytes, offset, length)  # fmt: skip
 
     def reply(self, status: int = Status.OK, **changes: int) -> Header:
         """Return the header of the reply to this request."""

@@ -59,17 +59,22 @@ class KeyBook:
         self.partition_bytes = partition_bytes
         self.slices = slices
         self.slots = slots
-        self._calls: dict[tuple[int, torch.dtype], int] = {}
-        self._plans: dict[tuple[int, torch.dtype, int], list[list[Part]]] = {}
+        self._calls: dict[tuple[int, torch.dtype, int], int] = {}
+        self._plans: dict[tuple[int, torch.dtype, int, int], list[list[Part]]] = {}
 
-    def plan(self, numel: int, dtype: torch.dtype) -> list[list[Part]]:
-        """Return, for each local slice, its parts (keys, offsets within the slice, servers)."""
-        calls = self._calls.get((numel, dtype), 0)
-        self._calls[(numel, dtype)] = calls + 1
+    def plan(self, numel: int, dtype: torch.dtype, mode: int = 0) -> list[list[Part]]:
+        """Return, for each local slice, its parts (keys, offsets within the slice, servers).
+
+        `mode` (torch_bps.wire.Mode) keeps summed and gathered tensors of one size on keys of their own: a
+        key's mode is fixed on the server by its first INIT.
+        """
+        shape = (numel, dtype, int(mode))
+        calls = self._calls.get(shape, 0)
+        self._calls[shape] = calls + 1
         slot = calls % self.slots
-        plan = self._plans.get((numel, dtype, slot))
+        plan = self._plans.get((*shape, slot))
         if plan is None:
-            plan = self._plans[(numel, dtype, slot)] = self._new_plan(len(self._plans), numel, dtype)
+            plan = self._plans[(*shape, slot)] = self._new_plan(len(self._plans), numel, dtype)
         return plan
 
     def partition_size(self, nbytes: int) -> int:

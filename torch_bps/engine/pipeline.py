@@ -3,18 +3,21 @@
     local reduce-scatter -> cut into partitions -> schedule (priority, credit)
       -> push/pull through the C++ client -> local all-gather -> done(error)
 
-A collective is a list of 1-D tensors summed in place; every partition of all of them counts down one
+A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
+from the ranks' ranges (COPY) and/or read back only in part; every partition of all of them counts down one
 counter, and `done` runs once, on one of the C++ client's completion threads: the only executor. Those
 threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
 the client's completion pool then starts another thread, so nested collectives always make progress.
 
 With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
-several, the local stages run on two threads of their own (reduce-scatter in submission order, all-gather
-in submission order), because every local rank must meet the others in the same sequence; the network
-stage in between is fully pipelined across collectives. The all-gather thread hands `done` to the client's
-completion threads, so a blocking `done` never stalls it.
+several, the machine is one worker to the servers, and the local stages run on two threads of their own
+(reduce-scatter in submission order, all-gather in submission order; a COPY tensor's first stage is a local
+all-gather of the local ranks' ranges instead, so that the machine pushes its ranks' bytes once), because
+every local rank must meet the others in the same sequence; the network stage in between is fully pipelined
+across collectives. The all-gather thread hands `done` to the client's completion threads, so a blocking
+`done` never stalls it.
 
-May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.engine.
+May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
 from torch_bps.engine.scheduler import CreditScheduler
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
+from torch_bps.wire import Mode
 
 log = logging.getLogger("torch_bps.engine")
 
@@ -39,7 +44,7 @@ Done = Callable[[BaseException | None], None]
 
 @dataclass
 class _Op:
-    tensors: Sequence[torch.Tensor]  # 1-D, contiguous, CPU: summed in place
+    items: Sequence[Exchange]  # 1-D, contiguous, CPU tensors: summed or gathered in place
     plans: list[list[Part]]  # this rank's partitions of each tensor
     priority: int
     done: Done
@@ -63,6 +68,8 @@ class PushPullEngine:
         local_rank: this rank's index within its machine.
         timeout: the client's request timeout; a local stage waits a little longer for the network stage, so
             the client's own error (naming server, key and round) is the one that surfaces.
+        worker_ranks: the group ranks this engine's worker stands for (this machine's, in local rank order);
+            default: the client's worker index times the local size, onwards.
     """
 
     def __init__(
@@ -74,8 +81,10 @@ class PushPullEngine:
         local=None,
         local_rank: int = 0,
         timeout: float = 300.0,
+        worker_ranks: Sequence[int] | None = None,
     ):
         self.client = client
+        self._worker_ranks = worker_ranks
         self.keys = keys
         self.scheduler = scheduler
         self.local = local
@@ -97,52 +106,99 @@ class PushPullEngine:
         self.run([tensor], completer(future, tensor), priority=priority)
         return future
 
-    def run(self, tensors: Sequence[torch.Tensor], done: Done, *, priority: int = 0) -> None:
-        """Sum each 1-D contiguous CPU tensor in place over all workers, then call `done(error or None)` once.
+    def run(self, tensors: Sequence[torch.Tensor | Exchange], done: Done, *, priority: int = 0) -> None:
+        """Sum each 1-D contiguous CPU tensor in place over all workers (or exchange it as its `Exchange`
+        says), then call `done(error or None)` once.
 
-        Collective: every rank calls it with tensors of the same numels and dtypes, in the same order.
+        Collective: every rank calls it with tensors of the same numels, dtypes and modes, in the same order.
         `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
         """
-        for t in tensors:
+        items = [t if isinstance(t, Exchange) else Exchange(t) for t in tensors]
+        for x in items:
+            t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
         mine = self.local_rank if self.local is not None else 0
         with self._lock:
-            plans = [self.keys.plan(t.numel(), t.dtype)[mine] for t in tensors]
-            op = _Op(tensors, plans, priority, done)
+            plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
+            op = _Op(items, plans, priority, done)
             if self.local is None:
-                self._schedule(op, tensors)
+                self._schedule(op)
             else:
                 self._rs_queue.put(op)
+
+    @property
+    def worker_ranks(self) -> Sequence[int]:
+        if self._worker_ranks is None:
+            size = self.local[0].local_size if self.local is not None else 1
+            self._worker_ranks = range(self.client.worker * size, (self.client.worker + 1) * size)
+        return self._worker_ranks
 
     # -- stage: local reduce-scatter (several local ranks only)
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                for t in op.tensors:
+                for x in op.items:
+                    t = x.tensor
                     lo, hi = self.local[0].slice_range(t.numel())
-                    # In place: my slice of the sum lands in my own tensor (big fresh buffers page-fault).
-                    op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
+                    if x.mode == Mode.COPY:
+                        self._share_local_ranges(x)
+                        op.slices.append(t[lo:hi])
+                    else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
+                        op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
                 op.error = e
                 op.net_done.set()
             else:
-                self._schedule(op, op.slices)
+                self._schedule(op)
             self._ag_queue.put(op)
 
+    def _share_local_ranges(self, x: Exchange) -> None:
+        """Give every local rank the other local ranks' COPY ranges, so the machine pushes them once.
+
+        Ranges may differ in length (a broadcast's root has all, the others none): each rank's goes into a
+        block of the longest one's size, and one local all-gather of the blocks moves them all.
+        """
+        comm, me, t = self.local[0], self.local_rank, x.tensor
+        ranges = [x.push[r] for r in self.worker_ranks]
+        block = max(hi - lo for lo, hi in ranges)
+        if block == 0:
+            return
+        blocks = torch.empty(comm.local_size * block, dtype=t.dtype)
+        lo, hi = ranges[me]
+        blocks[me * block : me * block + hi - lo].copy_(t[lo:hi])
+        comm.all_gather(blocks[me * block : (me + 1) * block], blocks)
+        for i, (lo, hi) in enumerate(ranges):
+            if i != me:
+                t[lo:hi].copy_(blocks[i * block : i * block + hi - lo])
+
     # -- stage: partitions onto the network, highest priority first within the credit
-    def _schedule(self, op: _Op, data: Sequence[torch.Tensor]) -> None:
+    def _schedule(self, op: _Op) -> None:
         op.remaining = sum(len(parts) for parts in op.plans)
         if op.remaining == 0:
             self._network_done(op)
             return
-        for parts, flat in zip(op.plans, data, strict=True):
+        for x, parts in zip(op.items, op.plans, strict=True):
+            t = x.tensor
+            # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
+            base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
+            ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
+            pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
             for part in parts:
-                view = flat.narrow(0, part.start, part.numel)
+                lo = base + part.start
+                hi = lo + part.numel
+                src, dst = intersect(pushed, lo, hi), intersect(pulled, lo, hi)
+                if x.mode == Mode.SUM and dst == (lo, hi):
+                    extra = None  # a whole sum: the plain push_pull every client offers
+                else:
+                    extra = dict(out=t[dst[0] : dst[1]], mode=x.mode, key_numel=part.numel, offset=src[0] - lo,
+                                 out_offset=dst[0] - lo)  # fmt: skip
+                view = t[src[0] : src[1]]
                 nbytes = view.numel() * view.element_size()
-                self.scheduler.submit(nbytes, op.priority, lambda v=view, p=part, n=nbytes: self._send(op, v, p, n))
+                self.scheduler.submit(nbytes, op.priority,
+                                      lambda v=view, p=part, n=nbytes, e=extra: self._send(op, v, p, n, e))  # fmt: skip
 
-    def _send(self, op: _Op, view: torch.Tensor, part: Part, nbytes: int) -> None:
+    def _send(self, op: _Op, view: torch.Tensor, part: Part, nbytes: int, extra: dict | None = None) -> None:
         if op.error is not None:  # an earlier partition failed: do not push the rest
             self.scheduler.release(nbytes)
             self._part_done(op, None)
@@ -153,7 +209,7 @@ class PushPullEngine:
         # other forever.
         try:
             self.client.push_pull(view, part.key, server=part.server, on_done=lambda e: self._part_done(op, e),
-                                  on_pushed=lambda _: self.scheduler.release(nbytes))  # fmt: skip
+                                  on_pushed=lambda _: self.scheduler.release(nbytes), **(extra or {}))  # fmt: skip
         except BaseException as e:  # noqa: BLE001
             self.scheduler.release(nbytes)
             self._part_done(op, e)
@@ -178,13 +234,13 @@ class PushPullEngine:
         while (op := self._ag_queue.get()) is not None:
             if not op.net_done.wait(self.timeout + 30):
                 op.error = op.error or BpsTimeoutError(
-                    f"local rank {self.local_rank}: network stage of a collective of {len(op.tensors)} tensor(s) "
+                    f"local rank {self.local_rank}: network stage of a collective of {len(op.items)} tensor(s) "
                     f"did not finish within {self.timeout + 30}s"
                 )
             if op.error is None:
                 try:
-                    for slice_, t in zip(op.slices, op.tensors, strict=True):
-                        self.local[1].all_gather(slice_, t)
+                    for slice_, x in zip(op.slices, op.items, strict=True):
+                        self.local[1].all_gather(slice_, x.tensor)
                 except BaseException as e:  # noqa: BLE001
                     op.error = e
             self.client.post(lambda op=op: op.done(op.error))

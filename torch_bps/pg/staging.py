@@ -60,6 +60,19 @@ def check_tensor(name: str, t: torch.Tensor) -> None:
                         f"(supported: {names}, bool, and complex types as pairs of their real type)")  # fmt: skip
 
 
+def check_movable(name: str, t: torch.Tensor) -> None:
+    """Raise a clear error if `t` cannot be moved as bytes (broadcast, all-gather): any dtype, dense only."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__} ('{BACKEND}' backend)")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: {t.layout} tensors are not supported by the '{BACKEND}' backend (dense only)")
+
+
+def as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor of any dtype seen as its bytes (no copy): what a gather moves."""
+    return flat.view(torch.uint8)
+
+
 def real(t: torch.Tensor) -> torch.Tensor:
     """`t` detached, complex tensors seen as (..., 2) real views, bools as uint8: what travels on the wire."""
     t = t.detach()
@@ -90,11 +103,12 @@ class Staged:
     """One caller tensor as a flat CPU buffer: its own storage when contiguous on CPU, else a copy.
 
     `flat` is what to push_pull; `write_back()` (a no-op for the zero-copy case) puts `flat` into the tensor.
-    With `load=False` a copy starts uninitialised (for tensors the collective only writes).
+    With `load=False` a copy starts uninitialised (for tensors the collective only writes). With `movable`, any
+    dtype is accepted (the collective moves bytes and never sums them).
     """
 
-    def __init__(self, name: str, tensor: torch.Tensor, load: bool = True):
-        check_tensor(name, tensor)
+    def __init__(self, name: str, tensor: torch.Tensor, load: bool = True, movable: bool = False):
+        (check_movable if movable else check_tensor)(name, tensor)
         self.tensor = tensor
         self._real = real(tensor)
         self.kind = staging_kind(self._real.device, self._real.is_contiguous())

@@ -9,8 +9,8 @@ The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join cal
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
 the C++ future, so C++ consumers see an error rather than an exception object posing as a tensor.
 
-May import: torch, torch_bps.futures; torch_bps._C when a collective is launched (`import torch_bps` must not
-load the C++ client).
+May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange; torch_bps._C when a
+collective is launched (`import torch_bps` must not load the C++ client).
 """
 
 from __future__ import annotations
@@ -22,16 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
+from torch_bps.wire import Mode
 
 
 @dataclass
 class Transfer:
-    """One buffer of a collective: `buffer` (1-D, contiguous, CPU) is summed in place over the group, then
-    `finish` copies or reduces the sum to where the caller wants it."""
+    """One buffer of a collective: `buffer` (1-D, contiguous, CPU) is summed in place over the group (or, with
+    mode COPY, gathered from each rank's `push` range), then `finish` copies or reduces the result to where the
+    caller wants it. `push` and `pull` are per-rank element ranges (see torch_bps.engine.exchange.Exchange)."""
 
     buffer: torch.Tensor
     finish: Callable[[], None] | None = None
+    mode: Mode = Mode.SUM
+    push: Sequence[tuple[int, int]] | None = None
+    pull: Sequence[tuple[int, int]] | None = None
+
+    def exchange(self) -> Exchange:
+        return Exchange(self.buffer, self.mode, self.push, self.pull)
 
 
 def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, where: str, timeout: float,
@@ -63,7 +72,7 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
             error.add_note(f"torch_bps: while running {op} {where}")
         fail(future, error)
 
-    runtime.run([t.buffer for t in transfers if t.buffer.numel() > 0], done, priority=priority)
+    runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
     return _C.make_work(future, timeout, f"{op} {where}")
 
 

@@ -1,5 +1,8 @@
-"""Versioned rounds of one key: sums kept apart per round, closed by distinct workers, bounded memory.
+"""Versioned rounds of one key: results kept apart per round, closed by distinct workers, bounded memory.
 
+A SUM key's round adds whole-key pushes; a COPY key's round writes each push's bytes at its offset (an
+all-gather or broadcast: bytes are copied, never summed, so every bit pattern and any dtype survives), and
+at close its pushes must tile the key exactly, or the round fails (bytes nobody wrote must never be sent).
 The rules are docs/protocol.md's: round r closes when every worker of the job pushed it; a duplicate
 push is acknowledged and ignored; pulls of r are answered once r closed (a worker's second pull of a round
 still waiting is refused); r is freed once every worker pulled it; at most two rounds are alive (floor and
@@ -22,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from torch_bps.errors import ProtocolError
-from torch_bps.wire import Status
+from torch_bps.wire import Mode, Status
+
+Result = torch.Tensor | str  # a closed round's result, or why it failed
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Round:
     # which later pushes are added in place. No allocation: fresh big buffers cost page faults that ran
     # the add at a third of add_'s speed, and an out-of-place add moves a third more memory.
     total: torch.Tensor | None = None
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)  # COPY: (offset, length, worker) pushed
 
 
 @dataclass
@@ -66,9 +72,11 @@ class SumCounters:
 class KeyRounds:
     """The live rounds of one (job, key)."""
 
-    def __init__(self, name: str, job: Job, counters: SumCounters):
+    def __init__(self, name: str, job: Job, counters: SumCounters, mode: Mode = Mode.SUM, nbytes: int = 0):
         self.name = name  # "job J key K", for error messages
         self.job = job
+        self.mode = mode
+        self.nbytes = nbytes  # the key's size (COPY rounds allocate it)
         self.num_workers = job.num_workers
         self.floor = 0  # every round below floor has been freed
         self.rounds: dict[int, Round] = {}
@@ -91,8 +99,9 @@ class KeyRounds:
         self._free_done()
         return waiting
 
-    def push(self, worker: int, rnd: int, data: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
-        """Fold worker's data into round rnd. Return the (pull token, sum) pairs that can now be answered.
+    def push(self, worker: int, rnd: int, data: torch.Tensor, offset: int = 0) -> list[tuple[object, Result]]:
+        """Fold worker's data into round rnd (COPY: its bytes at `offset`). Return the (pull token, result) pairs
+        that can now be answered; a str result is why the round failed (COPY pushes that do not tile the key).
 
         Raises ProtocolError(BAD_ROUND) for a freed round or one too far ahead.
         """
@@ -103,11 +112,16 @@ class KeyRounds:
             raise ProtocolError(Status.KEY_MISMATCH, f"push of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if worker in r.pushed:
             return []  # a resent push: acknowledged, never added twice
-        self._add(r, data)
+        if self.mode == Mode.COPY:
+            self._write(r, data, offset, worker)
+        else:
+            self._add(r, data)
         r.pushed.add(worker)
         if not self._closed(r):
             return []
-        ready = [(token, r.total) for token, _, _ in r.waiting]
+        if self.mode == Mode.COPY:
+            r.failure = self._untiled(r, rnd)
+        ready = [(token, r.failure or r.total) for token, _, _ in r.waiting]
         for _, puller, _ in r.waiting:
             r.pulled.add(puller)
         r.waiting.clear()
@@ -211,6 +225,31 @@ class KeyRounds:
         r.total.add_(data)
         self._counters.sum_ns += time.perf_counter_ns() - start
         self._counters.bytes_summed += data.numel() * data.element_size()
+
+    def _write(self, r: Round, data: torch.Tensor, offset: int, worker: int) -> None:
+        data = data.view(torch.uint8)
+        r.pieces.append((offset, data.numel(), worker))
+        if r.total is None and offset == 0 and data.numel() == self.nbytes:
+            r.total = data  # a broadcast's one push: kept as it arrived, no copy (as a SUM round's first push)
+            return
+        if r.total is None:
+            r.total = torch.empty(self.nbytes, dtype=torch.uint8)  # every byte is written, or the round fails
+        if data.numel():
+            r.total[offset : offset + data.numel()].copy_(data)
+
+    def _untiled(self, r: Round, rnd: int) -> str | None:
+        """Say why round rnd's COPY pushes do not cover every byte of the key exactly once, or None if they do."""
+        end = 0
+        for offset, length, _ in sorted(p for p in r.pieces if p[1]):
+            if offset != end:
+                break
+            end += length
+        else:
+            if end == self.nbytes:
+                return None
+        pieces = ", ".join(f"worker {w}: [{o}, {o + n})" for o, n, w in sorted(r.pieces))
+        return (f"the pushes of {self.name} round {rnd} do not tile its {self.nbytes} bytes (each byte written by "
+                f"exactly one worker): {pieces}")  # fmt: skip
 
     def _free_done(self) -> None:
         # Rounds free in order: a later round fully pulled waits until the ones before it are freed.

@@ -1,7 +1,8 @@
 """The summation server: a ZeroMQ ROUTER front thread and engine threads that own disjoint keys.
 
 The front thread receives every message, checks what can be checked from metadata alone (header,
-incarnation, job, key declaration, sizes) and answers HELLO, INIT and STATS itself. PUSH and PULL of a
+incarnation, job, key declaration, sizes and byte ranges: keys.py) and answers HELLO, INIT and STATS itself.
+A key sums its rounds (SUM) or gathers them, copying each push's bytes into place (COPY: rounds.py). PUSH and PULL of a
 big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
 key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
 releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
@@ -30,7 +31,6 @@ import queue
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -38,9 +38,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
+from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
 from torch_bps.server.rounds import Job, KeyRounds, SumCounters
-from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Status
+from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
 
@@ -54,13 +55,6 @@ _FORGET = "forget"  # an engine inbox item: (_FORGET, job_id), drop every key of
 _SWEEP_SECONDS = 10.0  # how often the front thread looks for jobs past their lease
 
 
-@dataclass
-class KeyInfo:
-    nbytes: int
-    dtype: int
-    engine: int  # index of the owning engine, or _FRONT
-
-
 class KeyOwner:
     """The rounds of a set of keys: folds pushes into sums and answers pulls. Used by one thread only."""
 
@@ -72,15 +66,15 @@ class KeyOwner:
         self._next_expire = 0.0
 
     def handle(self, item: tuple, send) -> None:
-        """Process one (ident, header, payload, job) item; `send(frames)` each reply.
+        """Process one (ident, header, payload, job, key info) item; `send(frames)` each reply.
 
         ident None means the front thread refused a push of this key: its round fails for everyone.
         """
-        ident, header, payload, job = item
+        ident, header, payload, job, info = item
         if ident is None:
-            return self._refuse(send, header, payload, job)
+            return self._refuse(send, header, payload, job, info)
         try:
-            for frames in self._handle(ident, header, payload, job):
+            for frames in self._handle(ident, header, payload, job, info):
                 send(frames)
         except ProtocolError as e:
             send(_error(ident, header, e.status, str(e)))
@@ -107,11 +101,12 @@ class KeyOwner:
             if not rounds.has_waiting:
                 self._waiting.discard(rounds)
 
-    def _rounds(self, header: Header, job: Job) -> KeyRounds:
+    def _rounds(self, header: Header, job: Job, info: KeyInfo) -> KeyRounds:
         rounds = self._keys.get((header.job_id, header.key))
         if rounds is None:
             name = f"job {header.job_id:#x} key {header.key}"
-            rounds = self._keys[(header.job_id, header.key)] = KeyRounds(name, job, self.counters)
+            rounds = KeyRounds(name, job, self.counters, info.mode, info.nbytes)
+            self._keys[(header.job_id, header.key)] = rounds
         return rounds
 
     def forget(self, job_id: int, send) -> None:
@@ -124,10 +119,10 @@ class KeyOwner:
                     message = f"job {job_id:#x} was forgotten by this server: no request for longer than its lease"
                     send(_error(ident, pull, Status.UNKNOWN_JOB, message))
 
-    def _refuse(self, send, header: Header, reason: str, job: Job) -> None:
+    def _refuse(self, send, header: Header, reason: str, job: Job, info: KeyInfo) -> None:
         reason = f"the round failed because another worker's push was refused ({reason})"
         try:
-            waiting = self._rounds(header, job).refuse(header.worker, header.round, reason)
+            waiting = self._rounds(header, job, info).refuse(header.worker, header.round, reason)
         except ProtocolError as e:  # the refused push named a round that is not alive: nothing to fail
             log.info("%s", e)
             return
@@ -137,18 +132,22 @@ class KeyOwner:
             )
             send(_error(ident, pull, Status.KEY_MISMATCH, message))
 
-    def _handle(self, ident, header: Header, payload, job: Job):
-        rounds = self._rounds(header, job)
+    def _handle(self, ident, header: Header, payload, job: Job, info: KeyInfo):
+        rounds = self._rounds(header, job, info)
         if header.command == Command.PUSH:
-            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header))
+            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header), header.offset)
             yield [ident, header.reply().pack()]
-            for (pull_ident, pull_header), total in ready:
-                yield _sum_reply(pull_ident, pull_header, total)
+            for (pull_ident, pull), result in ready:
+                if isinstance(result, str):  # the round failed as it closed
+                    message = f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}"
+                    yield _error(pull_ident, pull, Status.KEY_MISMATCH, f"{message}: {result}")
+                else:
+                    yield _result_reply(pull_ident, pull, result)
         else:
             deadline = time.monotonic() + header.wait_ms / 1000 if header.wait_ms else math.inf
             total = rounds.pull(header.worker, header.round, (ident, header), deadline)
             if total is not None:
-                yield _sum_reply(ident, header, total)
+                yield _result_reply(ident, header, total)
             else:
                 self._waiting.add(rounds)
 
@@ -198,15 +197,17 @@ def _queued_bytes(item: tuple) -> int:
 
 
 def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
-    if header.nbytes == 0:
-        return torch.empty(0, dtype=DTYPES[header.dtype])
-    return torch.frombuffer(payload.buffer, dtype=DTYPES[header.dtype])
+    dtype = torch.uint8 if header.mode == Mode.COPY else DTYPES[header.dtype]  # COPY moves bytes, of any dtype
+    if header.length == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(payload.buffer, dtype=dtype)
 
 
-def _sum_reply(ident, header: Header, total: torch.Tensor) -> list:
-    # The round's sum is never written again once closed, so it can go out zero-copy.
-    data = total.view(torch.uint8).numpy() if total.numel() else b""
-    return [ident, header.reply().pack(), data]
+def _result_reply(ident, header: Header, total: torch.Tensor) -> list:
+    """Answer a PULL with bytes [offset, offset + length) of its round's result (the range was checked)."""
+    # A round's result is never written again once closed, so it can go out zero-copy.
+    data = total.view(torch.uint8)[header.offset : header.offset + header.length]
+    return [ident, header.reply().pack(), data.numpy() if data.numel() else b""]
 
 
 def _error(ident, header: Header | None, status: int, message: str) -> list:
@@ -361,7 +362,7 @@ class SummationServer:
                 info = self._keys.get((header.job_id, header.key))
                 job = self._jobs.get(header.job_id)
                 if info is not None and job is not None and header.worker < job.num_workers:
-                    self._to_owner(info, (None, header, str(e), job))
+                    self._to_owner(info, (None, header, str(e), job, info))
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("front thread failed on %s", header)
             self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
@@ -374,8 +375,8 @@ class SummationServer:
             )
         if h.command == Command.HELLO:
             return self._hello(ident, h, head)
-        if h.command == Command.STATS:
-            return self._send([ident, h.reply().pack(), self._stats()])
+        if h.command == Command.STATS:  # not through _send: bytes_out counts the data pulled, nothing else
+            return self._router.send_multipart([ident, h.reply().pack(), self._stats()], copy=False)
         if h.command not in (Command.INIT, Command.PUSH, Command.PULL):
             raise ProtocolError(Status.BAD_COMMAND, f"unknown command {h.command}")
         if h.incarnation != self.incarnation:
@@ -396,21 +397,17 @@ class SummationServer:
         job.last_seen[h.worker] = now
         if h.command == Command.INIT:
             return self._init(ident, h)
-        info = self._check_key(h)
+        key = (h.job_id, h.key)
         if h.command == Command.PUSH:
             got = len(payload[0])
-            if got != h.nbytes:
-                raise ProtocolError(
-                    Status.KEY_MISMATCH,
-                    f"push of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}: header says "
-                    f"{h.nbytes} bytes, payload has {got}",
-                )
+            info = check_request(self._keys.get(key), h, got)
             self._counts["pushes"] += 1
             self._counts["bytes_in"] += got
-            self._to_owner(info, (ident, h, payload[0], job))
+            self._to_owner(info, (ident, h, payload[0], job, info))
         else:
+            info = check_request(self._keys.get(key), h)
             self._counts["pulls"] += 1
-            self._to_owner(info, (ident, h, None, job))
+            self._to_owner(info, (ident, h, None, job, info))
 
     def _to_owner(self, info: KeyInfo, item: tuple) -> None:
         if info.engine == _FRONT:
@@ -448,16 +445,7 @@ class SummationServer:
         self._send([ident, h.reply(incarnation=self.incarnation).pack()])
 
     def _init(self, ident, h: Header) -> None:
-        if h.dtype not in DTYPES:
-            raise ProtocolError(
-                Status.KEY_MISMATCH, f"INIT of job {h.job_id:#x} key {h.key}: unknown dtype code {h.dtype}"
-            )
-        itemsize = DTYPES[h.dtype].itemsize
-        if h.nbytes % itemsize:
-            raise ProtocolError(
-                Status.KEY_MISMATCH,
-                f"INIT of job {h.job_id:#x} key {h.key}: {h.nbytes} bytes is not a whole number of {DTYPES[h.dtype]}",
-            )
+        check_init(h)
         info = self._keys.get((h.job_id, h.key))
         if info is None:
             self._charge(self._book.add_key, h.job_id, h.nbytes, self._jobs[h.job_id].num_workers)
@@ -466,9 +454,9 @@ class SummationServer:
                 engine = min(self._engines, key=lambda e: e.bytes_owned)
                 engine.bytes_owned += h.nbytes
                 owner = engine.index
-            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, owner)
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode), owner)
         else:
-            self._check_key(h)
+            check_request(info, h)
         self._send([ident, h.reply().pack()])
 
     def _charge(self, add, *args) -> None:
@@ -511,26 +499,9 @@ class SummationServer:
             e.inbox.put((_FORGET, job_id))
         self._book.release(job_id)
 
-    def _check_key(self, h: Header) -> KeyInfo:
-        info = self._keys.get((h.job_id, h.key))
-        if info is not None and h.nbytes == info.nbytes and h.dtype == info.dtype:
-            return info  # the hot path: no message built
-        what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
-        if info is None:
-            raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
-        raise ProtocolError(
-            Status.KEY_MISMATCH,
-            f"{what}: expected {info.nbytes} bytes of {_dtype_name(info.dtype)}, "
-            f"received {h.nbytes} bytes of {_dtype_name(h.dtype)}",
-        )
-
     def _stats(self) -> bytes:
         values = {**self._counts, "bytes_summed": 0, "sum_ns": 0}
         for owner in [self._inline, *(e.owner for e in self._engines)]:
             values["bytes_summed"] += owner.counters.bytes_summed
             values["sum_ns"] += owner.counters.sum_ns
         return struct.pack(f"<{len(STATS_FIELDS)}Q", *(values[f] for f in STATS_FIELDS))
-
-
-def _dtype_name(code: int) -> str:
-    return str(DTYPES[code]).removeprefix("torch.") if code in DTYPES else f"dtype code {code}"

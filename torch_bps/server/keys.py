@@ -1,0 +1,76 @@
+"""The keys a server knows, and the checks INIT, PUSH and PULL pass against a key's declaration.
+
+The first INIT of a key fixes its size, dtype and mode (SUM or COPY); every later INIT, PUSH and PULL must
+agree, and a PUSH or PULL must name a byte range inside the key (a SUM key's PUSH: the whole key). These run
+on the server's front thread, on metadata alone, before any payload is looked at, so a worker whose plan
+disagrees with the others' gets KEY_MISMATCH naming both sides instead of a wrong result.
+
+May import: the standard library, torch_bps.wire and torch_bps.errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch_bps.errors import ProtocolError
+from torch_bps.wire import DTYPES, Command, Header, Mode, Status
+
+_MODES = frozenset(int(m) for m in Mode)
+
+
+@dataclass
+class KeyInfo:
+    nbytes: int
+    dtype: int
+    mode: Mode
+    engine: int  # index of the owning engine thread, or the server's _FRONT
+
+
+def check_init(h: Header) -> None:
+    """Refuse an INIT whose dtype, size or mode no key can have."""
+    what = f"INIT of job {h.job_id:#x} key {h.key}"
+    if h.dtype not in DTYPES:
+        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: unknown dtype code {h.dtype}")
+    if h.mode not in _MODES:
+        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: unknown mode {h.mode} (0: SUM, 1: COPY)")
+    if h.nbytes % DTYPES[h.dtype].itemsize:
+        raise ProtocolError(
+            Status.KEY_MISMATCH, f"{what}: {h.nbytes} bytes is not a whole number of {dtype_name(h.dtype)}"
+        )
+
+
+def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> KeyInfo:
+    """Return the key's info if `h` (INIT, PUSH with payload_bytes, or PULL) agrees with it; else raise."""
+    if info is not None and h.nbytes == info.nbytes and h.dtype == info.dtype and h.mode == info.mode:
+        if h.command == Command.INIT or _range_ok(info, h, payload_bytes):
+            return info  # the hot path: no message built
+    what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
+    if info is None:
+        raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
+    if h.nbytes != info.nbytes or h.dtype != info.dtype or h.mode != info.mode:
+        raise ProtocolError(
+            Status.KEY_MISMATCH,
+            f"{what}: expected {info.nbytes} bytes of {dtype_name(info.dtype)} ({_mode_name(info.mode)}), received "
+            f"{h.nbytes} bytes of {dtype_name(h.dtype)} ({_mode_name(h.mode)})",
+        )
+    if h.command == Command.PUSH and payload_bytes != h.length:
+        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: header says {h.length} bytes, payload has {payload_bytes}")
+    whole = " (a SUM key is pushed whole)" if info.mode == Mode.SUM and h.command == Command.PUSH else ""
+    raise ProtocolError(
+        Status.KEY_MISMATCH, f"{what}: bytes [{h.offset}, {h.offset + h.length}) of a {info.nbytes}-byte key{whole}"
+    )
+
+
+def _range_ok(info: KeyInfo, h: Header, payload_bytes: int) -> bool:
+    if h.command == Command.PUSH:
+        if payload_bytes != h.length or (info.mode == Mode.SUM and (h.offset, h.length) != (0, info.nbytes)):
+            return False
+    return h.offset + h.length <= info.nbytes
+
+
+def dtype_name(code: int) -> str:
+    return str(DTYPES[code]).removeprefix("torch.") if code in DTYPES else f"dtype code {code}"
+
+
+def _mode_name(mode: int) -> str:
+    return Mode(mode).name if mode in _MODES else f"mode {mode}"
