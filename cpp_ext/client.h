@@ -141,6 +141,9 @@ class Client {
   void onReconnect(size_t server);
   void onRehello(const OpPtr& op, uint64_t incarnation);
   bool failIfDown(const OpPtr& op);
+  // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
+  // first is usually the cause (its rank fails, and takes its own embedded server with it).
+  std::string earlierLoss(size_t server) const;
   void expireDeadlines();
   int pollTimeoutMs() const;
   void forget(uint64_t requestId);

@@ -200,13 +200,30 @@ void Client::onDisconnect(size_t server) {
     if (entry.second.op->server == server) lost.push_back(entry.second.op);
   }
   const std::string& address = links_[server]->address();
+  std::string earlier = earlierLoss(server);
   for (auto& op : lost) {
     if (op->done) continue;
     uint16_t command = inflight_.at(op->requests.front()).command;
     failOp(op, {ErrorKind::kTransport, 0,
-                formatText("lost the connection to server %s while waiting for the %s reply (%s)", address.c_str(),
-                       commandName(command), describe(*op).c_str())});
+                formatText("lost the connection to server %s while waiting for the %s reply (%s)%s", address.c_str(),
+                           commandName(command), describe(*op).c_str(), earlier.c_str())});
   }
+}
+
+std::string Client::earlierLoss(size_t server) const {
+  const LinkState& mine = linkStates_[server];
+  size_t first = server;
+  for (size_t i = 0; i < linkStates_.size(); ++i) {
+    const LinkState& other = linkStates_[i];
+    if (i != server && other.down && other.since < mine.since &&
+        (first == server || other.since < linkStates_[first].since)) {
+      first = i;
+    }
+  }
+  if (first == server) return "";
+  double ago = std::chrono::duration<double>(mine.since - linkStates_[first].since).count();
+  return formatText("; server %s had gone %.2f s earlier (%s)", links_[first]->address().c_str(), ago,
+                    linkStates_[first].why.c_str());
 }
 
 void Client::onReconnect(size_t server) {

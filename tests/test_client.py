@@ -375,6 +375,24 @@ def test_killed_server_fails_outstanding_requests_promptly(job_id):
         dying.kill()
 
 
+def test_a_server_lost_later_names_the_one_lost_first(job_id):
+    """Two servers die one after the other (a rank fails when its server dies and takes its own embedded
+    server with it): the error of a request on the second names the first, which is usually the cause."""
+    first, second = ServerProcess(), ServerProcess()
+    try:
+        with Client([first.address, second.address], job_id, 0, 2, timeout=60) as c:
+            waiting = c.push_pull(torch.zeros(100), 1, server=1)  # no second worker: it waits on `second`
+            time.sleep(0.3)
+            first.kill()
+            time.sleep(0.5)
+            second.kill()
+            with pytest.raises(TransportError, match=rf"{second.address}.*; server {first.address} had gone"):
+                waiting.wait()
+    finally:
+        first.kill()
+        second.kill()
+
+
 def test_requests_to_a_lost_server_fail_at_once_and_a_restart_is_named(job_id):
     """After the connection drops, requests fail at once (not at the timeout) naming the server; once it is
     back as a new incarnation, the error says it restarted and lost the job's sums."""
