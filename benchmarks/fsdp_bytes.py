@@ -10,6 +10,8 @@ world x tensor each way; broadcast: the tensor up once, down world - 1 times). A
 parameters after training with those of the same run on gloo.
 
 Usage: python benchmarks/fsdp_bytes.py [--worlds 2,4] [--steps 3] [--json out.json]
+`log_collectives`, `ideal_bytes` and `server_bytes` also count the FSDP2 runs of the emulated cluster
+(benchmarks/cluster, `--fsdp`).
 May import: the standard library, torch and torch_bps.
 """
 
@@ -38,7 +40,7 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks, torch.nn.LayerNorm(width))
 
 
-def _ideal(calls: list[tuple[str, int, int]], world: int) -> int:
+def ideal_bytes(calls: list[tuple[str, int, int]], world: int) -> int:
     """A parameter server's bytes (up + down) for the logged collectives: (op, input bytes, output bytes)."""
     total = 0
     for op, nin, nout in calls:
@@ -53,7 +55,7 @@ def _ideal(calls: list[tuple[str, int, int]], world: int) -> int:
     return total
 
 
-def _log_collectives(calls: list) -> None:
+def log_collectives(calls: list) -> None:
     """Record every collective the byteps process group runs, with its input and output bytes."""
     from torch_bps.process_group import BackendBPS
 
@@ -93,7 +95,8 @@ def _floats(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
-def _server_bytes() -> int:
+def server_bytes() -> int:
+    """Return the payload bytes every server of this job has received plus sent so far (their STATS)."""
     from torch_bps import implementation
 
     client = implementation().runtime._client
@@ -110,7 +113,7 @@ def _rank(rank: int, world: int, port: int, backend: str, args, results) -> None
 
         calls: list[tuple[str, int, int]] = []
         if backend == "byteps":
-            _log_collectives(calls)
+            log_collectives(calls)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))  # fmt: skip
         gloo = dist.new_group(backend="gloo") if backend == "byteps" else dist.group.WORLD
@@ -130,13 +133,14 @@ def _rank(rank: int, world: int, port: int, backend: str, args, results) -> None
         step()  # warm-up: keys declared, buffers allocated
         dist.barrier(group=gloo)
         calls.clear()
-        before = _server_bytes() if backend == "byteps" and rank == 0 else 0
+        before = server_bytes() if backend == "byteps" and rank == 0 else 0
         dist.barrier(group=gloo)  # nobody starts the next step before rank 0 read the counters
         for _ in range(args.steps):
             step()
         dist.barrier(group=gloo)  # every rank's collectives finished: the counters are final
-        measured = (_server_bytes() - before) if backend == "byteps" and rank == 0 else 0
-        ideal = _ideal(calls, world) if calls else 0  # before full_tensor() below, whose all-gathers are not a step's
+        measured = (server_bytes() - before) if backend == "byteps" and rank == 0 else 0
+        # Before full_tensor() below, whose all-gathers are not a step's.
+        ideal = ideal_bytes(calls, world) if calls else 0
         # As bytes: a tensor through a multiprocessing queue is a shared-memory handle that dies with this process.
         params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
         dist.barrier(group=gloo)

@@ -6,8 +6,10 @@ everywhere. Together well under a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,8 +17,10 @@ import textwrap
 import pytest
 
 from benchmarks.cluster import cli, netns, placement, sweep, theory
+from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
+from benchmarks.cluster.workers import ddp_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
@@ -119,3 +123,37 @@ def test_repeated_points_report_the_median_run_and_keep_every_run():
     assert cli.make_plan(cli.parse_args([])).repeats == 3
     assert cli.make_plan(cli.parse_args(["--quick"])).repeats == 1
     assert cli.make_plan(cli.parse_args(["--quick", "--repeats", "5"])).repeats == 5
+
+
+def test_fsdp_flag_trains_the_ddp_model_sharded_and_reports_one_row():
+    plan = cli.make_plan(cli.parse_args(["--ks", "0,4", "--fsdp"]))
+    assert plan.fsdp == dataclasses.replace(plan.ddp, wrap="fsdp")
+    assert cli.make_plan(cli.parse_args([])).fsdp is None
+    alone = cli.make_plan(cli.parse_args(["--no-ddp", "--fsdp"]))
+    assert alone.ddp is None and alone.fsdp.wrap == "fsdp"
+
+    cpu = {"process_cores": 0.5, "machine_busy": 0.9, "machine_softirq": 0.1}
+    link = {"w0": {"tx": 150e6, "rx": 225e6}, "w1": {"tx": 160e6, "rx": 220e6}}
+    gloo = {"seconds_per_step": 4.0, "cpu": {"w0": cpu}, "link_bytes_per_step": link, "tbf_drops": {}}
+    bps = {**gloo, "seconds_per_step": 3.2, "server_bytes_per_step": 500e6, "ideal_bytes_per_step": 500e6}
+    fsdp = {"params": 25_178_112, "batch_per_rank": 16, "steps": 5, "points": {"gloo": gloo, "byteps k=4": bps}}
+    report = {"sweep": [], "errors": [], "fsdp": fsdp}
+    report["cpu"] = report_mod.cpu_summary(report)
+    text = report_mod.format_table(report)
+    row = next(line for line in text.splitlines() if line.startswith("FSDP2"))
+    assert "gloo 0.250 steps/s, link 160/225 MB" in row
+    assert "byteps k=4 0.312 steps/s (1.25x gloo)" in row and "500.0 MB = 1.0000 x ideal" in row
+    assert set(report["cpu"]["measurements"]) == {"fsdp gloo", "fsdp byteps k=4"}
+
+
+def test_link_bytes_reads_the_interface_counters(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    before = ddp_train.link_bytes()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as c, server.accept()[0] as peer:
+            c.sendall(b"x" * 100_000)
+            got = 0
+            while got < 100_000:
+                got += len(peer.recv(65536))
+    after = ddp_train.link_bytes()
+    assert after["tx"] - before["tx"] >= 100_000 and after["rx"] - before["rx"] >= 100_000

@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster --quick --json out.json --plot out.png    # n=2, k in {0,2}, < 3 min
     python -m benchmarks.cluster                                            # n=4, k=0..4, 64 MiB, 500 Mbit/s
+    python -m benchmarks.cluster --ks 0,4 --fsdp                            # + FSDP2 on gloo and byteps per k
     python -m benchmarks.cluster --cleanup-leftovers                        # remove namespaces of crashed runs
 
 May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report,sweep}.
@@ -10,6 +11,7 @@ May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 
@@ -53,9 +55,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
-    p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048)")
+    p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048; DDP and --fsdp)")
     p.add_argument("--ddp-layers", type=int, help="MLP depth (default 6 = 25 M params; --quick 3)")
     p.add_argument("--ddp-batch", type=int, default=16, help="samples per rank per step (default 16)")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also train the same MLP sharded with FSDP2 fully_shard: gloo, and byteps at every k of --ks; "
+        "steps/s and bytes per step (worker links; byteps servers' STATS against the ideal)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: step time vs k, measured vs theory vs gloo")
     p.add_argument("--cleanup-leftovers", action="store_true", help="delete bps-* namespaces of dead runs, exit")
@@ -80,10 +88,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if any(k < 0 for k in ks):
         raise SystemExit(f"--ks {args.ks}: k must be >= 0")
     steps, warmup = pick(args.steps, "steps", 5), pick(args.warmup, "warmup", 2)
-    ddp = None
-    if not args.no_ddp:
-        ddp = DdpSpec(hidden=args.ddp_hidden, layers=pick(args.ddp_layers, "ddp_layers", 6), batch=args.ddp_batch,
-                      steps=steps, warmup=warmup)  # fmt: skip
+    model = DdpSpec(hidden=args.ddp_hidden, layers=pick(args.ddp_layers, "ddp_layers", 6), batch=args.ddp_batch,
+                    steps=steps, warmup=warmup)  # fmt: skip
     return Plan(
         n=n,
         ks=ks,
@@ -93,8 +99,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         warmup=warmup,
         repeats=max(1, pick(args.repeats, "repeats", 3)),
         calibration_s=QUICK["calibration_s"] if args.quick else 3.0,
-        ddp=ddp,
+        ddp=None if args.no_ddp else model,
         ddp_k=args.ddp_k if args.ddp_k is not None else n,
+        fsdp=dataclasses.replace(model, wrap="fsdp") if args.fsdp else None,
     )
 
 

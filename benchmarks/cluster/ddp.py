@@ -1,9 +1,11 @@
-"""The DDP part: samples/s of a communication-bound MLP on the worker hosts, gloo vs the "byteps" backend.
+"""The training part: samples/s of a communication-bound MLP on the worker hosts, gloo vs the "byteps" backend,
+wrapped in DDP or (`DdpSpec.wrap = "fsdp"`) sharded with FSDP2's `fully_shard`.
 
 The byteps run starts summation servers on `k` dedicated server hosts and hands them to the backend in
-BPS_SERVERS; the backend's runtime adds colocated servers itself when its placement wants them (k < n)
-and splits the bytes with the library's placement. It reports unavailable until `import torch_bps`
-registers a "byteps" process group.
+BPS_SERVERS; the backend's runtime adds colocated servers itself when its placement wants them (k < n;
+at k = 0 they are all it has) and splits the bytes with the library's placement. It reports unavailable
+until `import torch_bps` registers a "byteps" process group. Every run counts each worker link's bytes
+over the timed steps; FSDP2 runs on "byteps" also count the servers' payload bytes against the ideal.
 May import: the standard library and benchmarks.cluster.{byteps,errors,procs,topology}.
 """
 
@@ -22,8 +24,12 @@ WORKER = "benchmarks.cluster.workers.ddp_train"
 
 @dataclass(frozen=True)
 class DdpSpec:
-    """The model and the run: `layers` x Linear(hidden, hidden), `batch` samples per rank per step."""
+    """The model and the run: `layers` x Linear(hidden, hidden), `batch` samples per rank per step.
 
+    `wrap`: "ddp" (DistributedDataParallel) or "fsdp" (`fully_shard` on every Linear and the root).
+    """
+
+    wrap: str = "ddp"
     hidden: int = 2048
     layers: int = 6
     batch: int = 16
@@ -53,30 +59,40 @@ def run_ddp(
                 sys.executable, "-m", WORKER, "--backend", backend, "--rank", str(r), "--world", str(n),
                 "--store", store, "--hidden", str(spec.hidden), "--layers", str(spec.layers),
                 "--batch", str(spec.batch), "--steps", str(spec.steps), "--warmup", str(spec.warmup),
-                "--timeout", str(spec.timeout_s),
+                "--timeout", str(spec.timeout_s), "--wrap", spec.wrap,
             ],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env_of(r, h) if env_of else {})},
         )
         for r, h in enumerate(cluster.workers)
     ]  # fmt: skip
-    results = procs.wait_all(ranks, spec.timeout_s + 30.0, f"DDP {backend}")
+    results = procs.wait_all(ranks, spec.timeout_s + 30.0, f"{spec.wrap.upper()} {backend}")
     seconds = max(r["seconds"] for r in results)
-    return {
+    out = {
         "samples_per_s": n * spec.batch * spec.steps / seconds,
         "seconds_per_step": seconds / spec.steps,
         "params": results[0]["params"],
         "cpu": {h.name: r["cpu"] for h, r in zip(cluster.workers, results, strict=True)},
+        # Per worker link and direction, IP and TCP headers included; servers colocated on a worker count in.
+        "link_bytes_per_step": {
+            h.name: {d: b / spec.steps for d, b in r["link_bytes"].items()}
+            for h, r in zip(cluster.workers, results, strict=True)
+        },
     }
+    if "server_bytes" in results[0]:
+        out["server_bytes_per_step"] = results[0]["server_bytes"] / spec.steps
+        out["ideal_bytes_per_step"] = results[0]["ideal_bytes"] / spec.steps
+    return out
 
 
 def run_ddp_byteps(cluster: Cluster, spec: DdpSpec, store_port: int, k: int, server_port: int = 9500) -> dict:
-    """Run `run_ddp` with the "byteps" backend, servers on the first `k` server hosts (BPS_SERVERS)."""
+    """Run `run_ddp` with the "byteps" backend, servers on the first `k` server hosts (BPS_SERVERS).
+
+    At k = 0 BPS_SERVERS is empty and the backend starts an embedded server on every worker host.
+    """
     reason = byteps.probe("backend")
     if reason:
         raise BackendUnavailable(f'"byteps" process group is not usable: {reason}')
     hosts = cluster.servers[:k]
-    if not hosts:
-        raise BackendUnavailable("the byteps DDP run needs at least one server host (k >= 1)")
     server_procs, addresses = byteps.start_servers(cluster, hosts, server_port)
     n = len(cluster.workers)
 

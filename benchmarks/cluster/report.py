@@ -26,6 +26,9 @@ def cpu_summary(report: dict) -> dict:
     for backend, cpu in (ddp.get("cpu") or {}).items():
         if cpu:
             windows[f"ddp {backend}"] = (list(cpu.values()), (ddp.get("tbf_drops") or {}).get(backend))
+    for name, point in ((report.get("fsdp") or {}).get("points") or {}).items():
+        if point:
+            windows[f"fsdp {name}"] = (list(point["cpu"].values()), point.get("tbf_drops"))
     measurements = {
         name: {
             "processes_cores": round(sum(c["process_cores"] for c in cpus), 3),
@@ -81,6 +84,7 @@ def format_table(report: dict) -> str:
             f"gloo {_f(ddp['gloo_samples_per_s'], '.1f')} samples/s, "
             f"byteps {_f(ddp['byteps_samples_per_s'], '.1f')} samples/s{why}"
         )
+    lines += _fsdp_lines(report.get("fsdp"))
     cpu = report.get("cpu") or {}
     if cpu.get("measurements"):
         bg = cpu.get("background_busy")
@@ -97,6 +101,34 @@ def format_table(report: dict) -> str:
     for err in report.get("errors", []):
         lines.append(f"ERROR in {err['what']}: {err['error'].splitlines()[0]}")
     return "\n".join(lines)
+
+
+def _fsdp_lines(fsdp: dict | None) -> list[str]:
+    """The FSDP2 row: steps/s per backend and k, the busiest worker link's MB/step, the servers' bytes vs ideal."""
+    if not fsdp:
+        return []
+    gloo = fsdp["points"].get("gloo")
+    parts = []
+    for name, point in fsdp["points"].items():
+        if not point:
+            parts.append(f"{name} -")
+            continue
+        link = point["link_bytes_per_step"].values()
+        speedup = gloo["seconds_per_step"] / point["seconds_per_step"] if gloo and name != "gloo" else None
+        text = (
+            f"{name} {1 / point['seconds_per_step']:.3f} steps/s"
+            + (f" ({speedup:.2f}x gloo)" if speedup else "")
+            + f", link {max(b['tx'] for b in link) / 1e6:.0f}/{max(b['rx'] for b in link) / 1e6:.0f} MB"
+        )
+        if "server_bytes_per_step" in point:
+            ratio = point["server_bytes_per_step"] / point["ideal_bytes_per_step"]
+            text += f", servers {point['server_bytes_per_step'] / 1e6:.1f} MB = {ratio:.4f} x ideal"
+        parts.append(text)
+    why = f" (byteps unavailable: {fsdp['byteps_unavailable']})" if fsdp.get("byteps_unavailable") else ""
+    return [
+        f"FSDP2 ({fsdp['params'] / 1e6:.1f} M params, batch {fsdp['batch_per_rank']}/rank; per step, link = busiest "
+        "worker link up/down, headers included): " + "; ".join(parts) + why
+    ]
 
 
 def write_json(report: dict, path: str) -> None:

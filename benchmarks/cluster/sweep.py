@@ -1,4 +1,4 @@
-"""The measurement plan: calibrate, gloo all_reduce, byteps push/pull per k, DDP; one report dict.
+"""The measurement plan: calibrate, gloo all_reduce, byteps push/pull per k, DDP, FSDP2; one report dict.
 
 Every measurement prints one progress line as it finishes and has a time budget derived from the
 theory (generous: startup plus five times the expected time), so a wedged run ends, it never hangs.
@@ -41,6 +41,7 @@ class Plan:
     calibration_s: float = 3.0
     ddp: DdpSpec | None = field(default_factory=DdpSpec)
     ddp_k: int = 4  # server hosts of the byteps DDP run
+    fsdp: DdpSpec | None = None  # the same MLP sharded with fully_shard: gloo once, byteps at every k of `ks`
 
     @property
     def rate_bps(self) -> float:
@@ -93,6 +94,7 @@ def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Calla
         report["gloo"] = gloo
         report["byteps"] = _sweep_byteps(cluster, plan, byteps_runner, say)
         report["ddp"] = _ddp(cluster, plan, say, report) if plan.ddp else None
+        report["fsdp"] = _fsdp(cluster, plan, say, report) if plan.fsdp else None
         report["run_id"] = cluster.run_id
     report["sweep"] = _rows(plan, gloo, report["byteps"])
     report["cpu"] = cpu_summary(report)
@@ -205,6 +207,61 @@ def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
     out["cpu"] = {"gloo": gloo and gloo["cpu"], "byteps": bps and bps["cpu"]}
     out["tbf_drops"] = {"gloo": gloo and gloo["tbf_drops"], "byteps": bps and bps["tbf_drops"]}
     return out
+
+
+def _fsdp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
+    """FSDP2 steps/s and bytes per step: gloo once, then byteps at every k of the sweep."""
+    # A ring moves (n-1)/n of the parameters per all-gather (forward and backward) and per reduce-scatter:
+    # 1.5 x an all-reduce of the parameters, the budget's expected step.
+    expected = 1.5 * theory.allreduce_bound_s(plan.n, plan.fsdp.params * 4, plan.rate_bps)
+    spec = dataclasses.replace(plan.fsdp, timeout_s=plan.budget_s(expected))
+    out: dict = {"params": spec.params, "batch_per_rank": spec.batch, "steps": spec.steps, "points": {}}
+    gloo = _guard(
+        report,
+        "FSDP2 gloo",
+        lambda: _counting_drops(
+            cluster, lambda: _median_run(plan.repeats, lambda: run_ddp(cluster, "gloo", spec, 29800))
+        ),
+    )
+    out["points"]["gloo"] = gloo
+    if gloo:
+        say(f"FSDP2 gloo: {_training_line(gloo)}")
+    for k in plan.ks:
+        name = f"byteps k={k}"
+        try:
+            bps = _counting_drops(
+                cluster,
+                lambda k=k: _median_run(
+                    plan.repeats, lambda: run_ddp_byteps(cluster, spec, 29810 + k, k, server_port=9600 + k)
+                ),
+            )
+        except BackendUnavailable as e:
+            out["byteps_unavailable"] = str(e)
+            say(f"FSDP2 byteps: unavailable ({e})")
+            break
+        except ClusterError as e:
+            report["errors"].append({"what": f"FSDP2 {name}", "error": str(e)})
+            say(f"FSDP2 {name}: FAILED: {_first_line(e)}")
+            continue
+        out["points"][name] = bps
+        say(f"FSDP2 {name}: {_training_line(bps)}")
+    return out
+
+
+def _training_line(point: dict) -> str:
+    """ "1.23 steps/s (0.813 s/step), worker links 75.0 MB/step each way; servers ... ; tbf drops 0" """
+    link = point["link_bytes_per_step"].values()
+    line = (
+        f"{1 / point['seconds_per_step']:.3f} steps/s ({point['seconds_per_step']:.3f} s/step{_runs(point)}), "
+        f"worker links {max(b['tx'] for b in link) / 1e6:.1f} MB/step up, {max(b['rx'] for b in link) / 1e6:.1f} "
+        "down (busiest)"
+    )
+    if "server_bytes_per_step" in point:
+        line += (
+            f", servers {point['server_bytes_per_step'] / 1e6:.1f} MB/step = "
+            f"{point['server_bytes_per_step'] / point['ideal_bytes_per_step']:.4f} x ideal"
+        )
+    return f"{line}; tbf drops {sum(point['tbf_drops'].values())}"
 
 
 def _rows(plan: Plan, gloo: dict | None, bps: dict) -> list[dict]:

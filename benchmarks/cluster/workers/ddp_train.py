@@ -1,18 +1,23 @@
-"""One rank of the DDP measurement: a communication-bound MLP on synthetic data, samples/s per backend.
+"""One rank of the DDP or FSDP2 measurement: a communication-bound MLP on synthetic data, per backend.
 
     python -m benchmarks.cluster.workers.ddp_train --backend gloo --rank 0 --world 4 \
-        --store 10.77.0.1:29600 --hidden 2048 --layers 6 --batch 16
+        --store 10.77.0.1:29600 --hidden 2048 --layers 6 --batch 16 [--wrap fsdp]
 
 `--layers` square Linear layers of `--hidden` units: 6 x 2048^2 is 25 M parameters, 100 MB of fp32
 gradients per step against ~2 GFLOP of compute for a batch of 16, so the links, not the 2 cores, set
 the pace. `--backend byteps` needs `import torch_bps` to register a "byteps" process group (servers from
 BPS_SERVERS); until it does, the rank exits with code 3 and says so.
-May import: the standard library, torch, torch_bps and benchmarks.cluster.{cpu,workers.common}.
+
+`--wrap fsdp` shards every Linear and the root with `fully_shard` instead of wrapping the model in DDP,
+and counts bytes over the timed steps: this host's link (both backends), and on "byteps" the servers'
+payload bytes (STATS, read by rank 0) next to a parameter server's ideal for the collectives FSDP2 issued.
+May import: the standard library, torch, torch_bps and benchmarks.{fsdp_bytes,cluster.cpu,cluster.workers.common}.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from datetime import timedelta
 
@@ -30,6 +35,18 @@ def build_model(hidden: int, layers: int):
     for _ in range(layers):
         blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
     return nn.Sequential(*blocks)
+
+
+def link_bytes() -> dict:
+    """Return the bytes this host's link (GLOO_SOCKET_IFNAME) has sent and received, IP and TCP headers included."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "bps0")
+    with open("/proc/net/dev") as f:  # per network namespace, unlike a /sys not remounted for it
+        for line in f:
+            iface, _, counters = line.partition(":")
+            if iface.strip() == name:
+                fields = counters.split()
+                return {"rx": int(fields[0]), "tx": int(fields[8])}
+    return {"rx": 0, "tx": 0}
 
 
 def require_byteps_backend() -> None:
@@ -56,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp", help="DDP, or FSDP2 fully_shard")
     args = p.parse_args(argv)
 
     import torch
@@ -71,7 +89,24 @@ def main(argv: list[str] | None = None) -> int:
         args.backend, store=rendezvous, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=args.timeout)
     )
     torch.manual_seed(0)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
-    model = DDP(build_model(args.hidden, args.layers))
+    model = build_model(args.hidden, args.layers)
+    calls: list[tuple[str, int, int]] = []  # the collectives FSDP2 issues on "byteps", for the ideal
+    if args.wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from benchmarks import fsdp_bytes
+
+        if args.backend == "byteps":
+            fsdp_bytes.log_collectives(calls)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DDP(model)
+    # Barriers around the byte count go through gloo: a "byteps" barrier would show up in the servers' STATS.
+    sync = dist.new_group(backend="gloo") if args.backend == "byteps" else dist.group.WORLD
+    counts_servers = args.wrap == "fsdp" and args.backend == "byteps" and args.rank == 0
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(args.rank)
     x = torch.randn(args.batch, args.hidden, generator=gen)
@@ -84,23 +119,33 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(args.warmup):
         step()
-    dist.barrier()
+    dist.barrier(group=sync)
+    calls.clear()
+    servers0 = fsdp_bytes.server_bytes() if counts_servers else 0
+    dist.barrier(group=sync)  # nobody starts the timed steps before rank 0 read the servers' counters
+    link0 = link_bytes()
     cpu = CpuWindow().start()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     elapsed = time.perf_counter() - start
-    params = sum(q.numel() for q in model.parameters())
-    emit(
-        {
-            "rank": args.rank,
-            "seconds": elapsed,
-            "steps": args.steps,
-            "batch": args.batch,
-            "params": params,
-            "cpu": cpu.stop(),
-        }
-    )
+    cpu_use = cpu.stop()
+    link1 = link_bytes()
+    result = {
+        "rank": args.rank,
+        "seconds": elapsed,
+        "steps": args.steps,
+        "batch": args.batch,
+        "params": sum(q.numel() for q in model.parameters()),  # DTensor.numel() is the unsharded count
+        "cpu": cpu_use,
+        "link_bytes": {d: link1[d] - link0[d] for d in ("tx", "rx")},
+    }
+    if args.wrap == "fsdp" and args.backend == "byteps":
+        dist.barrier(group=sync)  # every rank's collectives finished: the servers' counters are final
+        if counts_servers:
+            result["server_bytes"] = fsdp_bytes.server_bytes() - servers0
+            result["ideal_bytes"] = fsdp_bytes.ideal_bytes(calls, args.world)
+    emit(result)
     dist.destroy_process_group()
     return 0
 
