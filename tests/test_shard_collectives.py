@@ -66,6 +66,7 @@ def _traffic(rank, gloo, fn) -> tuple[int, int]:
     fn()
     dist.barrier(group=gloo)  # every rank's pulls were answered
     after = _server_bytes() if rank == 0 else (0, 0)
+    dist.barrier(group=gloo)  # no rank pushes its next collective before rank 0 has read
     return after[0] - before[0], after[1] - before[1]
 
 
