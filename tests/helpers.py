@@ -179,6 +179,8 @@ def _free_port() -> int:
 
 
 def _rank_main(fn, rank, world, port, backend, env, args, results):
+    if "LOCAL_WORLD_SIZE" not in env:  # every rank its own emulated machine, as torchrun would say on N nodes
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))
     os.environ.update(env)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -195,8 +197,10 @@ def _rank_main(fn, rank, world, port, backend, env, args, results):
 def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None = None, timeout: float = 150.0):
     """Run `fn(rank, world, gloo_group, *args)` in `world` spawned processes; return its results by rank.
 
-    Each process joined a `backend` default group first (and a gloo group, passed as `gloo_group`). A rank's
-    exception fails the test with its traceback; a job still running after `timeout` seconds is killed.
+    Each process joined a `backend` default group first (and a gloo group, passed as `gloo_group`). Each rank is
+    a machine of its own (its own worker to the servers, its own embedded server) unless `env` sets
+    LOCAL_WORLD_SIZE (then torchrun's other variables follow from it). A rank's exception fails the test with its
+    traceback; a job still running after `timeout` seconds is killed.
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

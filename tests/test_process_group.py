@@ -304,13 +304,16 @@ def _bad_input(rank, world, gloo):
 
 
 @pytest.mark.timeout(150)
-def test_bad_input_fails_clearly():
-    results = run_ranks(_bad_input, 2, env={"BPS_TIMEOUT": "20", "BPS_CONNECT_TIMEOUT": "20"}, timeout=130)
-    # Both ranks are on one machine, so the local reduce-scatter compares them before anything reaches a server
-    # and fails both at once, naming each rank's size.
+@pytest.mark.parametrize("machines", [1, 2])
+def test_bad_input_fails_clearly(machines):
+    env = {"BPS_TIMEOUT": "20", "BPS_CONNECT_TIMEOUT": "20"}
+    results = run_ranks(_bad_input, 2, env=env | ({"LOCAL_WORLD_SIZE": "2"} if machines == 1 else {}), timeout=130)
     for name, message, elapsed in results:
         assert elapsed < 20 + 10, f"the size mismatch took {elapsed:.1f}s to surface: {message}"
-        assert name == "LocalInputError" and re.search(r"disagree.*numel=4.*numel=5", message), (name, message)
+        if machines == 1:  # the local reduce-scatter compares the ranks before anything reaches a server
+            assert name == "LocalInputError" and re.search(r"disagree.*numel=4.*numel=5", message), (name, message)
+        else:  # the server refuses the push whose size differs from the key's, and fails the round for both
+            assert name == "ServerError" and re.search(r"KEY_MISMATCH.*key \d+, round 0", message), (name, message)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def test_flat_bit_exact_and_exact_bytes_on_the_wire(world):
     print({k: v for k, v in measured.items() if "float32" in k})
 
 
-@pytest.mark.parametrize("world, local", [(3, None), (4, "2")])
+@pytest.mark.parametrize("world, local", [(3, "3"), (4, "2")])
 def test_bit_exact_through_the_local_stages(world, local):
     """Several ranks per machine (one machine of 3; two of 2): the local stages move bytes exactly too."""
     env = {"LOCAL_WORLD_SIZE": local} if local else {}
