@@ -138,7 +138,7 @@ def test_dedicated_servers_from_env():
     servers = [ServerProcess(), ServerProcess()]
     try:
         addrs = ",".join(s.address for s in servers)
-        env = lambda r: {"BPS_SERVERS": addrs, "BPS_PARTITION_BYTES": "65536"}  # noqa: E731
+        env = lambda r: {"BPS_SERVERS": addrs, "BPS_PARTITION_BYTES": "65536", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
         out = run(3, env)
         assert [o["addresses"] for o in out.values()] == [[s.address for s in servers]] * 3
     finally:
@@ -156,7 +156,7 @@ def test_emulated_machines_each_start_a_colocated_server():
 def test_killed_server_fails_the_collective_not_hangs():
     server = ServerProcess()
     try:
-        env = lambda r: {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "60"}  # noqa: E731
+        env = lambda r: {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "60", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
         out = run(2, env, "server_killed", on_ready=server.kill)
         for rank in range(2):
             # At once, not at the request timeout: the connection is known to be gone.

@@ -159,8 +159,8 @@ class Runtime:
         from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
         credit = config.credit_bytes or DEFAULT_CREDIT_BYTES
-        engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local,
-                                local_rank=topology.local_rank, timeout=config.timeout)  # fmt: skip
+        engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local, local_rank=topology.local_rank,
+                                timeout=config.timeout, alone=client.num_workers == 1)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
         rt._secret = secret
         if rank == 0:

@@ -15,7 +15,8 @@ several, the machine is one worker to the servers, and the local stages run on t
 all-gather of the local ranks' ranges instead, so that the machine pushes its ranks' bytes once), because
 every local rank must meet the others in the same sequence; the network stage in between is fully pipelined
 across collectives. The all-gather thread hands `done` to the client's completion threads, so a blocking
-`done` never stalls it.
+`done` never stalls it. When the machine is the whole job (`alone`) the local stages already make the result:
+nothing goes to a server.
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
@@ -70,6 +71,8 @@ class PushPullEngine:
             the client's own error (naming server, key and round) is the one that surfaces.
         worker_ranks: the group ranks this engine's worker stands for (this machine's, in local rank order);
             default: the client's worker index times the local size, onwards.
+        alone: this machine is the whole job: the local stages make the sum (or the gather) and nothing goes to
+            a server.
     """
 
     def __init__(
@@ -82,8 +85,10 @@ class PushPullEngine:
         local_rank: int = 0,
         timeout: float = 300.0,
         worker_ranks: Sequence[int] | None = None,
+        alone: bool = False,
     ):
         self.client = client
+        self.alone = alone
         self._worker_ranks = worker_ranks
         self.keys = keys
         self.scheduler = scheduler
@@ -175,7 +180,7 @@ class PushPullEngine:
     # -- stage: partitions onto the network, highest priority first within the credit
     def _schedule(self, op: _Op) -> None:
         op.remaining = sum(len(parts) for parts in op.plans)
-        if op.remaining == 0:
+        if op.remaining == 0 or self.alone:
             self._network_done(op)
             return
         for x, parts in zip(op.items, op.plans, strict=True):
