@@ -72,7 +72,8 @@ class Process:
                     break
                 line = self.proc.stdout.readline()
                 if not line:
-                    raise RuntimeError(f"{self.proc.args[:4]} exited ({self.proc.wait(10)}) before printing {pattern!r}")
+                    code = self.proc.wait(10)
+                    raise RuntimeError(f"{self.proc.args[:4]} exited ({code}) before printing {pattern!r}")
                 if m := re.search(pattern, line):
                     return m
         raise TimeoutError(f"{self.proc.args[:4]} printed no {pattern!r} within {timeout:.0f} s")
@@ -142,7 +143,7 @@ def worker_main(argv: list[str]) -> int:
     with Client([address], job_id_from_name(job), index, workers, timeout=STEP_TIMEOUT) as client:
 
         def one_round() -> None:
-            for f in [client.push_pull(t, key, out=o) for key, (t, o) in enumerate(zip(tensors, outs))]:
+            for f in [client.push_pull(t, key, out=o) for key, (t, o) in enumerate(zip(tensors, outs, strict=True))]:
                 f.wait()
 
         one_round()
@@ -206,8 +207,8 @@ def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, r
                          us_per_message_over_floor=(r["cpu"] - floor_cpu) / r["messages"] * 1e6)  # fmt: skip
         row["floor"] = {k: statistics.median(f[k] for f in floors) for k in ("add", "memcpy")}
         for name in servers:
-            row[name] = {k: statistics.median(r[k] for r in runs[name])
-                         for k in ("cpu_per_gib", "vs_floor", "us_per_message", "us_per_message_over_floor", "wall")}  # fmt: skip
+            figures = ("cpu_per_gib", "vs_floor", "us_per_message", "us_per_message_over_floor", "wall")
+            row[name] = {k: statistics.median(r[k] for r in runs[name]) for k in figures}
             row[name]["all_vs_floor"] = [r["vs_floor"] for r in runs[name]]
         names = list(servers)
         if len(names) == 2:  # the A/B ratio, taken within each repeat
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--server", action="append", metavar="NAME=DIR",
-                   help="a checkout whose server to measure (repeatable; default this one: this=%(default)s)")  # fmt: skip
+                   help="a checkout whose server to measure (repeatable; default: this checkout)")  # fmt: skip
     p.add_argument("--sizes", help="comma-separated partition sizes in bytes (default 64 KiB, 256 KiB, 1 MiB, 4 MiB)")
     p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     p.add_argument("--mib", type=int, default=128, help="MiB each worker pushes per run (default 128; quick 32)")
