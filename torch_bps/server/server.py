@@ -12,6 +12,8 @@ never pushed fail naming them. Pulls waiting past their wait_ms fail naming the 
 Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
 thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
 busy machine is short of.
+The front thread handles what waits on a socket in batches (up to _BATCH messages per poll wake-up), and
+sends a round's whole result back as the message it was summed into (shared by reference count in libzmq).
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
 peers that pass the mechanism (token or CURVE) and the ZAP handler, and auth.JobGuard refuses a job's
