@@ -27,8 +27,6 @@ import torch
 from torch_bps.errors import ProtocolError
 from torch_bps.wire import Mode, Status
 
-Result = torch.Tensor | str  # a closed round's result, or why it failed
-
 
 @dataclass
 class Job:
@@ -60,7 +58,14 @@ class Round:
     # which later pushes are added in place. No allocation: fresh big buffers cost page faults that ran
     # the add at a third of add_'s speed, and an out-of-place add moves a third more memory.
     total: torch.Tensor | None = None
+    # What total's memory is, when it is a received message (the first push's): the server sends that message
+    # itself as the reply, which shares the bytes by reference count instead of handing pyzmq a tensor to
+    # track until libzmq releases it. Opaque here: never read, only kept beside total.
+    source: object = None
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # COPY: (offset, length, worker) pushed
+
+
+Result = Round | str  # a closed round (its total is the result), or why it failed
 
 
 @dataclass
@@ -99,9 +104,12 @@ class KeyRounds:
         self._free_done()
         return waiting
 
-    def push(self, worker: int, rnd: int, data: torch.Tensor, offset: int = 0) -> list[tuple[object, Result]]:
+    def push(
+        self, worker: int, rnd: int, data: torch.Tensor, offset: int = 0, source: object = None
+    ) -> list[tuple[object, Result]]:
         """Fold worker's data into round rnd (COPY: its bytes at `offset`). Return the (pull token, result) pairs
-        that can now be answered; a str result is why the round failed (COPY pushes that do not tile the key).
+        that can now be answered: the closed Round, or a str saying why it failed (COPY pushes that do not tile
+        the key). `source`: the received message `data` views, kept as Round.source if data becomes the total.
 
         Raises ProtocolError(BAD_ROUND) for a freed round or one too far ahead.
         """
@@ -113,23 +121,23 @@ class KeyRounds:
         if worker in r.pushed:
             return []  # a resent push: acknowledged, never added twice
         if self.mode == Mode.COPY:
-            self._write(r, data, offset, worker)
+            self._write(r, data, offset, worker, source)
         else:
-            self._add(r, data)
+            self._add(r, data, source)
         r.pushed.add(worker)
         if not self._closed(r):
             return []
         if self.mode == Mode.COPY:
             r.failure = self._untiled(r, rnd)
-        ready = [(token, r.failure or r.total) for token, _, _ in r.waiting]
+        ready = [(token, r.failure or r) for token, _, _ in r.waiting]
         for _, puller, _ in r.waiting:
             r.pulled.add(puller)
         r.waiting.clear()
         self._free_done()
         return ready
 
-    def pull(self, worker: int, rnd: int, token: object, deadline: float = math.inf) -> torch.Tensor | None:
-        """Return the sum of round rnd if it closed (the caller answers now), else queue token and return None.
+    def pull(self, worker: int, rnd: int, token: object, deadline: float = math.inf) -> Round | None:
+        """Return round rnd if it closed (the caller answers now with its total), else queue token and return None.
 
         A queued pull still waiting at `deadline` (time.monotonic()) is returned by `expire`.
         """
@@ -149,9 +157,8 @@ class KeyRounds:
             r.waiting.append((token, worker, deadline))
             return None
         r.pulled.add(worker)
-        total = r.total
         self._free_done()
-        return total
+        return r
 
     def fail_lost(self) -> list[tuple[object, str]]:
         """Return (pull token, message) for every waiting pull of a round that a lost worker has not pushed."""
@@ -217,20 +224,21 @@ class KeyRounds:
     def _closed(self, r: Round) -> bool:
         return len(r.pushed) == self.num_workers
 
-    def _add(self, r: Round, data: torch.Tensor) -> None:
+    def _add(self, r: Round, data: torch.Tensor, source: object) -> None:
         if r.total is None:
-            r.total = data
+            r.total, r.source = data, source
             return
         start = time.perf_counter_ns()
         r.total.add_(data)
         self._counters.sum_ns += time.perf_counter_ns() - start
         self._counters.bytes_summed += data.numel() * data.element_size()
 
-    def _write(self, r: Round, data: torch.Tensor, offset: int, worker: int) -> None:
+    def _write(self, r: Round, data: torch.Tensor, offset: int, worker: int, source: object) -> None:
         data = data.view(torch.uint8)
         r.pieces.append((offset, data.numel(), worker))
         if r.total is None and offset == 0 and data.numel() == self.nbytes:
-            r.total = data  # a broadcast's one push: kept as it arrived, no copy (as a SUM round's first push)
+            # A broadcast's one push: kept as it arrived, no copy (as a SUM round's first push).
+            r.total, r.source = data, source
             return
         if r.total is None:
             r.total = torch.empty(self.nbytes, dtype=torch.uint8)  # every byte is written, or the round fails

@@ -12,6 +12,8 @@ never pushed fail naming them. Pulls waiting past their wait_ms fail naming the 
 Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
 thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
 busy machine is short of.
+The front thread handles what waits on a socket in batches (up to _BATCH messages per poll wake-up), and
+sends a round's whole result back as the message it was summed into (shared by reference count in libzmq).
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
 peers that pass the mechanism (token or CURVE) and the ZAP handler, and auth.JobGuard refuses a job's
@@ -40,13 +42,16 @@ from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
-from torch_bps.server.rounds import Job, KeyRounds, SumCounters
+from torch_bps.server.rounds import Job, KeyRounds, Round, SumCounters
 from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
 
 _REPLIES = "inproc://bps-replies-{}"
 _POLL_MS = 200  # how often the front thread looks at the stop flag
+# Messages handled per poll wake-up and socket: a poll costs as much Python as handling a small message, and
+# under load messages queue up; bounded so the other sockets (engines' replies, the monitor) are not starved.
+_BATCH = 64
 INLINE_BYTES = 1 << 20  # keys up to this size are summed on the front thread itself
 _FRONT = -1  # KeyInfo.engine of an inline key
 _EXPIRE_S = 0.25  # how often waiting pulls are checked against their deadlines
@@ -135,7 +140,7 @@ class KeyOwner:
     def _handle(self, ident, header: Header, payload, job: Job, info: KeyInfo):
         rounds = self._rounds(header, job, info)
         if header.command == Command.PUSH:
-            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header), header.offset)
+            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header), header.offset, payload)
             yield [ident, header.reply().pack()]
             for (pull_ident, pull), result in ready:
                 if isinstance(result, str):  # the round failed as it closed
@@ -145,9 +150,9 @@ class KeyOwner:
                     yield _result_reply(pull_ident, pull, result)
         else:
             deadline = time.monotonic() + header.wait_ms / 1000 if header.wait_ms else math.inf
-            total = rounds.pull(header.worker, header.round, (ident, header), deadline)
-            if total is not None:
-                yield _result_reply(ident, header, total)
+            closed = rounds.pull(header.worker, header.round, (ident, header), deadline)
+            if closed is not None:
+                yield _result_reply(ident, header, closed)
             else:
                 self._waiting.add(rounds)
 
@@ -191,6 +196,16 @@ class Engine(threading.Thread):
             out.close()
 
 
+def _drain(sock: zmq.Socket, handle) -> None:
+    """Pass `handle` each message waiting on sock, up to _BATCH: one poll wake-up for all of them."""
+    for _ in range(_BATCH):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # once per batch: checking zmq.EVENTS before each message costs a syscall each
+            return
+        handle(frames)
+
+
 def _queued_bytes(item: tuple) -> int:
     payload = item[2]
     return len(payload) if isinstance(payload, zmq.Frame) else 0
@@ -203,10 +218,15 @@ def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
     return torch.frombuffer(payload.buffer, dtype=dtype)
 
 
-def _result_reply(ident, header: Header, total: torch.Tensor) -> list:
+def _result_reply(ident, header: Header, closed: Round) -> list:
     """Answer a PULL with bytes [offset, offset + length) of its round's result (the range was checked)."""
-    # A round's result is never written again once closed, so it can go out zero-copy.
-    data = total.view(torch.uint8)[header.offset : header.offset + header.length]
+    # A round's result is never written again once closed, so it can go out zero-copy. When it is a received
+    # message and the whole of it is wanted (every all-reduce pull), that message itself goes back: libzmq
+    # shares it by reference count. A tensor sent zero-copy instead costs pyzmq a wake-up of its garbage
+    # collector thread per reply, to drop the reference once libzmq is done.
+    if closed.source is not None and header.offset == 0 and header.length == len(closed.source):
+        return [ident, header.reply().pack(), closed.source]
+    data = closed.total.view(torch.uint8)[header.offset : header.offset + header.length]
     return [ident, header.reply().pack(), data.numpy() if data.numel() else b""]
 
 
@@ -296,12 +316,11 @@ class SummationServer:
                     break
                 for sock, _ in poller.poll(_POLL_MS):
                     if sock is self._monitor:
-                        while self._monitor.poll(0):
-                            self._on_monitor(self._monitor.recv_multipart())
+                        self._drain_monitor()
                     elif sock is self._router:
-                        self._on_request(self._router.recv_multipart(copy=False))
+                        _drain(self._router, self._on_request)
                     else:
-                        self._send(self._replies.recv_multipart(copy=False))
+                        _drain(self._replies, self._send)
                 self._inline.expire(self._send)
                 self._sweep()
         finally:
@@ -324,10 +343,11 @@ class SummationServer:
                 self._counts["errors"] += 1
         self._router.send_multipart(frames, copy=False)
 
-    def _on_monitor(self, frames: list) -> None:
-        event = parse_monitor_message(frames)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._on_disconnect(event["value"])
+    def _drain_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._on_disconnect(event["value"])
 
     def _on_disconnect(self, fd: int) -> None:
         """The connection on fd is gone: every worker that said HELLO on it is lost to its job."""
@@ -417,6 +437,9 @@ class SummationServer:
             self._engines[info.engine].inbox.put(item)
 
     def _hello(self, ident, h: Header, head: zmq.Frame) -> None:
+        # Disconnects first: this HELLO's connection may reuse the fd number of one that dropped while the
+        # messages of a batch were handled, and its record must not be dropped with the old connection's.
+        self._drain_monitor()
         job = self._jobs.get(h.job_id)
         if h.num_workers == 0 or h.worker >= h.num_workers or h.num_workers > self.limits.max_workers:
             raise ProtocolError(

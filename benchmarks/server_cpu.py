@@ -1,0 +1,264 @@
+"""The summation server's CPU cost per byte and per message, against the floor of what it must do.
+
+A real `bps-server` process (authentication `token`, as by default) and W worker processes (a
+torch_bps.client.Client each, default 4) on loopback. Each worker push_pulls P keys (partitions) of S
+bytes, all in flight at once, for R rounds; the figure is the server process's CPU seconds (utime + stime
+of /proc/<pid>/stat, every thread, kernel time of its sockets included) over those rounds, per GiB pushed
+into it and per message (a PUSH or a PULL; each gets one reply).
+
+Beside it, measured in this process in the same run (one thread, CPU time, buffers cycled through 64 MiB
+so they are not cache-resident, as received frames are not), the floor a server cannot go below:
+  - add: torch `add_` of the bytes summed (W - 1 adds of S per key and round: the first push is kept),
+  - memcpy: `copy_` of the bytes moved twice (received into memory, sent back out: W pushes in, W pulls out).
+The ratios: server CPU / (add + memcpy) per GiB, and per message the server's CPU beyond that floor.
+
+`--server NAME=DIR` (repeatable) runs the server from another checkout DIR (`python -m torch_bps.server`
+with DIR first on the path), e.g. `--server old=/tmp/bps-base --server new=.` for an A/B: servers alternate
+within every repeat, so machine load drifting hits all alike, and each ratio is taken within a repeat.
+
+Usage: python benchmarks/server_cpu.py [--quick] [--server NAME=DIR ...] [--json out.json]
+May import: the standard library, torch and torch_bps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
+FLOOR_POOL_BYTES = 64 * MiB  # the floor's buffers: bigger than any cache, as a stream of received frames is
+STEP_TIMEOUT = 300.0  # seconds any worker step may take before the run is abandoned
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process pid so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _env(path_first: str) -> dict:
+    return {**os.environ, "PYTHONPATH": path_first + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+class Process:
+    """A subprocess spoken to line by line (stdin/stdout), every read bounded by a deadline."""
+
+    def __init__(self, cmd: list[str], path_first: str, cwd: str | None = None):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=_env(path_first), cwd=cwd)  # fmt: skip
+
+    def expect(self, pattern: str, timeout: float = STEP_TIMEOUT) -> re.Match:
+        """Read lines until one matches `pattern`; raise if the process ends or `timeout` passes first."""
+        import selectors
+
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while (left := deadline - time.monotonic()) > 0:
+                if not sel.select(left):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    code = self.proc.wait(10)
+                    raise RuntimeError(f"{self.proc.args[:4]} exited ({code}) before printing {pattern!r}")
+                if m := re.search(pattern, line):
+                    return m
+        raise TimeoutError(f"{self.proc.args[:4]} printed no {pattern!r} within {timeout:.0f} s")
+
+    def say(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server(checkout: str, max_frame: int) -> tuple[Process, str]:
+    """`python -m torch_bps.server` from `checkout` on loopback; return it and its address.
+
+    Authentication `token` with the pool credential of BPS_POOL_CREDENTIAL, which the workers' Clients also read.
+    """
+    from torch_bps.security import new_secret
+
+    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
+    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", "token",
+           "--max-frame-bytes", str(max(max_frame, 16 * MiB))]  # fmt: skip
+    server = Process(cmd, checkout, cwd=checkout)
+    port = server.expect(r"port (\d+) incarnation", timeout=120).group(1)
+    return server, f"127.0.0.1:{port}"
+
+
+def run_workers(server: Process, address: str, workers: int, size: int, keys: int, rounds: int, tag: str) -> dict:
+    """W worker processes push_pull `keys` keys of `size` bytes for `rounds` rounds; return the server's CPU."""
+    job = f"server-cpu-{os.getpid()}-{tag}"
+    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, str(workers), str(size), str(keys),
+            str(rounds)]  # fmt: skip
+    procs = [Process([*argv, str(w)], REPO) for w in range(workers)]
+    try:
+        for p in procs:  # each has said HELLO, declared its keys and run one round (first sums allocated)
+            p.expect(r"^ready")
+        cpu0, start = cpu_seconds(server.proc.pid), time.perf_counter()
+        for p in procs:
+            p.say("go")
+        for p in procs:
+            if wrong := p.expect(r"^done(.*)").group(1).strip():
+                raise RuntimeError(f"server at {address}: {wrong}")
+        wall, cpu = time.perf_counter() - start, cpu_seconds(server.proc.pid) - cpu0
+        for p in procs:
+            p.say("exit")
+    finally:
+        for p in procs:
+            p.stop()
+    received = workers * keys * rounds * size
+    return dict(cpu=cpu, wall=wall, received=received, messages=2 * workers * keys * rounds)
+
+
+def worker_main(argv: list[str]) -> int:
+    """One worker: `_worker ADDRESS JOB WORKERS SIZE KEYS ROUNDS INDEX`, driven by "go"/"exit" on stdin."""
+    from torch_bps.client import Client, job_id_from_name
+
+    address, job, workers, size, keys, rounds, index = argv[0], argv[1], *map(int, argv[2:])
+    torch.set_num_threads(1)
+    tensors = [torch.full((size // 4,), float(index + 1)) for _ in range(keys)]
+    outs = [torch.empty_like(t) for t in tensors]  # the pushed tensors stay as they are: every sum is known
+    with Client([address], job_id_from_name(job), index, workers, timeout=STEP_TIMEOUT) as client:
+
+        def one_round() -> None:
+            for f in [client.push_pull(t, key, out=o) for key, (t, o) in enumerate(zip(tensors, outs, strict=True))]:
+                f.wait()
+
+        one_round()
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        for _ in range(rounds):
+            one_round()
+        expected = workers * (workers + 1) // 2
+        wrong = [key for key, o in enumerate(outs) if not bool((o == expected).all())]
+        print(f"done WRONG SUM of keys {wrong}" if wrong else "done", flush=True)
+        sys.stdin.readline()
+    return 0
+
+
+def floor_seconds_per_gib(size: int, workers: int, budget: float) -> dict:
+    """CPU seconds per GiB pushed that the server cannot avoid: add_ of (W-1)/W of it, memcpy of twice it."""
+    torch.set_num_threads(1)
+    n = max(2, FLOOR_POOL_BYTES // size)
+    pool = [torch.ones(size // 4) for _ in range(n)]
+    other = [torch.ones(size // 4) for _ in range(n)]
+
+    def per_byte(fn) -> float:
+        for i in range(n):  # warm: touch every page once
+            fn(pool[i], other[i])
+        done, start = 0, time.thread_time()
+        while done < 3 * n or time.thread_time() - start < budget:
+            fn(pool[done % n], other[done % n])
+            done += 1
+        return (time.thread_time() - start) / (done * size)
+
+    add = per_byte(lambda a, b: a.add_(b)) * GiB * (workers - 1) / workers
+    memcpy = per_byte(lambda a, b: a.copy_(b)) * GiB * 2
+    return dict(add=add, memcpy=memcpy)
+
+
+def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, repeats: int, budget: float) -> list:
+    rows = []
+    for size in sizes:
+        keys = max(2, min(64, 8 * MiB // size))
+        rounds = max(3, mib * MiB // (keys * size))
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        floors = []
+        for rep in range(repeats):
+            for name, checkout in servers.items():
+                server, address = start_server(checkout, size)
+                try:
+                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, f"{name}-{size}-{rep}"))
+                finally:
+                    server.stop()
+            floors.append(floor_seconds_per_gib(size, workers, budget))
+        row = dict(size=size, keys=keys, rounds=rounds, workers=workers, repeats=repeats)
+        for rep in range(repeats):
+            floor = floors[rep]["add"] + floors[rep]["memcpy"]
+            for name in servers:
+                r = runs[name][rep]
+                per_gib = r["cpu"] / (r["received"] / GiB)
+                floor_cpu = floor * r["received"] / GiB
+                r.update(cpu_per_gib=per_gib, vs_floor=per_gib / floor,
+                         us_per_message=r["cpu"] / r["messages"] * 1e6,
+                         us_per_message_over_floor=(r["cpu"] - floor_cpu) / r["messages"] * 1e6)  # fmt: skip
+        row["floor"] = {k: statistics.median(f[k] for f in floors) for k in ("add", "memcpy")}
+        for name in servers:
+            figures = ("cpu_per_gib", "vs_floor", "us_per_message", "us_per_message_over_floor", "wall")
+            row[name] = {k: statistics.median(r[k] for r in runs[name]) for k in figures}
+            row[name]["all_vs_floor"] = [r["vs_floor"] for r in runs[name]]
+        names = list(servers)
+        if len(names) == 2:  # the A/B ratio, taken within each repeat
+            a, b = names
+            row[f"{b}_over_{a}"] = statistics.median(runs[b][i]["cpu"] / runs[a][i]["cpu"] for i in range(repeats))
+        rows.append(row)
+        print_row(row, names)
+    return rows
+
+
+def print_row(row: dict, names: list[str]) -> None:
+    floor = row["floor"]
+    cells = [f"{row['size'] // KiB} KiB x {row['keys']} keys x {row['rounds']} rounds",
+             f"floor add {floor['add']:.3f} + memcpy {floor['memcpy']:.3f} s/GiB"]  # fmt: skip
+    for name in names:
+        r = row[name]
+        cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB = {r['vs_floor']:.1f}x floor, "
+                     f"{r['us_per_message']:.0f} us/msg ({r['us_per_message_over_floor']:.0f} over floor)")  # fmt: skip
+    if len(names) == 2:
+        cells.append(f"{names[1]}/{names[0]} CPU {row[f'{names[1]}_over_{names[0]}']:.2f}")
+    print(" | ".join(cells), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        return worker_main(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", action="append", metavar="NAME=DIR",
+                   help="a checkout whose server to measure (repeatable; default: this checkout)")  # fmt: skip
+    p.add_argument("--sizes", help="comma-separated partition sizes in bytes (default 64 KiB, 256 KiB, 1 MiB, 4 MiB)")
+    p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    p.add_argument("--mib", type=int, default=128, help="MiB each worker pushes per run (default 128; quick 32)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per server and size (default 3; quick 1)")
+    p.add_argument("--quick", action="store_true", help="--mib 32 --repeats 1")
+    p.add_argument("--json", metavar="PATH", help="write every row (and each repeat's ratio) here")
+    args = p.parse_args(argv)
+    servers = dict(s.split("=", 1) for s in args.server) if args.server else {"this": REPO}
+    servers = {name: os.path.abspath(path) for name, path in servers.items()}
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
+    mib, repeats = (32, 1) if args.quick else (args.mib, args.repeats)
+    print(f"{args.workers} worker processes, 1 server process, loopback, auth token; torch {torch.__version__}; "
+          f"{os.cpu_count()} CPUs; medians of {repeats} repeats")  # fmt: skip
+    rows = measure(servers, sizes, args.workers, mib, repeats, budget=0.3)
+    if args.json:
+        command = " ".join(["python", "benchmarks/server_cpu.py", *argv])
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "servers": servers, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
