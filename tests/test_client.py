@@ -503,6 +503,17 @@ def _parts(t: torch.Tensor, first_key: int, numel: int) -> list[tuple]:
     return [(p, first_key + i, None, None, Mode.SUM, None, 0, 0) for i, p in enumerate(t.split(numel))]
 
 
+def _wait_batches(client: Client, futures, seconds: float = 20.0) -> None:
+    """Fail naming the scheduler's state, instead of hanging, if the batches do not finish in time."""
+    deadline = time.monotonic() + seconds
+    while not all(f.done() for f in futures):
+        if time.monotonic() > deadline:
+            pytest.fail(f"batches unfinished after {seconds}s; the client's scheduler: {client.scheduler_stats()}")
+        time.sleep(0.01)
+    for f in futures:
+        f.wait()  # raises a batch's error
+
+
 def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_id):
     addresses = [s.address for s in servers]
     clients = [Client(addresses, job_id, w, 2, timeout=30, credit_bytes=3000) for w in range(2)]
@@ -539,9 +550,9 @@ def test_batch_of_higher_priority_overtakes_a_queued_one(server, job_id):
         f_high = c.push_pull_batch(_parts(high, 1000, 16 << 10), priority=5)
         f_low.then(lambda _: finished.append("low"))
         f_high.then(lambda _: finished.append("high"))
-        f_low.wait(), f_high.wait()
+        _wait_batches(c, [f_low, f_high])
         deadline = time.monotonic() + 5
-        while len(finished) < 2 and time.monotonic() < deadline:
+        while len(finished) < 2 and time.monotonic() < deadline:  # then-callbacks may still be running
             time.sleep(0.01)
         assert finished == ["high", "low"]
         s = c.scheduler_stats()
