@@ -85,7 +85,7 @@ def run_child(python: str, repo: str, partition: int, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline-repo", required=True, help="the tree to compare against (e.g. /work/main)")
+    p.add_argument("--baseline-repo", default="", help="the tree to compare against (e.g. /work/main); required")
     p.add_argument("--baseline-python", default="", help="its interpreter; default <baseline-repo>/.venv/bin/python")
     p.add_argument("--partitions", default=f"{64 * KB},{256 * KB},{1 * MB}", help="partition sizes in bytes")
     p.add_argument("--size-bytes", type=int, default=16 * MB, help="the tensor of one push_pull")
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.partition, args.size_bytes, args.seconds)))
         return 0
+    if not args.baseline_repo:
+        p.error("--baseline-repo is required")
 
     trees = {"baseline": (args.baseline_python or os.path.join(args.baseline_repo, ".venv/bin/python"),
                           os.path.abspath(args.baseline_repo)),
