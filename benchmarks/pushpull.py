@@ -143,14 +143,13 @@ class Echo:
 
 
 def library_engine(client: Client, address: str):
-    """torch_bps's worker pipeline (4 MB partitions, placement, credit scheduler) over `client`."""
+    """torch_bps's worker pipeline (4 MB partitions, placement) over `client` (which schedules within its credit)."""
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
-    from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
     keys = KeyBook(Placement(server_weights([address], [])), 4_096_000, lambda numel: [(0, numel)])
-    return PushPullEngine(client, keys, CreditScheduler(DEFAULT_CREDIT_BYTES))
+    return PushPullEngine(client, keys)
 
 
 def cpu_seconds(pid: int) -> float:

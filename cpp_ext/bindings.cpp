@@ -10,16 +10,21 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "buffer_cache.h"
 #include "client.h"
+#include "credit_queue.h"
 #include "errors.h"
 #include "future_work.h"
 #include "py_backend.h"
 #include "wire.h"
 
 namespace py = pybind11;
+
+// One partition of push_pull_batch, as Python passes it: the fields of bps::PartSpec, in order.
+using BatchPart = std::tuple<size_t, uint64_t, uint16_t, uint32_t, uint64_t, at::Tensor, uint64_t, at::Tensor, uint64_t>;
 
 namespace bps {
 namespace {
@@ -77,7 +82,8 @@ c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeout
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
-           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth) {
+           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
+           int64_t creditBytes) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -92,8 +98,8 @@ class PyClient {
         e.discard_as_unraisable("torch_bps completion handler");
       }
     };
-    ClientOptions options{std::move(servers), jobId,           worker,          numWorkers,
-                          timeout,            heartbeatInterval, heartbeatTimeout, std::move(auth)};
+    ClientOptions options{std::move(servers), jobId,           worker,           numWorkers,     timeout,
+                          heartbeatInterval,  heartbeatTimeout, std::move(auth), creditBytes};
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete));
   }
@@ -215,20 +221,31 @@ PYBIND11_MODULE(_C, m) {
     return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);
   });
 
+  // The client's scheduling queue alone, for tests/test_scheduler.py to compare with CreditScheduler.
+  using CreditQueue = bps::CreditQueue<uint64_t>;
+  py::class_<CreditQueue>(m, "CreditQueue")
+      .def(py::init<int64_t>(), py::arg("credit_bytes"))
+      .def("push", &CreditQueue::push, py::arg("nbytes"), py::arg("priority"), py::arg("item"))
+      .def("pop", &CreditQueue::pop, "(item, nbytes) with its credit taken, or None if it may not go yet")
+      .def("release", &CreditQueue::release, py::arg("nbytes"))
+      .def_property_readonly("in_flight", &CreditQueue::inFlight)
+      .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight);
+
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
-                       std::vector<std::string> tokens) {
+                       std::vector<std::string> tokens, int64_t creditBytes) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
-                                 heartbeatTimeout, std::move(onComplete), std::move(auth));
+                                 heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
            py::arg("identity") = "", py::arg("curve_secret") = "",
-           py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{})
+           py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
+           py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -243,6 +260,30 @@ PYBIND11_MODULE(_C, m) {
           py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("mode"),
           py::arg("key_bytes"), py::arg("src"), py::arg("push_offset"), py::arg("dst"), py::arg("pull_offset"),
           py::arg("pushed_token") = 0, release())
+      .def(
+          "push_pull_batch",
+          // parts: (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset) per partition.
+          [](PyClient& c, uint64_t token, const std::vector<BatchPart>& parts, int64_t priority) {
+            std::vector<bps::PartSpec> specs;
+            specs.reserve(parts.size());
+            for (const auto& p : parts) {
+              specs.push_back(bps::PartSpec{std::get<0>(p), std::get<1>(p), std::get<2>(p),
+                                            static_cast<bps::Mode>(std::get<3>(p)), std::get<4>(p),
+                                            std::get<5>(p).detach(), std::get<6>(p), std::get<7>(p).detach(),
+                                            std::get<8>(p)});
+            }
+            c.get().pushPullBatch(token, std::move(specs), priority);
+          },
+          py::arg("token"), py::arg("parts"), py::arg("priority"), release())
+      .def("scheduler_stats",
+           [](PyClient& c) {
+             bps::SchedulerStats s = c.get().schedulerStats();
+             return py::dict(py::arg("credit_bytes") = s.creditBytes, py::arg("credit_in_flight") = s.creditInFlight,
+                             py::arg("peak_credit_in_flight") = s.peakCreditInFlight, py::arg("queued") = s.queued,
+                             py::arg("push_bytes_in_flight") = s.pushBytesInFlight,
+                             py::arg("peak_push_bytes_in_flight") = s.peakPushBytesInFlight,
+                             py::arg("parts_sent") = s.partsSent, py::arg("parts_acknowledged") = s.partsAcknowledged);
+           })
       .def(
           "stats",
           [](PyClient& c, uint64_t token, size_t server, const at::Tensor& dst) {

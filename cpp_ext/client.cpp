@@ -28,9 +28,13 @@ std::chrono::steady_clock::duration toDuration(double seconds) {
 Client::Client(ClientOptions options, CompletionHandler onComplete)
     : options_(std::move(options)),
       onComplete_(std::move(onComplete)),
-      timeout_(toDuration(options_.timeoutSeconds)) {
+      timeout_(toDuration(options_.timeoutSeconds)),
+      credit_(options_.creditBytes) {
   size_t n = options_.servers.size();
   if (n == 0) throw Error(ErrorKind::kValue, "no servers given");
+  if (options_.creditBytes <= 0) {
+    throw Error(ErrorKind::kValue, formatText("credit_bytes must be positive, got %" PRId64, options_.creditBytes));
+  }
   if (options_.worker >= options_.numWorkers) {
     throw Error(ErrorKind::kValue,
                 formatText("worker %u is not below num_workers %u", options_.worker, options_.numWorkers));
@@ -80,14 +84,14 @@ void Client::close() {
   if (--openClients == 0) releaseCachedBuffers();
 }
 
-void Client::submit(OpPtr op) {
+void Client::submit(std::vector<OpPtr> ops) {
   bool wasEmpty;
   {
     std::lock_guard<std::mutex> lock(submitMutex_);
     if (closing_) throw Error(ErrorKind::kClosed, "the torch_bps client is closed");
     if (!ioFailure_.empty()) throw Error(ErrorKind::kTransport, "the torch_bps client failed: " + ioFailure_);
     wasEmpty = submitted_.empty();
-    submitted_.push_back(std::move(op));
+    for (auto& op : ops) submitted_.push_back(std::move(op));
   }
   // The IO thread takes the whole queue per wake-up: only the first submission needs to wake it.
   if (wasEmpty) wake();
@@ -114,7 +118,7 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
     op->server = i;
     op->timeout = timeout;
     try {
-      submit(op);
+      submit({op});
     } catch (const Error&) {
       // Closed meanwhile: wait for the HELLOs already submitted (close() fails them), then report.
       std::unique_lock<std::mutex> lock(stateMutex_);
@@ -144,41 +148,83 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
   return incarnations_;
 }
 
-void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
-                      at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset,
-                      uint64_t pushedToken) {
-  if (server >= links_.size()) {
-    throw Error(ErrorKind::kValue, formatText("server index %zu is out of range: %zu servers", server, links_.size()));
+Client::OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
+  if (part.server >= links_.size()) {
+    throw Error(ErrorKind::kValue,
+                formatText("server index %zu is out of range: %zu servers", part.server, links_.size()));
   }
+  const at::Tensor& src = part.src;
+  const at::Tensor& dst = part.dst;
   if (!src.is_contiguous() || !dst.is_contiguous() || !src.is_cpu() || !dst.is_cpu()) {
     throw Error(ErrorKind::kValue, "push_pull needs contiguous CPU tensors");
   }
   // The server refuses these too; refusing here names the caller's mistake before anything is sent.
-  bool fits = pushOffset <= keyBytes && src.nbytes() <= keyBytes - pushOffset && pullOffset <= keyBytes &&
-              dst.nbytes() <= keyBytes - pullOffset;
-  if (!fits || (mode == kModeSum && (pushOffset != 0 || src.nbytes() != keyBytes)) ||
-      (mode != kModeSum && mode != kModeCopy)) {
+  uint64_t keyBytes = part.keyBytes;
+  bool fits = part.pushOffset <= keyBytes && src.nbytes() <= keyBytes - part.pushOffset &&
+              part.pullOffset <= keyBytes && dst.nbytes() <= keyBytes - part.pullOffset;
+  if (!fits || (part.mode == kModeSum && (part.pushOffset != 0 || src.nbytes() != keyBytes)) ||
+      (part.mode != kModeSum && part.mode != kModeCopy)) {
     throw Error(ErrorKind::kValue,
                 formatText("push_pull of key %" PRIu64 " (%" PRIu64 " bytes, mode %u): push of %zu bytes at %" PRIu64
                            ", pull of %zu bytes at %" PRIu64 " do not fit (a SUM key takes whole-key pushes)",
-                           key, keyBytes, static_cast<unsigned>(mode), src.nbytes(), pushOffset, dst.nbytes(),
-                           pullOffset));
+                           part.key, keyBytes, static_cast<unsigned>(part.mode), src.nbytes(), part.pushOffset,
+                           dst.nbytes(), part.pullOffset));
   }
   auto op = std::make_shared<Op>();
   op->kind = kPush;
   op->token = token;
-  op->pushedToken = pushedToken;
-  op->server = server;
-  op->key = key;
-  op->dtype = dtype;
-  op->mode = mode;
+  op->server = part.server;
+  op->key = part.key;
+  op->dtype = part.dtype;
+  op->mode = part.mode;
   op->nbytes = keyBytes;
-  op->src = std::move(src);
-  op->dst = std::move(dst);
-  op->pushOffset = pushOffset;
-  op->pullOffset = pullOffset;
+  op->src = std::move(part.src);
+  op->dst = std::move(part.dst);
+  op->pushOffset = part.pushOffset;
+  op->pullOffset = part.pullOffset;
   op->timeout = timeout_;
-  submit(std::move(op));
+  return op;
+}
+
+void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
+                      at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset,
+                      uint64_t pushedToken) {
+  OpPtr op = makePushOp(
+      token, PartSpec{server, key, dtype, mode, keyBytes, std::move(src), pushOffset, std::move(dst), pullOffset});
+  op->pushedToken = pushedToken;
+  submit({std::move(op)});
+}
+
+void Client::pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority) {
+  auto batch = std::make_shared<Batch>();
+  batch->token = token;
+  batch->remaining = parts.size();
+  if (parts.empty()) {
+    pool_.post([this, token] { onComplete_(token, ErrorInfo{}); });
+    return;
+  }
+  std::vector<OpPtr> ops;
+  ops.reserve(parts.size());
+  for (auto& part : parts) {
+    OpPtr op = makePushOp(0, std::move(part));
+    op->batch = batch;
+    op->priority = priority;
+    ops.push_back(std::move(op));
+  }
+  submit(std::move(ops));
+}
+
+SchedulerStats Client::schedulerStats() const {
+  SchedulerStats s;
+  s.creditBytes = credit_.creditBytes();
+  s.creditInFlight = credit_.inFlight();
+  s.peakCreditInFlight = credit_.peakInFlight();
+  s.queued = credit_.queued();
+  s.pushBytesInFlight = pushBytesInFlight_.load();
+  s.peakPushBytesInFlight = peakPushBytesInFlight_.load();
+  s.partsSent = partsSent_.load();
+  s.partsAcknowledged = partsAcknowledged_.load();
+  return s;
 }
 
 void Client::stats(uint64_t token, size_t server, at::Tensor dst) {
@@ -194,7 +240,7 @@ void Client::stats(uint64_t token, size_t server, at::Tensor dst) {
   op->server = server;
   op->dst = std::move(dst);
   op->timeout = timeout_;
-  submit(std::move(op));
+  submit({std::move(op)});
 }
 
 std::vector<uint64_t> Client::incarnations() {

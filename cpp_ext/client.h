@@ -24,8 +24,9 @@
 #include <utility>
 #include <vector>
 
-#include "completion_pool.h"
 #include "auth_keys.h"
+#include "completion_pool.h"
+#include "credit_queue.h"
 #include "errors.h"
 #include "server_link.h"
 #include "wire.h"
@@ -43,9 +44,38 @@ struct ClientOptions {
   double heartbeatIntervalSeconds = 1.0;
   double heartbeatTimeoutSeconds = 10.0;
   ClientAuth auth;  // no tokens and no server keys: no authentication
+  // Bytes of batch pushes in flight (sent, not yet acknowledged); the rest wait in priority order.
+  int64_t creditBytes = 2 << 20;
 };
 
-// Runs on a CompletionPool thread once per pushPull()/stats(), with the token given there.
+// One partition of a batch: the arguments of one pushPull().
+struct PartSpec {
+  size_t server = 0;
+  uint64_t key = 0;
+  uint16_t dtype = 0;
+  Mode mode = kModeSum;
+  uint64_t keyBytes = 0;
+  at::Tensor src;
+  uint64_t pushOffset = 0;
+  at::Tensor dst;
+  uint64_t pullOffset = 0;
+};
+
+// The batch scheduler's counters (see pushPullBatch), readable from any thread.
+struct SchedulerStats {
+  int64_t creditBytes = 0;
+  int64_t creditInFlight = 0;  // credit taken by partitions not yet acknowledged: 0 when idle
+  int64_t peakCreditInFlight = 0;
+  size_t queued = 0;  // partitions waiting for credit
+  // Counted apart from the credit, from the PUSH leaving to its acknowledgement (or failure), so that a
+  // credit returned twice shows up here as more bytes in flight than the credit allows.
+  int64_t pushBytesInFlight = 0;
+  int64_t peakPushBytesInFlight = 0;
+  uint64_t partsSent = 0;  // batch PUSHes sent
+  uint64_t partsAcknowledged = 0;  // batch PUSHes the server acknowledged
+};
+
+// Runs on a CompletionPool thread once per pushPull()/pushPullBatch()/stats(), with the token given there.
 using CompletionHandler = std::function<void(uint64_t token, const ErrorInfo& error)>;
 
 class Client {
@@ -68,6 +98,16 @@ class Client {
   void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
                 at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset, uint64_t pushedToken = 0);
 
+  // Run pushPull() for every part, scheduled on the IO thread under the credit (ClientOptions::creditBytes):
+  // all batches' partitions wait in one priority queue (higher `priority` first, then submission order); a
+  // partition is sent when its bytes fit in the credit or nothing is in flight, and its credit returns when
+  // the server acknowledges its PUSH (or it fails), never later: see client_io.cpp. `token` completes once,
+  // when every part has ended, with the first part's error or OK; after a part failed, the batch's parts not
+  // yet sent are not sent. Throws Error(kValue) for a part that does not fit, before anything is queued.
+  void pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority);
+
+  SchedulerStats schedulerStats() const;
+
   // Read the server's counters into `dst` (kStatsCounters little-endian u64, i.e. an int64 tensor).
   void stats(uint64_t token, size_t server, at::Tensor dst);
 
@@ -83,6 +123,15 @@ class Client {
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  struct Op;
+  // The parts of one pushPullBatch() still to end, and its first error.
+  struct Batch {
+    uint64_t token = 0;
+    size_t remaining = 0;
+    ErrorInfo error;
+    std::vector<std::shared_ptr<Op>> ended;  // released on a pool thread, with the completion
+  };
 
   struct Op {
     Command kind = kPush;  // kHello, kStats, or kPush for a push_pull
@@ -104,6 +153,10 @@ class Client {
     bool rehello = false;  // a HELLO the IO thread sent on its own after a reconnection
     bool done = false;
     ErrorInfo error;
+    std::shared_ptr<Batch> batch;  // set for a batch's part: it completes through the batch
+    int64_t priority = 0;  // a batch part's
+    int64_t credit = 0;  // credit bytes this part holds (taken when it left the queue, returned once)
+    bool pushInFlight = false;  // its PUSH was sent and is not yet acknowledged
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -128,13 +181,18 @@ class Client {
     std::deque<OpPtr> waiting;
   };
 
-  void submit(OpPtr op);
+  // A push_pull's op, its arguments checked (throws Error(kValue)).
+  OpPtr makePushOp(uint64_t token, PartSpec part) const;
+  void submit(std::vector<OpPtr> ops);
   void wake();
 
   // Everything below runs on the IO thread only.
   void ioLoop();
   void takeSubmissions();
   void start(const OpPtr& op);
+  void sendQueued();
+  void pushEnded(const OpPtr& op);
+  void endPart(const OpPtr& op);
   bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
   void onReply(size_t server, Message& message);
   void onDisconnect(size_t server);
@@ -149,7 +207,6 @@ class Client {
   void forget(uint64_t requestId);
   void failOp(const OpPtr& op, ErrorInfo error);
   void finishOp(const OpPtr& op);
-  void notifyPushed(const OpPtr& op);
   void failEverything(const std::string& why);
   std::string describe(const Op& op) const;
 
@@ -181,6 +238,11 @@ class Client {
   std::unordered_map<uint64_t, Request> inflight_;
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
   std::unordered_map<uint64_t, KeyState> keys_;
+  CreditQueue<OpPtr> credit_;
+  std::atomic<int64_t> pushBytesInFlight_{0};
+  std::atomic<int64_t> peakPushBytesInFlight_{0};
+  std::atomic<uint64_t> partsSent_{0};
+  std::atomic<uint64_t> partsAcknowledged_{0};
   uint64_t nextRequestId_ = 1;
   bool stopping_ = false;
 };

@@ -50,6 +50,7 @@ void Client::ioLoop() {
         }
       }
       expireDeadlines();
+      sendQueued();  // acknowledgements and failures above may have returned credit
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torch_bps: the client's IO thread stopped: %s\n", e.what());
@@ -67,10 +68,30 @@ void Client::takeSubmissions() {
     std::lock_guard<std::mutex> lock(submitMutex_);
     ops.swap(submitted_);
   }
-  for (auto& op : ops) start(op);
+  for (auto& op : ops) {
+    if (op->batch) {
+      credit_.push(static_cast<int64_t>(op->src.nbytes()), op->priority, op);
+    } else {
+      start(op);
+    }
+  }
+  sendQueued();
+}
+
+void Client::sendQueued() {
+  while (!stopping_) {
+    auto next = credit_.pop();
+    if (!next) return;
+    next->first->credit = next->second;
+    start(next->first);  // a part that fails at once returns its credit before the next pop
+  }
 }
 
 void Client::start(const OpPtr& op) {
+  if (op->batch && !op->batch->error.ok()) {
+    finishOp(op);  // an earlier part of its batch failed: do not push the rest
+    return;
+  }
   if (op->kind != kHello && failIfDown(op)) return;
   if (op->kind != kPush) {
     sendRequest(op, op->kind, Clock::now() + op->timeout);
@@ -127,6 +148,12 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
                        zmq_strerror(zmq_errno()), describe(*op).c_str())});
     return false;
   }
+  if (command == kPush && op->batch) {
+    op->pushInFlight = true;
+    int64_t inFlight = pushBytesInFlight_ += static_cast<int64_t>(op->src.nbytes());
+    if (inFlight > peakPushBytesInFlight_) peakPushBytesInFlight_ = inFlight;  // only this thread writes it
+    ++partsSent_;
+  }
   inflight_.emplace(h.requestId, Request{op, command, deadline});
   deadlines_.emplace(deadline, h.requestId);
   op->requests.push_back(h.requestId);
@@ -167,7 +194,10 @@ void Client::onReply(size_t server, Message& message) {
                               commandName(command), describe(*op).c_str())});
     return;
   }
-  if (command == kPush) notifyPushed(op);
+  if (command == kPush) {
+    if (op->batch) ++partsAcknowledged_;
+    pushEnded(op);
+  }
   if (command == kHello && op->rehello) {
     onRehello(op, h.incarnation);
     return;
@@ -297,17 +327,41 @@ void Client::failOp(const OpPtr& op, ErrorInfo error) {
   finishOp(op);
 }
 
-void Client::notifyPushed(const OpPtr& op) {
-  if (op->pushedToken == 0) return;
-  uint64_t token = op->pushedToken;
-  op->pushedToken = 0;  // exactly once: on the acknowledgement, or when the op ends without one
-  pool_.post([this, token] { onComplete_(token, ErrorInfo{}); });
+void Client::pushEnded(const OpPtr& op) {
+  if (op->pushInFlight) {
+    op->pushInFlight = false;
+    pushBytesInFlight_ -= static_cast<int64_t>(op->src.nbytes());
+  }
+  // The credit comes back when the server has the push, not when the sum is back: a sum waits for the
+  // other workers, whose clients may have picked other partitions first (priorities and timing differ per
+  // worker), so holding credit until the pull would let workers wait on each other forever.
+  if (op->credit != 0) {
+    credit_.release(op->credit);
+    op->credit = 0;  // exactly once: on the acknowledgement, or when the op ends without one
+  }
+  if (op->pushedToken != 0) {
+    uint64_t token = op->pushedToken;
+    op->pushedToken = 0;
+    pool_.post([this, token] { onComplete_(token, ErrorInfo{}); });
+  }
+}
+
+void Client::endPart(const OpPtr& op) {
+  Batch& batch = *op->batch;
+  if (!op->error.ok() && batch.error.ok()) batch.error = op->error;
+  batch.ended.push_back(op);
+  if (--batch.remaining > 0) return;
+  // One completion per batch. The parts (and their tensor references) die on the pool thread, after it ran;
+  // moving them out of the batch also breaks the part -> batch -> part cycle.
+  pool_.post([this, token = batch.token, error = batch.error, ended = std::move(batch.ended)] {
+    onComplete_(token, error);
+  });
 }
 
 void Client::finishOp(const OpPtr& op) {
   op->done = true;
   if (op->rehello) return;  // ours, not a caller's: the link simply stays down
-  notifyPushed(op);
+  pushEnded(op);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     helloErrors_[op->server] = op->error;
@@ -324,6 +378,10 @@ void Client::finishOp(const OpPtr& op) {
       start(next);
     }
   }
+  if (op->batch) {
+    endPart(op);
+    return;
+  }
   // The op (and its tensor references) dies on the pool thread, after its completion ran.
   pool_.post([this, op] { onComplete_(op->token, op->error); });
 }
@@ -335,6 +393,7 @@ void Client::failEverything(const std::string& why) {
     std::lock_guard<std::mutex> lock(submitMutex_);
     ops.swap(submitted_);
   }
+  for (auto& op : credit_.drain()) ops.push_back(std::move(op));
   for (auto& entry : keys_) {
     for (auto& op : entry.second.waiting) ops.push_back(op);
     entry.second.waiting.clear();

@@ -24,7 +24,7 @@ from tests.helpers import ServerProcess, exact_floats
 from torch_bps import _C
 from torch_bps.client import Client, job_id_from_name
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError, TransportError
-from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Status
+from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Mode, Status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -493,3 +493,102 @@ def test_a_stopped_server_is_lost_after_the_heartbeat_timeout(job_id):
     finally:
         srv.proc.send_signal(signal.SIGCONT)
         srv.kill()
+
+
+# -- push_pull_batch: the client schedules a collective's partitions itself (priority, credit)
+
+
+def _parts(t: torch.Tensor, first_key: int, numel: int) -> list[tuple]:
+    """`t` cut into SUM partitions of `numel` elements, keys from first_key on, as push_pull_batch takes them."""
+    return [(p, first_key + i, None, None, Mode.SUM, None, 0, 0) for i, p in enumerate(t.split(numel))]
+
+
+def _wait_batches(client: Client, futures, seconds: float = 20.0) -> None:
+    """Fail naming the scheduler's state, instead of hanging, if the batches do not finish in time."""
+    deadline = time.monotonic() + seconds
+    while not all(f.done() for f in futures):
+        if time.monotonic() > deadline:
+            pytest.fail(f"batches unfinished after {seconds}s; the client's scheduler: {client.scheduler_stats()}")
+        time.sleep(0.01)
+    for f in futures:
+        f.wait()  # raises a batch's error
+
+
+def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_id):
+    addresses = [s.address for s in servers]
+    clients = [Client(addresses, job_id, w, 2, timeout=30, credit_bytes=3000) for w in range(2)]
+    try:
+        for step in range(3):  # the keys' later rounds too
+            tensors = [torch.arange(10_000, dtype=torch.float32) * (w + 1) + step for w in range(2)]
+            calls = [[], []]
+            for w, c in enumerate(clients):
+                c.push_pull_batch(_parts(tensors[w], 0, 1000), priority=step, on_done=calls[w].append)
+            deadline = time.monotonic() + 20
+            while not all(calls) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)  # a second completion would arrive now
+            assert calls == [[None], [None]]
+            want = torch.arange(10_000, dtype=torch.float32) * 3 + 2 * step
+            assert torch.equal(tensors[0], want) and torch.equal(tensors[1], want)
+        for c in clients:
+            s = c.scheduler_stats()
+            assert s["parts_sent"] == s["parts_acknowledged"] == 30, s
+            assert s["credit_in_flight"] == s["push_bytes_in_flight"] == s["queued"] == 0, s
+            assert s["peak_push_bytes_in_flight"] <= 4000, s  # one 4000-byte part at a time: over the credit alone
+        assert clients[0].push_pull_batch([]).wait() is None  # nothing to send: done at once
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_batch_of_higher_priority_overtakes_a_queued_one(server, job_id):
+    """Credit for one partition: a batch submitted after 256 partitions of a lower one is sent next."""
+    with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=64 << 10) as c:
+        finished = []
+        low, high = torch.ones(256 * (16 << 10)), torch.ones(16 << 10)
+        f_low = c.push_pull_batch(_parts(low, 0, 16 << 10), priority=0)
+        f_high = c.push_pull_batch(_parts(high, 1000, 16 << 10), priority=5)
+        f_low.then(lambda _: finished.append("low"))
+        f_high.then(lambda _: finished.append("high"))
+        _wait_batches(c, [f_low, f_high])
+        deadline = time.monotonic() + 5
+        while len(finished) < 2 and time.monotonic() < deadline:  # then-callbacks may still be running
+            time.sleep(0.01)
+        assert finished == ["high", "low"]
+        s = c.scheduler_stats()
+        assert s["peak_push_bytes_in_flight"] <= 64 << 10 and s["credit_in_flight"] == 0, s
+
+
+def test_batch_failure_names_server_key_round_and_sends_no_more(server, job_id):
+    """A part refused by the server fails the batch once, naming it; the parts queued behind it are not sent."""
+    with (
+        Client([server.address], job_id, 0, 1, timeout=10) as a,
+        Client([server.address], job_id, 0, 1, timeout=10, credit_bytes=1) as b,
+    ):
+        a.push_pull(torch.ones(10), 3).wait()  # declares key 3: 10 float32
+        calls = []
+        parts = _parts(torch.ones(100), 0, 10)
+        parts[3] = (torch.ones(12), 3, None, None, Mode.SUM, None, 0, 0)  # 12 elements: KEY_MISMATCH
+        b.push_pull_batch(parts, on_done=calls.append)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert len(calls) == 1 and isinstance(calls[0], ServerError), calls
+        assert calls[0].status == Status.KEY_MISMATCH
+        for word in (server.address, "key 3", "round 0", "worker 0 of 1"):
+            assert word in str(calls[0]), (word, str(calls[0]))
+        s = b.scheduler_stats()
+        assert s["parts_sent"] == 4 and s["credit_in_flight"] == 0 and s["queued"] == 0, s  # parts 0-3, no more
+
+
+def test_close_fails_queued_batch_parts_and_never_hangs(server, job_id):
+    c = Client([server.address], job_id, 0, 2, timeout=60, credit_bytes=1)  # worker 1 never pushes
+    fut = c.push_pull_batch(_parts(torch.ones(100_000), 0, 100))  # 1000 parts, one in flight at a time
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(BpsError, match="closed"):
+        fut.wait()
+    s = c.scheduler_stats()
+    assert s["queued"] == s["credit_in_flight"] == s["push_bytes_in_flight"] == 0, s

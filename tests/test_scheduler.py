@@ -1,11 +1,14 @@
-"""The credit-bounded priority scheduler."""
+"""The credit-bounded priority scheduler: the Python reference, and the C++ client's twin held to it."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from torch_bps import _C
 from torch_bps.engine.scheduler import CreditScheduler
 
 
@@ -57,3 +60,62 @@ def test_oversized_partition_is_not_starved():
 def test_bad_credit():
     with pytest.raises(ValueError):
         CreditScheduler(0)
+
+
+class _Twin:
+    """The C++ client's CreditQueue driven as its IO thread drives it: after every push or release, send
+    (pop) whatever may go."""
+
+    def __init__(self, credit_bytes: int):
+        self.queue = _C.CreditQueue(credit_bytes)
+        self.started: list[int] = []
+
+    def submit(self, item: int, nbytes: int, priority: int) -> None:
+        self.queue.push(nbytes, priority, item)
+        self._pump()
+
+    def release(self, nbytes: int) -> None:
+        self.queue.release(nbytes)
+        self._pump()
+
+    def _pump(self) -> None:
+        while (head := self.queue.pop()) is not None:
+            self.started.append(head[0])
+
+
+# A submission: (nbytes, priority); an acknowledgement: which of the started-and-unacknowledged to release.
+_EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 3000), st.integers(-2, 3)),
+        st.tuples(st.just("ack"), st.integers(0, 1 << 16)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(credit=st.integers(1, 4000), events=_EVENTS)
+def test_the_cpp_queue_sends_in_the_reference_order(credit, events):
+    """The same submissions, priorities and acknowledgements give the same send order, and the same credit
+    taken, in CreditScheduler and in the C++ client's queue."""
+    ref, twin = CreditScheduler(credit), _Twin(credit)
+    ref_started: list[int] = []
+    sizes: list[int] = []
+    acknowledged: set[int] = set()
+    for event in events:
+        if event[0] == "submit":
+            item, nbytes, priority = len(sizes), event[1], event[2]
+            sizes.append(nbytes)
+            ref.submit(nbytes, priority, lambda item=item: ref_started.append(item))
+            twin.submit(item, nbytes, priority)
+        else:
+            unacked = [i for i in ref_started if i not in acknowledged]
+            if not unacked:
+                continue
+            item = unacked[event[1] % len(unacked)]
+            acknowledged.add(item)  # each started item is acknowledged once
+            ref.release(sizes[item])
+            twin.release(sizes[item])
+        assert twin.started == ref_started
+        assert twin.queue.in_flight == ref.in_flight
+    assert twin.queue.peak_in_flight == ref.peak_in_flight

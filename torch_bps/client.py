@@ -13,8 +13,11 @@ becomes ServerError(status, message). After a failure the key's rounds may be ou
 other workers (the job is broken, as after a collective error), and a timed-out push may still be
 leaving: do not reuse that tensor's memory for anything the server must not see.
 
-May import: the standard library, torch, torch_bps.wire, torch_bps.errors, torch_bps.futures, torch_bps.security and
-torch_bps._C.
+`push_pull_batch` hands a whole collective's partitions down at once: the IO thread sends them in priority
+order within a credit of bytes in flight and completes one future when all are back (see cpp_ext/client.h).
+
+May import: the standard library, torch, torch_bps.config, torch_bps.wire, torch_bps.errors, torch_bps.futures,
+torch_bps.security and torch_bps._C.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_bps import _C
+from torch_bps.config import DEFAULT_CREDIT_BYTES
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
@@ -87,6 +91,8 @@ class Client:
             authenticated by token, or also encrypted by CURVE (`auth.mechanism`). None: those of
             BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is not off; see ClientKeys.from_environment);
             False: no authentication, for servers run with `--auth off`.
+        credit_bytes: bytes of `push_pull_batch` pushes in flight (sent, not yet acknowledged) at most; one
+            partition may always go, however big.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -105,6 +111,7 @@ class Client:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
         auth: ClientKeys | bool | None = None,
+        credit_bytes: int = DEFAULT_CREDIT_BYTES,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -124,6 +131,8 @@ class Client:
                 f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout}, "
                 f"heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout})"
             )
+        if credit_bytes <= 0:
+            raise ValueError(f"credit_bytes must be positive, got {credit_bytes}")
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -142,7 +151,8 @@ class Client:
             else:
                 keys["tokens"] = [t.decode() for t in auth.tokens]
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
-                               heartbeat_timeout, self._pending.complete, **keys)  # fmt: skip
+                               heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
+                               **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -205,6 +215,67 @@ class Client:
 
         Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
         """
+        args = self._part_args(tensor, key, server, out, mode, key_numel, offset, out_offset)
+        future = None
+        if on_done is None:
+            future = torch.futures.Future()
+            on_done = completer(future, args[7])
+        if pushed is not None:
+            on_pushed = completer(pushed, None)
+        token = self._register(on_done)
+        pushed_token = self._register(on_pushed) if on_pushed is not None else 0
+        try:
+            self._impl.push_pull(token, *args, pushed_token)
+        except BaseException:
+            self._pending.callbacks.pop(token, None)
+            self._pending.callbacks.pop(pushed_token, None)
+            raise
+        return future
+
+    def push_pull_batch(
+        self,
+        parts: Sequence[tuple],
+        *,
+        priority: int = 0,
+        on_done: Callable[[BaseException | None], None] | None = None,
+    ) -> torch.futures.Future | None:
+        """Run one `push_pull` per part, scheduled by the client; return a Future of None, done when all are.
+
+        The client's IO thread sends the parts of every batch in priority order (higher first, then
+        submission order) with at most `credit_bytes` of pushes unacknowledged; a part's credit returns when
+        its server acknowledged the push. After a part failed, parts not yet sent are not sent; the batch
+        completes once, with the first part's error.
+
+        Args:
+            parts: per part `(tensor, key, server, out, mode, key_numel, offset, out_offset)`, `push_pull`'s
+                arguments (`server` and `out` may be None, as there).
+            priority: the batch's, for all its parts.
+            on_done: instead of the future, a callable run with None or the error on a completion thread.
+
+        Example: `client.push_pull_batch([(g[:n], 0, None, None, Mode.SUM, None, 0, 0), ...], priority=3).wait()`
+        """
+        specs = [self._part_args(*part) for part in parts]
+        future = None
+        if on_done is None:
+            future = torch.futures.Future()
+            on_done = completer(future, None)
+        token = self._register(on_done)
+        try:
+            self._impl.push_pull_batch(token, specs, priority)
+        except BaseException:
+            self._pending.callbacks.pop(token, None)
+            raise
+        return future
+
+    def scheduler_stats(self) -> dict[str, int]:
+        """The batch scheduler's counters: credit_bytes, credit_in_flight (0 when idle), peak_credit_in_flight,
+        queued, push_bytes_in_flight and its peak (counted apart from the credit, from a batch PUSH leaving to
+        its acknowledgement), parts_sent, parts_acknowledged."""
+        return self._impl.scheduler_stats()
+
+    def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0):
+        """Check one push_pull's arguments; return them as the C++ client takes them:
+        (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset), offsets in bytes."""
         _check_tensor(tensor, "tensor")
         mode = Mode(mode)
         key_numel = tensor.numel() if key_numel is None else key_numel
@@ -238,23 +309,9 @@ class Client:
                 f"({known[3].name}), now {signature[0]} elements of {signature[1]} on server {signature[2]} "
                 f"({mode.name}): a key's size, dtype, server and mode never change"
             )
-        future = None
-        if on_done is None:
-            future = torch.futures.Future()
-            on_done = completer(future, out)
-        if pushed is not None:
-            on_pushed = completer(pushed, None)
-        token = self._register(on_done)
-        pushed_token = self._register(on_pushed) if on_pushed is not None else 0
-        try:
-            size = tensor.element_size()
-            self._impl.push_pull(token, server, key, DTYPE_CODES[tensor.dtype], int(mode), key_numel * size, tensor,
-                                 offset * size, out, out_offset * size, pushed_token)  # fmt: skip
-        except BaseException:
-            self._pending.callbacks.pop(token, None)
-            self._pending.callbacks.pop(pushed_token, None)
-            raise
-        return future
+        size = tensor.element_size()
+        return (server, key, DTYPE_CODES[tensor.dtype], int(mode), key_numel * size, tensor, offset * size, out,
+                out_offset * size)  # fmt: skip
 
     def server_stats(self, server: int) -> dict[str, int]:
         """Return the counters of server `server` (names: torch_bps.wire.STATS_FIELDS). Blocks."""

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torch_bps.config import Config
+from torch_bps.config import DEFAULT_CREDIT_BYTES, Config
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
@@ -131,6 +131,7 @@ class Runtime:
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_timeout=config.heartbeat_timeout,
             auth=_client_keys(config, secret, weights),
+            credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
         )
         local = None
         if hierarchical:
@@ -156,11 +157,8 @@ class Runtime:
             config.partition_bytes,
             (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
         )
-        from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
-
-        credit = config.credit_bytes or DEFAULT_CREDIT_BYTES
-        engine = PushPullEngine(client, keys, CreditScheduler(credit), local=local, local_rank=topology.local_rank,
-                                timeout=config.timeout, alone=client.num_workers == 1)  # fmt: skip
+        engine = PushPullEngine(client, keys, local=local, local_rank=topology.local_rank, timeout=config.timeout,
+                                alone=client.num_workers == 1)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
         rt._secret = secret
         if rank == 0:

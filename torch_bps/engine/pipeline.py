@@ -1,11 +1,11 @@
 """The worker pipeline: one collective's tensors, stage by stage, to one completion.
 
-    local reduce-scatter -> cut into partitions -> schedule (priority, credit)
-      -> push/pull through the C++ client -> local all-gather -> done(error)
+    local reduce-scatter -> cut into partitions -> push/pull through the C++ client, which schedules them
+      (priority, credit) -> local all-gather -> done(error)
 
 A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
-from the ranks' ranges (COPY) and/or read back only in part; every partition of all of them counts down one
-counter, and `done` runs once, on one of the C++ client's completion threads: the only executor. Those
+from the ranks' ranges (COPY) and/or read back only in part; all their partitions go down to the client in one
+`push_pull_batch`, which completes once, on one of the C++ client's completion threads: the only executor. Those
 threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
 the client's completion pool then starts another thread, so nested collectives always make progress.
 
@@ -33,7 +33,6 @@ import torch
 
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
-from torch_bps.engine.scheduler import CreditScheduler
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
 from torch_bps.wire import Mode
@@ -50,19 +49,17 @@ class _Op:
     priority: int
     done: Done
     slices: list[torch.Tensor] = field(default_factory=list)  # this rank's slices after the local reduce-scatter
-    remaining: int = 0
     error: BaseException | None = None
     net_done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class PushPullEngine:
     """Sum tensors over every worker of the job through the summation service.
 
     Args:
-        client: a torch_bps.client.Client (worker = this machine, num_workers = machines).
+        client: a torch_bps.client.Client (worker = this machine, num_workers = machines); it schedules the
+            partitions within its credit of bytes in flight.
         keys: the KeyBook (partitioning and placement).
-        scheduler: the CreditScheduler for bytes in flight.
         local: (reduce_scatter, all_gather) LocalComm channels among this machine's ranks, or None for one
             rank per machine. Two channels, because the two stages run on their own threads and each
             channel needs its calls in the same order on every local rank.
@@ -79,7 +76,6 @@ class PushPullEngine:
         self,
         client,
         keys: KeyBook,
-        scheduler: CreditScheduler,
         *,
         local=None,
         local_rank: int = 0,
@@ -91,7 +87,6 @@ class PushPullEngine:
         self.alone = alone
         self._worker_ranks = worker_ranks
         self.keys = keys
-        self.scheduler = scheduler
         self.local = local
         self.local_rank = local_rank
         self.timeout = timeout
@@ -177,58 +172,38 @@ class PushPullEngine:
             if i != me:
                 t[lo:hi].copy_(blocks[i * block : i * block + hi - lo])
 
-    # -- stage: partitions onto the network, highest priority first within the credit
+    # -- stage: partitions onto the network, in one batch the client schedules (priority, credit)
     def _schedule(self, op: _Op) -> None:
-        op.remaining = sum(len(parts) for parts in op.plans)
-        if op.remaining == 0 or self.alone:
-            self._network_done(op)
+        plans = zip(op.items, op.plans, strict=True)
+        parts = [] if self.alone else [part for x, plan in plans for part in self._parts(x, plan)]
+        if not parts:
+            self._network_done(op, None)
             return
-        for x, parts in zip(op.items, op.plans, strict=True):
-            t = x.tensor
-            # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
-            base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
-            ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
-            pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
-            for part in parts:
-                lo = base + part.start
-                hi = lo + part.numel
-                src, dst = intersect(pushed, lo, hi), intersect(pulled, lo, hi)
-                if x.mode == Mode.SUM and dst == (lo, hi):
-                    extra = None  # a whole sum: the plain push_pull every client offers
-                else:
-                    extra = dict(out=t[dst[0] : dst[1]], mode=x.mode, key_numel=part.numel, offset=src[0] - lo,
-                                 out_offset=dst[0] - lo)  # fmt: skip
-                view = t[src[0] : src[1]]
-                nbytes = view.numel() * view.element_size()
-                self.scheduler.submit(nbytes, op.priority,
-                                      lambda v=view, p=part, n=nbytes, e=extra: self._send(op, v, p, n, e))  # fmt: skip
-
-    def _send(self, op: _Op, view: torch.Tensor, part: Part, nbytes: int, extra: dict | None = None) -> None:
-        if op.error is not None:  # an earlier partition failed: do not push the rest
-            self.scheduler.release(nbytes)
-            self._part_done(op, None)
-            return
-        # The credit comes back when the server has the push, not when the sum is back: a sum waits for
-        # the other workers, whose schedulers may have picked other partitions first (priorities and
-        # timing differ per worker), so holding credit until the pull would let workers wait on each
-        # other forever.
+        done = lambda error: self._network_done(op, error)  # noqa: E731
         try:
-            self.client.push_pull(view, part.key, server=part.server, on_done=lambda e: self._part_done(op, e),
-                                  on_pushed=lambda _: self.scheduler.release(nbytes), **(extra or {}))  # fmt: skip
-        except BaseException as e:  # noqa: BLE001
-            self.scheduler.release(nbytes)
-            self._part_done(op, e)
+            self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
+        except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
+            self._network_done(op, e)
 
-    def _part_done(self, op: _Op, error: BaseException | None) -> None:
-        with op.lock:
-            if error is not None and op.error is None:
-                op.error = error
-            op.remaining -= 1
-            last = op.remaining == 0
-        if last:
-            self._network_done(op)
+    def _parts(self, x: Exchange, plan: list[Part]) -> list[tuple]:
+        """This rank's partitions of one tensor, as push_pull_batch takes them."""
+        t = x.tensor
+        # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
+        base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
+        ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
+        pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
+        parts = []
+        for part in plan:
+            lo = base + part.start
+            hi = lo + part.numel
+            src, dst = intersect(pushed, lo, hi), intersect(pulled, lo, hi)
+            # (tensor, key, server, out, mode, key_numel, offset, out_offset): push_pull's arguments
+            parts.append((t[src[0] : src[1]], part.key, part.server, t[dst[0] : dst[1]], x.mode, part.numel,
+                          src[0] - lo, dst[0] - lo))  # fmt: skip
+        return parts
 
-    def _network_done(self, op: _Op) -> None:
+    def _network_done(self, op: _Op, error: BaseException | None) -> None:
+        op.error = op.error or error
         if self.local is None:
             op.done(op.error)
         else:

@@ -1,9 +1,13 @@
-"""Credit-bounded priority scheduling of partitions onto the network.
+"""Credit-bounded priority scheduling of partitions onto the network: the reference.
 
-At most `credit_bytes` of pushes are in flight (sent and not yet acknowledged by their server); the
-rest wait in a priority queue, so a partition submitted late with a higher priority overtakes the queued
-ones. This is what lets the first layers' gradients (needed first by the next forward pass) jump the
-queue. One partition is always allowed in flight, however large, so nothing starves.
+The engine's partitions are scheduled by the C++ client's IO thread (cpp_ext/credit_queue.h, through
+`Client.push_pull_batch`); this class states the same rule in Python, and tests/test_scheduler.py checks that
+both send the same submissions in the same order.
+
+At most `credit_bytes` of pushes are in flight (sent and not yet acknowledged by their server); the rest
+wait in a priority queue, so a partition submitted late with a higher priority overtakes the queued ones.
+This is what lets the first layers' gradients (needed first by the next forward pass) jump the queue.
+One partition is always allowed in flight, however large, so nothing starves.
 
 May import: the standard library only.
 """
@@ -15,16 +19,6 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-# The default credit, per worker. It must cover the worker's uplink rate times a push's acknowledgement
-# time (which includes waiting behind the other workers' pushes at the server); beyond that it only
-# lengthens queues. The number of servers does not change it: they all share the one uplink. Measured
-# (benchmarks/cluster, n = 4, 256 KiB partitions, medians of 3), x t_opt at k = 2 / k = 3: 2 MiB 1.15 / 1.15;
-# 3 MiB 1.17 / 1.16; 3.5 MiB (the former 512 KiB per server) 1.17 / 1.17, with 75-170 tail drops per run on
-# the worker uplinks against ~30; 1.5 MiB 1.16 / 1.21; 1 MiB 1.21 / 1.32. 64 MiB in flight: 1.26 at k = 4.
-# Small also lets late, urgent partitions overtake more. Above a link's bandwidth-delay product up to
-# ~100 Gbit/s at 0.1 ms.
-DEFAULT_CREDIT_BYTES = 2 << 20
 
 
 @dataclass(order=True)

@@ -50,16 +50,16 @@ def library_partitions(numel: int, n: int, k: int, servers: list[str], partition
     return [s.address for s in weighted], parts
 
 
-def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int, credit_bytes: int):
-    """The library's pipeline over `client`, whose servers are in library_partitions' order."""
+def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int):
+    """The library's pipeline over `client` (which holds the credit), whose servers are in library_partitions'
+    order."""
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
-    from torch_bps.engine.scheduler import DEFAULT_CREDIT_BYTES, CreditScheduler
 
     weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
     keys = KeyBook(Placement(weighted), partition_bytes, lambda numel: [(0, numel)])
-    return PushPullEngine(client, keys, CreditScheduler(credit_bytes or DEFAULT_CREDIT_BYTES))
+    return PushPullEngine(client, keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from torch_bps.client import Client
+    from torch_bps.config import DEFAULT_CREDIT_BYTES
 
     torch.set_num_threads(1)
     n, k = args.num_workers, args.k
@@ -93,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     slices = [(server, key, tensor[start : start + length]) for server, key, start, length in parts]
 
     engine = None
-    with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout) as client:
+    credit = args.credit_bytes or DEFAULT_CREDIT_BYTES
+    with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
+                credit_bytes=credit) as client:  # fmt: skip
         if args.placement == "engine":
-            engine = library_engine(client, n, k, servers, args.partition_bytes, args.credit_bytes)
+            engine = library_engine(client, n, k, servers, args.partition_bytes)
 
         def step() -> None:
             if engine is not None:
