@@ -64,11 +64,12 @@ WHEELS_PIP  ?= python3 -m pip
 GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)"
 
 # Online, anywhere: the wheels an offline GPU machine may lack, for every Python in GPU_PYTHONS (pyzmq has one
-# wheel per version up to 3.11 and one abi3 wheel for 3.12 on; the others are pure Python).
+# wheel per version up to 3.11 and one abi3 wheel for 3.12 on; the others are pure Python). exceptiongroup and tomli
+# are pytest's dependencies on 3.10 only, named here because pip evaluates markers for its own Python, not --python-version.
 gpu-wheels:
 	for v in $(GPU_PYTHONS); do \
 	  $(WHEELS_PIP) download --quiet --only-binary=:all: --python-version $$v --platform manylinux_2_28_$(GPU_ARCH) \
-	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" pytest pytest-timeout setuptools \
+	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" pytest pytest-timeout setuptools exceptiongroup tomli \
 	  || exit 1; done
 	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
 
