@@ -186,7 +186,8 @@ def _movements(rank, world, gloo, device):
 
 
 def _point_to_point(rank, world, gloo, device):
-    """send/recv and all_to_all_single with CUDA tensors: through the backend's internal gloo group."""
+    """send/recv, batch_isend_irecv and all_to_all_single with CUDA tensors: through the backend's internal gloo
+    group (CPU copies for send and recv, gloo's CUDA path for all-to-all)."""
     failures: list[str] = []
     t = _data(rank, torch.float32).to(device)
     peer = (rank + 1) % world
@@ -198,6 +199,18 @@ def _point_to_point(rank, world, gloo, device):
         dist.recv(got, src=(rank - 1) % world)
         dist.send(t, dst=peer)
     _check("send/recv ring", got, _data((rank - 1) % world, torch.float32), device, failures)
+    got2 = torch.empty(N, device=device)
+    ops = [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got2, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    _check("batch_isend_irecv ring", got2, _data((rank - 1) % world, torch.float32), device, failures)
+    if device.startswith("cuda") and rank == 1:  # a clear refusal, not a crash (on CPU it would wait for a sender)
+        try:
+            dist.recv(torch.empty(1, device=device), src=None)
+            failures.append("recv from any source into a CUDA tensor did not raise")
+        except (TypeError, RuntimeError) as e:  # as it crossed torch's C++ dispatch
+            if "any source" not in str(e):
+                failures.append(f"recv from any source: unexpected message {e}")
     inp = torch.arange(world * 4, dtype=torch.float32) + 100 * rank
     out = torch.empty(world * 4, device=device)
     dist.all_to_all_single(out, inp.to(device))
