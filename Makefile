@@ -81,10 +81,12 @@ gpu-build: gpu-deps
 	$(GPU_ENV) $(GPU_PY) setup.py --quiet build_ext --inplace --build-temp $(GPU_DIR)/build
 	$(GPU_ENV) $(GPU_PY) -c "import torch_bps._C"
 
-# Exit 3 where no GPU is found, after the suite ran (every test skipped, with its reason): a CPU box never passes.
+# Fails where no GPU is found too, after the suite ran (every test skipped, with its reason), its last line saying
+# so: a CPU box never passes. A failing suite fails first.
 gpu-test: gpu-build
 	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu -m cuda; status=$$?; \
-	  $(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda || exit $$?; exit $$status
+	  $(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda; gpu=$$?; \
+	  if [ $$status -ne 0 ]; then exit $$status; fi; exit $$gpu
 
 gpu-bench: gpu-build
 	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda
