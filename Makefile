@@ -50,7 +50,7 @@ clean:
 
 # --- A GPU machine: CUDA, torch and triton preinstalled, no network -----------------------------------------
 # These targets use the machine's own Python (GPU_PY), never .venv, and never install torch or triton. What it
-# lacks (pyzmq, pytest, pytest-timeout, setuptools) comes from a wheelhouse made by `make gpu-wheels` on a machine
+# lacks (pyzmq, numpy, pytest, pytest-timeout, setuptools) comes from a wheelhouse made by `make gpu-wheels` on a machine
 # with network and copied along, installed with pip --no-index into $(GPU_DIR)/deps. The C++ client builds in
 # place (torch_bps/_C*.so) against the installed torch, with the system's libzmq headers or, without them,
 # pyzmq's bundled libzmq and cpp_ext/vendor/zmq/zmq.h. Do not share one checkout between `make test` and these
@@ -69,7 +69,7 @@ GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)"
 gpu-wheels:
 	for v in $(GPU_PYTHONS); do \
 	  $(WHEELS_PIP) download --quiet --only-binary=:all: --python-version $$v --platform manylinux_2_28_$(GPU_ARCH) \
-	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" pytest pytest-timeout setuptools exceptiongroup tomli \
+	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" numpy pytest pytest-timeout setuptools exceptiongroup tomli \
 	  || exit 1; done
 	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
 

@@ -22,8 +22,10 @@ import shutil
 import subprocess
 import sys
 
-# module -> the distribution that provides it (what the wheelhouse holds).
-NEEDED = {"zmq": "pyzmq", "pytest": "pytest", "pytest_timeout": "pytest-timeout", "setuptools": "setuptools"}
+# module -> the distribution that provides it (what the wheelhouse holds). numpy: the summation server hands
+# pyzmq its replies as numpy arrays (torch's .numpy() fails without it); the compiled kernels do not need it.
+NEEDED = {"zmq": "pyzmq", "numpy": "numpy", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+          "setuptools": "setuptools"}  # fmt: skip
 PREINSTALLED = {"torch": "torch", "triton": "triton"}  # used as they are: never installed by these targets
 NO_GPU = 3  # exit code of `cuda` without a device: a CPU box must not pass for a GPU pass
 
