@@ -74,7 +74,7 @@ gpu-wheels:
 	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
 
 gpu-deps:
-	$(GPU_PY) tests/gpu/preflight.py deps --wheelhouse $(WHEELHOUSE) --target $(GPU_DIR)/deps
+	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py deps --wheelhouse $(WHEELHOUSE) --target $(GPU_DIR)/deps
 
 gpu-build: gpu-deps
 	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py build

@@ -35,7 +35,7 @@ def zmq_build_args():
     bundled = pyzmq_bundled_libzmq()
     if bundled is None:
         sys.exit(ZMQ_HINT)
-    print(f"torch_bps: no system zmq.h; building against pyzmq's bundled {bundled} with {VENDORED_ZMQ_H}/zmq.h")
+    print(f"torch_bps: building against pyzmq's bundled {bundled} with {VENDORED_ZMQ_H}/zmq.h")
     lib_dir, name = os.path.split(bundled)
     return [os.path.abspath(VENDORED_ZMQ_H)], [], [f"-L{lib_dir}", f"-l:{name}", f"-Wl,-rpath,{lib_dir}"]
 
