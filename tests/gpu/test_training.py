@@ -52,8 +52,8 @@ def _batch(step: int, rank: int, device: str):
 
 
 def _optimizer_on_device(opt: torch.optim.Optimizer, device: str) -> list[str]:
-    """Where the optimizer's state lives: every state tensor on the device but Adam's `step` counter, which
-    torch keeps on the CPU unless the optimizer is capturable or fused."""
+    """Where the optimizer's state lives: every state tensor on the device (a `step` counter excepted, which
+    torch's Adam-like optimizers keep on the CPU unless capturable or fused)."""
     wrong = []
     for i, state in enumerate(opt.state.values()):
         for key, value in state.items():
@@ -77,7 +77,10 @@ def _train(rank, world, gloo, device):
     }
     state = torch_bps.BpsHookState(process_group=gloo)
     models["hook"].register_comm_hook(state, torch_bps.bps_hook)
-    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in models.items()}
+    # SGD with momentum: state on the device to check, and no Adam, which divides by the root of the squared
+    # gradients: fc1.bias feeds a BatchNorm, its true gradient is 0, and Adam would blow the last-bit noise of
+    # differently ordered sums (world 4) up to steps of lr in random directions.
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in models.items()}
     failures, worst = [], {"byteps": 0.0, "hook": 0.0}
     for step in range(STEPS):
         x, y = _batch(step, rank, device)
@@ -104,8 +107,8 @@ def _train(rank, world, gloo, device):
                 failures.append(f"{name}: parameter {pn} differs from gloo's by {(p - ref).abs().max().item():.3g}")
         failures += [f"{name}: {w}" for w in _optimizer_on_device(opts[name], device)]
         buffers = dict(models[name].named_buffers())
-        for bn, ref in models["gloo"].named_buffers():
-            if not torch.equal(buffers[bn], ref):
+        for bn, ref in models["gloo"].named_buffers():  # statistics of activations of parameters within TOL
+            if not torch.allclose(buffers[bn].double(), ref.double(), **TOL):
                 failures.append(f"{name}: buffer {bn} differs from gloo's")
     state.close()
     return failures, worst
