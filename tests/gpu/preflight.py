@@ -42,7 +42,7 @@ def cmd_deps(args) -> int:
               "(these targets never install it; set GPU_PY to the Python that has it)")  # fmt: skip
         status = 2
     wanted = [NEEDED[m] for m in missing_modules(NEEDED)]
-    if not wanted:
+    if status or not wanted:  # without torch and triton nothing can run: install nothing
         return status
     wheels = sorted(glob.glob(os.path.join(args.wheelhouse, "*.whl"))) if os.path.isdir(args.wheelhouse) else []
     if not wheels:
