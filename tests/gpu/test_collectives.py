@@ -1,7 +1,8 @@
 """The "byteps" backend with CUDA tensors: every collective against gloo's result on the same data.
 
 World 2 and 4 as processes sharing the one GPU (`tests.helpers.run_ranks`: a "byteps" default group and a gloo
-group of the same ranks, one machine, so the local reduce and an embedded server take part). The reference is
+group of the same ranks), emulating one machine, machines of one rank, and two machines of two (LAYOUTS), so the
+local stages alone, the servers alone, and both carry CUDA tensors. The reference is
 gloo on CPU copies of the same data (gloo's CPU collectives are the ones the CPU suite trusts); the data are
 exact floats (`tests.helpers.exact_floats`: every sum of up to 8 is exact), so results must match bit for bit.
 Each result must also stay on the device, with the caller's dtype and shape.
@@ -220,10 +221,17 @@ def _point_to_point(rank, world, gloo, device):
     return failures
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# (world, LOCAL_WORLD_SIZE): how the ranks sharing the GPU are told to see themselves. A job of one machine never
+# reaches a server (its local stages make every result: the real one-GPU-box case); ranks that are machines of
+# their own go through the servers only; two machines of two take both the local stages and the servers.
+LAYOUTS = {"2_machines_of_1": (2, 1), "1_machine_of_4": (4, 4), "2_machines_of_2": (4, 2)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("job", [_reductions, _movements], ids=["reductions", "movements"])
-def test_collectives_on_device_match_gloo(job, world):
-    results = run_ranks(job, world, DEVICE, timeout=280)
+def test_collectives_on_device_match_gloo(job, layout):
+    world, local = LAYOUTS[layout]
+    results = run_ranks(job, world, DEVICE, env={"LOCAL_WORLD_SIZE": str(local)}, timeout=280)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
 

@@ -1,7 +1,8 @@
 """DDP on the device: training through "byteps" and through bps_hook equals gloo's, the optimizer stays on the
 device, and a failed bucket raises (nothing hangs).
 
-World 2 and 4 processes share the one GPU (tests.helpers.run_ranks). The reference is DDP on a gloo group of the
+World 2 and 4 processes share the one GPU (tests.helpers.run_ranks), laid out as machines as in
+test_collectives.py. The reference is DDP on a gloo group of the
 same ranks with the same model on the same device (gloo carries CUDA tensors for DDP), so both sides run the same
 kernels and only the gradient sums differ in order: gradients are compared every step and parameters at the end
 within TOL (the CPU suite's tolerance in tests/test_ddp.py).
@@ -114,18 +115,27 @@ def _train(rank, world, gloo, device):
     return failures, worst
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ddp_on_device_matches_gloo(world):
-    results = run_ranks(_train, world, DEVICE, timeout=280)
+# (world, LOCAL_WORLD_SIZE), as in test_collectives.py: the servers alone, the local stages alone, both.
+LAYOUTS = {"2_machines_of_1": (2, 1), "1_machine_of_4": (4, 4), "2_machines_of_2": (4, 2)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ddp_on_device_matches_gloo(layout):
+    world, local = LAYOUTS[layout]
+    results = run_ranks(_train, world, DEVICE, env={"LOCAL_WORLD_SIZE": str(local)}, timeout=280)
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
-    print(f"world {world}: largest gradient deviation from gloo {max(max(w.values()) for _, w in results):.3g}")
+    print(f"{layout}: largest gradient deviation from gloo {max(max(w.values()) for _, w in results):.3g}")
 
 
 # --- Faults: the summation server dies mid-training; every rank raises, none hangs ---------------------------
 
 KILL_AT = 3
-BOUND = 20.0  # seconds from the kill to each rank's exception (the CPU suite sees 0.00-0.03 s)
+# Seconds from the kill to each rank's exception. Usually 0.2-0.4 s here; but in 1 of 4 CPU dry runs of the hook
+# door one rank raised only after BPS_TIMEOUT (30 s then; "lost the connection 0.4 s ago" in its message): some
+# request waited out its timeout instead of failing with the connection. So: within BPS_TIMEOUT and 10 s more.
+REQUEST_TIMEOUT = 10
+BOUND = REQUEST_TIMEOUT + 10.0
 
 
 def _train_until_it_fails(rank, world, gloo, device, door, server_pid):
@@ -161,12 +171,16 @@ def test_killed_server_fails_every_rank_on_device(door):
     (through a device Future: DDP's reducer reads the C++ error, no crash), and the ranks then shut down."""
     server = ServerProcess()
     try:
-        env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "30", "BPS_HEARTBEAT_TIMEOUT": "3"}
+        # Two machines of one rank (LOCAL_WORLD_SIZE=1): a job of one machine would never reach the server.
+        env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": str(REQUEST_TIMEOUT), "BPS_HEARTBEAT_TIMEOUT": "3"}
+        env["LOCAL_WORLD_SIZE"] = "1"
         results = run_ranks(_train_until_it_fails, 2, DEVICE, door, server.proc.pid, env=env, timeout=200)
     finally:
         server.stop()
     killed = results[0]["killed"]
     for rank, r in enumerate(results):
         assert r["type"] is not None, f"rank {rank} trained {r['step'] + 1} steps past the kill without an error"
+        print(f"{door}: rank {rank} raised {r['type']} at step {r['step']}, {r['at'] - killed:.2f} s after the kill")
         assert r["bps"], f"rank {rank} raised {r['type']}, not a torch_bps error: {r['message']}"
-        assert r["at"] - killed < BOUND, f"rank {rank} took {r['at'] - killed:.1f} s to raise {r['type']}"
+        took = r["at"] - killed
+        assert took < BOUND, f"rank {rank} took {took:.1f} s to raise {r['type']}: {r['message']}"
