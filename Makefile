@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 EXT    := $(wildcard cpp_ext/*.cpp cpp_ext/*.h)
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean
+.PHONY: test stress demo bench cluster lint install zmq-dev clean gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
 
 test: install
 	$(PYTEST) -q tests -m "not slow"
@@ -46,4 +46,48 @@ torch_bps/_C.stamp: $(STAMP) $(EXT) setup.py | zmq-dev
 	touch $@
 
 clean:
-	rm -rf build *.egg-info torch_bps/_C*.so torch_bps/_C.stamp
+	rm -rf build *.egg-info torch_bps/_C*.so torch_bps/_C.stamp $(GPU_DIR)
+
+# --- A GPU machine: CUDA, torch and triton preinstalled, no network -----------------------------------------
+# These targets use the machine's own Python (GPU_PY), never .venv, and never install torch or triton. What it
+# lacks (pyzmq, numpy, pytest, pytest-timeout, setuptools) comes from a wheelhouse made by `make gpu-wheels` on a machine
+# with network and copied along, installed with pip --no-index into $(GPU_DIR)/deps. The C++ client builds in
+# place (torch_bps/_C*.so) against the installed torch, with the system's libzmq headers or, without them,
+# pyzmq's bundled libzmq and cpp_ext/vendor/zmq/zmq.h. Do not share one checkout between `make test` and these
+# targets on the same Python version: both build the same torch_bps/_C*.so.
+GPU_PY      ?= python3
+GPU_DIR     ?= .gpu
+WHEELHOUSE  ?= wheelhouse
+GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
+GPU_ARCH    ?= x86_64
+WHEELS_PIP  ?= python3 -m pip
+GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)"
+
+# Online, anywhere: the wheels an offline GPU machine may lack, for every Python in GPU_PYTHONS (pyzmq has one
+# wheel per version up to 3.11 and one abi3 wheel for 3.12 on; the others are pure Python). exceptiongroup and tomli
+# are pytest's dependencies on 3.10 only, named here because pip evaluates markers for its own Python, not --python-version.
+gpu-wheels:
+	for v in $(GPU_PYTHONS); do \
+	  $(WHEELS_PIP) download --quiet --only-binary=:all: --python-version $$v --platform manylinux_2_28_$(GPU_ARCH) \
+	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" numpy pytest pytest-timeout setuptools exceptiongroup tomli \
+	  || exit 1; done
+	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
+
+gpu-deps:
+	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py deps --wheelhouse $(WHEELHOUSE) --target $(GPU_DIR)/deps
+
+gpu-build: gpu-deps
+	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py build
+	$(GPU_ENV) $(GPU_PY) setup.py --quiet build_ext --inplace --build-temp $(GPU_DIR)/build
+	$(GPU_ENV) $(GPU_PY) -c "import torch_bps._C"
+
+# Fails where no GPU is found too, after the suite ran (every test skipped, with its reason), its last line saying
+# so: a CPU box never passes. A failing suite fails first.
+gpu-test: gpu-build
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu -m cuda; status=$$?; \
+	  $(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda; gpu=$$?; \
+	  if [ $$status -ne 0 ]; then exit $$status; fi; exit $$gpu
+
+gpu-bench: gpu-build
+	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py --json docs/results/gpu.json

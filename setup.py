@@ -11,28 +11,58 @@ from setuptools import find_packages, setup
 
 ZMQ_HINT = (
     "torch_bps: zmq.h not found. The C++ push/pull client links libzmq: install Debian's "
-    "libzmq3-dev (apt-get update && apt-get install -y libzmq3-dev), or run `make test`, which does."
+    "libzmq3-dev (apt-get update && apt-get install -y libzmq3-dev), or run `make test`, which does; "
+    "offline, install pyzmq from a wheel first: its bundled libzmq is then used with cpp_ext/vendor/zmq/zmq.h."
 )
+VENDORED_ZMQ_H = os.path.join("cpp_ext", "vendor", "zmq")
 
 
-def zmq_include_dirs():
-    candidates = [os.environ.get("ZMQ_INCLUDE_DIR", ""), "/usr/include", "/usr/local/include"]
+def zmq_build_args():
+    """include_dirs, libraries and extra link args for libzmq: the system's if zmq.h is found, else pyzmq's.
+
+    A machine with libzmq's headers (Debian's libzmq3-dev, a conda env's zeromq) links its libzmq.so. Without
+    them (an offline GPU machine), the libzmq 4.3.5 bundled in pyzmq's wheel (pyzmq.libs/) is linked by its
+    file name, found at run time through an rpath, with libzmq's own public header vendored beside the sources.
+    """
+    candidates = [os.environ.get("ZMQ_INCLUDE_DIR", ""), "/usr/include", "/usr/local/include",
+                  os.path.join(sys.prefix, "include")]  # fmt: skip
     found = [d for d in candidates if d and os.path.exists(os.path.join(d, "zmq.h"))]
-    if not found:
+    # TORCH_BPS_ZMQ=pyzmq takes pyzmq's library even where system headers exist (to test the offline build).
+    if found and os.environ.get("TORCH_BPS_ZMQ", "auto") != "pyzmq":
+        lib_dir = os.path.join(sys.prefix, "lib")
+        extra = [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"] if found[0] == candidates[3] else []
+        return found[:1], ["zmq"], extra
+    bundled = pyzmq_bundled_libzmq()
+    if bundled is None:
         sys.exit(ZMQ_HINT)
-    return found[:1]
+    print(f"torch_bps: building against pyzmq's bundled {bundled} with {VENDORED_ZMQ_H}/zmq.h")
+    lib_dir, name = os.path.split(bundled)
+    return [os.path.abspath(VENDORED_ZMQ_H)], [], [f"-L{lib_dir}", f"-l:{name}", f"-Wl,-rpath,{lib_dir}"]
+
+
+def pyzmq_bundled_libzmq():
+    """The path of the libzmq shared library pyzmq's manylinux wheel bundles (pyzmq.libs/libzmq-*.so*), or None."""
+    try:
+        import zmq
+    except ImportError:
+        return None
+    libs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(zmq.__file__))), "pyzmq.libs")
+    names = sorted(n for n in os.listdir(libs) if n.startswith("libzmq")) if os.path.isdir(libs) else []
+    return os.path.join(libs, names[0]) if names else None
 
 
 def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    zmq_includes, zmq_libraries, zmq_link_args = zmq_build_args()
     sources = sorted(os.path.join("cpp_ext", f) for f in os.listdir("cpp_ext") if f.endswith(".cpp"))
     ext = CppExtension(
         "torch_bps._C",
         sources,
-        include_dirs=zmq_include_dirs() + [os.path.abspath("cpp_ext")],
-        libraries=["zmq"],
+        include_dirs=zmq_includes + [os.path.abspath("cpp_ext")],
+        libraries=zmq_libraries,
         extra_compile_args=["-O3", "-std=c++20", "-Wall"],
+        extra_link_args=zmq_link_args,
     )
     return [ext], {"build_ext": BuildExtension}
 

@@ -10,7 +10,6 @@ import numbers
 from collections.abc import Iterator, Sequence
 
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # At most this many inputs per reduction (and destinations per broadcast): one per local GPU of a machine.
@@ -104,12 +103,22 @@ def resolve_backend(backend: str, device: torch.device, kernel: object) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+    if backend == "triton" and device.type != "cuda" and not _interpreted(kernel):
         raise ValueError(
             f"backend='triton' on {device.type} tensors needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before importing triton_kernels (tests only; it is slow)"
         )
     return backend
+
+
+def _interpreted(kernel: object) -> bool:
+    # Imported here, not at the top: triton's interpreter imports numpy, which a GPU machine may not have and
+    # the compiled kernels do not need.
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # no numpy: then no interpreter either
+        return False
+    return isinstance(kernel, InterpretedFunction)
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:

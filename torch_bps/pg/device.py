@@ -1,15 +1,13 @@
-"""CUDA tensors through host memory: pinned staging, a side copy stream, events, a fused write-back.
+"""CUDA tensors through host memory: pinned staging, a side copy stream, events, a copy back.
 
 The summation service works on host memory, so a GPU tensor makes a round trip: device -> pinned host
-buffer (on a copy stream that first waits for the producer's stream) -> push_pull -> back to the device,
-where the Triton kernel `triton_kernels.scale_cast_into` casts and copies the sum into the caller's
-tensor on the copy stream. The caller's stream is then made to wait for the copy stream, so the Future
-(created with `devices=[...]`) records its completion event after the data is in place.
+buffer (on a copy stream that first waits for the producer's stream) -> push_pull -> copied straight from
+the pinned buffer into the caller's tensor on the copy stream. The caller's stream is then made to wait for
+the copy stream, so the Future (created with `devices=[...]`) records its completion event after the data is
+in place.
 
-NOT RUN ON A GPU: this project has none. The code follows torch's documented stream semantics; the
-Triton kernel it calls is compiled for sm_80/sm_90 in CI (tests/test_triton_aot.py) and checked under
-TRITON_INTERPRET=1, and `staging_kind` (the dispatch) is unit-tested.
-May import: torch, triton_kernels.
+Runs on a GPU only under `make gpu-test` (tests/gpu/); the CPU suite unit-tests `staging_kind` (the dispatch).
+May import: torch.
 """
 
 from __future__ import annotations
@@ -56,13 +54,10 @@ class DeviceStaging:
             self._stream.synchronize()  # push_pull reads the host buffer next: wait for this copy only
 
     def write_back(self) -> None:
-        from triton_kernels import scale_cast_into  # imports triton: only on the CUDA path
-
+        # A plain copy, not a kernel: the result has the tensor's own dtype and needs no scale, and a DMA
+        # moves every dtype (int64 buffers, bools as bytes, float64) and every bit pattern (a broadcast's
+        # NaN payloads) unchanged, straight from the pinned buffer into the tensor (any strides).
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            summed = self.flat.to(self._device, non_blocking=True)  # pinned: truly asynchronous
-            if self._real.is_contiguous():
-                scale_cast_into(summed, self._real.view(-1))
-            else:
-                self._real.copy_(summed.view(self._real.shape))
+            self._real.copy_(self.flat.view(self._real.shape), non_blocking=True)  # pinned: truly asynchronous
         # The thread completing the Future records its event on its current stream: order it after the copy.
         torch.cuda.current_stream(self._device).wait_stream(self._stream)

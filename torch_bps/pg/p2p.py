@@ -3,13 +3,15 @@
 A summation service has no good way to move bytes from one rank to another (every byte would cross a
 server and be summed with -0.0), so these go worker to worker through gloo. The gloo group is made when the
 "byteps" group is, by every rank of it, on the same store under a prefix of its own: the user never sees it.
-Its Works are gloo's (they honour `wait(timeout)`; `recv_anysource`'s knows the sender).
+Its Works are gloo's (they honour `wait(timeout)`; `recv_anysource`'s knows the sender). gloo's send and recv
+read and write host memory only, so CUDA tensors go through CPU copies here (all-to-all has gloo's own CUDA path).
 
 May import: torch, torch_bps.futures, torch_bps.pg.
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
@@ -34,13 +36,47 @@ class GlooSide:
         self._timeout = timeout.total_seconds()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return self._gloo.send(_check(tensors, "send"), dst, tag)
+        _check(tensors, "send")
+        # gloo's send and recv hand the tensor's data pointer to a TCP socket as host memory, whatever its
+        # device: a CUDA tensor travels as a CPU copy (made on the caller's stream, so it sees what that
+        # stream wrote; gloo's Work keeps the copy alive until it is sent).
+        return self._gloo.send([_on_host(t) for t in tensors], dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
-        return self._gloo.recv(_check(tensors, "recv"), src, tag)
+        _check(tensors, "recv")
+        if all(t.device.type == "cpu" for t in tensors):
+            return self._gloo.recv(tensors, src, tag)
+        hosts = [_on_host(t, load=False) for t in tensors]
+        return self._copied_back(self._gloo.recv(hosts, src, tag), hosts, tensors, f"recv from rank {src}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
-        return self._gloo.recv_anysource(_check(tensors, "recv_anysource"), tag)
+        _check(tensors, "recv_anysource")
+        if any(t.device.type != "cpu" for t in tensors):
+            # torch reads the sender from gloo's own Work (sourceRank), which a copy back cannot pass on.
+            raise TypeError(f"recv from any source: CUDA tensors are not supported ('{BACKEND}' backend); "
+                            "name the source rank, or receive into a CPU tensor")  # fmt: skip
+        return self._gloo.recv_anysource(tensors, tag)
+
+    def _copied_back(self, work: dist.Work, hosts: list[torch.Tensor], tensors: list[torch.Tensor],
+                     what: str) -> dist.Work:  # fmt: skip
+        """A Work that completes once gloo's `work` received into `hosts` and they are copied into `tensors`.
+
+        gloo's recv Work has no future to chain on, so a thread of its own waits for it (p2p on CUDA tensors is
+        rare; a collective never takes this path)."""
+        future = torch.futures.Future(devices=list(dict.fromkeys(t.device for t in tensors if t.device.type != "cpu")))
+
+        def wait_and_copy() -> None:
+            try:
+                work.wait()
+                for t, h in zip(tensors, hosts, strict=True):
+                    t.copy_(h)
+            except BaseException as e:  # noqa: BLE001 - the receive fails with it
+                fail(future, e)
+                return
+            future.set_result(tensors)
+
+        threading.Thread(target=wait_and_copy, name="torch_bps-recv", daemon=True).start()
+        return make_work(future, self._timeout, f"{what} on the internal gloo group of '{BACKEND}'")
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts) -> dist.Work:  # fmt: skip
@@ -76,6 +112,13 @@ class GlooSide:
 
     def monitored_barrier(self, opts, wait_all_ranks: bool) -> None:
         self._gloo.monitored_barrier(opts.timeout, wait_all_ranks=wait_all_ranks)
+
+
+def _on_host(t: torch.Tensor, load: bool = True) -> torch.Tensor:
+    """`t` itself on the CPU; elsewhere a CPU copy of it (`load`) or a CPU tensor of its shape to receive into."""
+    if t.device.type == "cpu":
+        return t
+    return t.detach().cpu() if load else torch.empty(t.shape, dtype=t.dtype)
 
 
 def _check(tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:

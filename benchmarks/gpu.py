@@ -1,0 +1,278 @@
+"""Benchmark the CUDA path: staging, the Triton local reduce, all-reduce and a DDP step, each beside a baseline
+measured in the same run.
+
+- staging: a CUDA tensor's trip to the summation service and back (`torch_bps.pg.device.DeviceStaging`: a copy
+  into pinned host memory on a side stream, then the copy back), against the device's raw pinned copy rates.
+- local_reduce: `triton_kernels.sum_scale_cast` (N inputs summed in fp32, cast once, one pass) against torch
+  on the device (chained adds into the output: N - 1 passes) and against a device-to-device copy of one input
+  (the memory-bound floor). GB/s count the input bytes read. NOTE: the engine's local reduce does not run this
+  kernel on device tensors today: torch_bps.local sums the pinned host copies in shared memory (torch on CPU).
+- allreduce: `dist.all_reduce` on "byteps" with CUDA tensors against the same on CPU tensors and against gloo
+  with CUDA tensors; `world` processes share GPU 0.
+- ddp: one training step of an MLP with DDP on the device, over "byteps" (the summation service: an embedded
+  server on this machine), over gloo (no service), and without DDP in one process (no communication at all).
+
+Usage: python benchmarks/gpu.py [--quick] [--device cuda|cpu] [--json out.json]
+`--device cpu` is a dry run of the script (the staging and kernel sections need CUDA and are left out).
+May import: torch, triton_kernels, torch_bps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MB = 1 << 20
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn, iters: int, device: str, warmup: int = 2) -> float:
+    """Median wall time of fn() over `iters` runs, each ended by a device synchronize."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_staging(sizes_mb: list[int], iters: int) -> list[dict]:
+    return [_staging_row(size, iters) for size in sizes_mb]
+
+
+def _staging_row(size: int, iters: int) -> dict:
+    from torch_bps.pg.device import DeviceStaging
+
+    n = size * MB // 4
+    dev = torch.randn(n, device="cuda")
+    host = torch.empty(n, pin_memory=True)
+    d2h = _median_seconds(lambda: host.copy_(dev, non_blocking=True), iters, "cuda")
+    h2d = _median_seconds(lambda: dev.copy_(host, non_blocking=True), iters, "cuda")
+    staged = DeviceStaging(dev, load=True)
+    stage_in = _median_seconds(lambda: DeviceStaging(dev, load=True), iters, "cuda")
+    stage_back = _median_seconds(staged.write_back, iters, "cuda")
+    ok = torch.equal(staged.flat, dev.cpu())
+
+    def gbs(seconds: float) -> float:
+        return size * MB / seconds / 1e9
+
+    print(f"staging {size:4d} MB: D2H raw {gbs(d2h):6.1f} GB/s, staged {gbs(stage_in):6.1f} GB/s "
+          f"({d2h / stage_in:.2f}); H2D raw {gbs(h2d):6.1f}, write-back {gbs(stage_back):6.1f} "
+          f"({h2d / stage_back:.2f})", flush=True)  # fmt: skip
+    return {"size_mb": size, "raw_d2h_gbs": gbs(d2h), "staging_d2h_gbs": gbs(stage_in),
+            "staging_vs_raw_d2h": d2h / stage_in, "raw_h2d_gbs": gbs(h2d), "write_back_h2d_gbs": gbs(stage_back),
+            "write_back_vs_raw_h2d": h2d / stage_back, "staged_bytes_correct": ok}  # fmt: skip
+
+
+def _event_seconds(fn, iters: int) -> float:
+    """Median device time of fn() by CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_local_reduce(size_mb: int, counts: list[int], iters: int) -> list[dict]:
+    return [_reduce_row(name, count, size_mb, iters) for name in DTYPES for count in counts]
+
+
+def _reduce_row(dtype_name: str, count: int, size_mb: int, iters: int) -> dict:
+    from triton_kernels import sum_scale_cast, sum_scale_cast_reference
+
+    dtype = DTYPES[dtype_name]
+    n = size_mb * MB // torch.empty(0, dtype=dtype).element_size()
+    inputs = [torch.randn(n, device="cuda").to(dtype) for _ in range(count)]
+    out, out_torch, copy_dst = (torch.empty(n, dtype=dtype, device="cuda") for _ in range(3))
+
+    def torch_sum():  # what torch does without a fused kernel: N - 1 passes
+        torch.add(inputs[0], inputs[1], out=out_torch)
+        for t in inputs[2:]:
+            out_torch.add_(t)
+
+    triton_s = _event_seconds(lambda: sum_scale_cast(inputs, out), iters)
+    torch_s = _event_seconds(torch_sum, iters)
+    copy_s = _event_seconds(lambda: copy_dst.copy_(inputs[0]), iters)
+    close = bool(torch.allclose(out.float(), sum_scale_cast_reference(inputs).float(), rtol=2**-7, atol=1e-3))
+    read = count * size_mb * MB / 1e9
+    copy_gbs = size_mb * MB / 1e9 / copy_s
+    print(f"local reduce {dtype_name:8s} x{count}: triton {read / triton_s:7.1f} GB/s, torch {read / torch_s:7.1f} "
+          f"GB/s ({torch_s / triton_s:.2f}x), d2d copy {copy_gbs:7.1f} GB/s", flush=True)  # fmt: skip
+    return {"dtype": dtype_name, "inputs": count, "size_mb_each": size_mb, "triton_gbs": read / triton_s,
+            "torch_gbs": read / torch_s, "triton_vs_torch": torch_s / triton_s, "d2d_copy_gbs": copy_gbs,
+            "triton_matches_reference": close}  # fmt: skip
+
+
+# --- multi-process parts ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(fn, rank: int, world: int, port: int, backend: str, args: tuple, results) -> None:
+    import torch.distributed as dist
+
+    import torch_bps  # noqa: F401 - registers "byteps"
+
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))  # fmt: skip
+        out = fn(rank, world, *args)
+        dist.barrier()
+        results.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def _run(fn, world: int, backend: str, *args, timeout: float = 600) -> dict:
+    """Run fn(rank, world, *args) in `world` spawned processes on `backend`; return rank 0's result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(fn, r, world, port, backend, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    outs = {}
+    try:
+        for _ in range(world):
+            rank, out = results.get(timeout=timeout)
+            outs[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [o["error"] for o in outs.values() if isinstance(o, dict) and "error" in o]
+    if errors:
+        raise RuntimeError(f"{backend}: {errors[0]}")
+    return outs[0]
+
+
+def _allreduce_times(rank: int, world: int, device: str, sizes_mb: list[int], iters: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for size in sizes_mb:
+        t = torch.ones(size * MB // 4, device=device)
+        dist.barrier()
+        out[size] = _median_seconds(lambda t=t: dist.all_reduce(t), iters, device)
+    return out
+
+
+def _mlp(width: int, depth: int) -> torch.nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def _ddp_step(rank: int, world: int, device: str, width: int, depth: int, batch: int, iters: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _mlp(width, depth).to(device)
+    if world > 0:
+        model = DDP(model, device_ids=[0] if device.startswith("cuda") else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width, device=device)
+
+    def step():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    params = sum(p.numel() for p in model.parameters())
+    return {"s_per_step": _median_seconds(step, iters, device, warmup=3), "parameters": params}
+
+
+def bench_allreduce(device: str, world: int, sizes_mb: list[int], iters: int) -> list[dict]:
+    """ms per all_reduce: "byteps" on `device` tensors, on host tensors, and gloo on `device` tensors."""
+    runs = {"byteps_device": ("byteps", device), "byteps_host": ("byteps", "cpu"), "gloo_device": ("gloo", device)}
+    timings = {name: _run(_allreduce_times, world, backend, dev, sizes_mb, iters)
+               for name, (backend, dev) in runs.items()}  # fmt: skip
+    rows = []
+    for size in sizes_mb:
+        t = {name: timings[name][size] for name in runs}
+        row = {"size_mb": size, "world": world, "device": device, **{f"{k}_ms": v * 1e3 for k, v in t.items()},
+               "byteps_device_vs_host": t["byteps_host"] / t["byteps_device"],
+               "byteps_vs_gloo_device": t["gloo_device"] / t["byteps_device"]}  # fmt: skip
+        rows.append(row)
+        print("allreduce " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    return rows
+
+
+def bench_ddp(device: str, world: int, width: int, depth: int, batch: int, iters: int) -> dict:
+    alone = _ddp_step(0, 0, device, width, depth, batch, iters)  # this process, no DDP: no communication
+    byteps = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters)
+    gloo = _run(_ddp_step, world, "gloo", device, width, depth, batch, iters)
+    row = {"world": world, "parameters": alone["parameters"], "batch_per_rank": batch,
+           "no_ddp_s": alone["s_per_step"], "byteps_s": byteps["s_per_step"], "gloo_s": gloo["s_per_step"],
+           "byteps_vs_gloo": gloo["s_per_step"] / byteps["s_per_step"]}  # fmt: skip
+    print("ddp " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    p.add_argument("--world", type=int, default=2, help="processes sharing GPU 0 (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write every row here")
+    args = p.parse_args(argv)
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device (use --device cpu for a dry run)", file=sys.stderr)
+        return 3
+    iters = 5 if args.quick else 20
+    sizes = [1, 64] if args.quick else [1, 16, 64, 256]
+    import triton
+
+    report = {"device": torch.cuda.get_device_name(0) if device != "cpu" else platform.processor() or "cpu",
+              "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+              "iters": iters, "world": args.world}  # fmt: skip
+    if device != "cpu":
+        report["staging"] = bench_staging(sizes, iters)
+        report["local_reduce"] = bench_local_reduce(16 if args.quick else 64, [2, 4, 8], iters)
+    report["allreduce"] = bench_allreduce(device, args.world, [4] if args.quick else [4, 64], iters)
+    width, depth = (256, 2) if device == "cpu" or args.quick else (2048, 6)
+    report["ddp"] = bench_ddp(device, args.world, width, depth, 64, iters)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
