@@ -33,6 +33,7 @@ import torch
 
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
+from torch_bps.engine.trace import describe, span, stage
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
 from torch_bps.wire import Mode
@@ -119,6 +120,7 @@ class PushPullEngine:
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
         mine = self.local_rank if self.local is not None else 0
+        done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
             op = _Op(items, plans, priority, done)
@@ -138,14 +140,15 @@ class PushPullEngine:
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                for x in op.items:
-                    t = x.tensor
-                    lo, hi = self.local[0].slice_range(t.numel())
-                    if x.mode == Mode.COPY:
-                        self._share_local_ranges(x)
-                        op.slices.append(t[lo:hi])
-                    else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
-                        op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
+                with stage(lambda: _span_name("local_reduce_scatter", op.items)):
+                    for x in op.items:
+                        t = x.tensor
+                        lo, hi = self.local[0].slice_range(t.numel())
+                        if x.mode == Mode.COPY:
+                            self._share_local_ranges(x)
+                            op.slices.append(t[lo:hi])
+                        else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
+                            op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
             except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
                 op.error = e
                 op.net_done.set()
@@ -179,11 +182,16 @@ class PushPullEngine:
         if not parts:
             self._network_done(op, None)
             return
-        done = lambda error: self._network_done(op, error)  # noqa: E731
+        done = span(lambda: self._network_name(parts), lambda error: self._network_done(op, error))
         try:
             self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
             self._network_done(op, e)
+
+    def _network_name(self, parts: list[tuple]) -> str:
+        keys = [p[1] for p in parts]
+        servers = ", ".join(self.client.servers[i] for i in sorted({p[2] for p in parts}))
+        return f"torch_bps::network {len(parts)} partitions, keys {min(keys):#x}..{max(keys):#x}, servers {servers}"
 
     def _parts(self, x: Exchange, plan: list[Part]) -> list[tuple]:
         """This rank's partitions of one tensor, as push_pull_batch takes them."""
@@ -219,8 +227,9 @@ class PushPullEngine:
                 )
             if op.error is None:
                 try:
-                    for slice_, x in zip(op.slices, op.items, strict=True):
-                        self.local[1].all_gather(slice_, x.tensor)
+                    with stage(lambda: _span_name("local_all_gather", op.items)):
+                        for slice_, x in zip(op.slices, op.items, strict=True):
+                            self.local[1].all_gather(slice_, x.tensor)
                 except BaseException as e:  # noqa: BLE001
                     op.error = e
             self.client.post(lambda op=op: op.done(op.error))
@@ -231,3 +240,12 @@ class PushPullEngine:
             self._ag_queue.put(None)
             for t in self._threads:
                 t.join(timeout=5)
+
+
+def _span_name(what: str, items: Sequence[Exchange]) -> str:
+    nbytes = sum(x.tensor.numel() * x.tensor.element_size() for x in items)
+    return f"torch_bps::{what} {describe(nbytes, len(items))}"
+
+
+def _modes(items: Sequence[Exchange]) -> str:
+    return "/".join(sorted({Mode(x.mode).name.lower() for x in items}))
