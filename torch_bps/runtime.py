@@ -187,6 +187,32 @@ class Runtime:
         self.run([tensor], completer(future, tensor), priority=priority)
         return future
 
+    @property
+    def colocated(self) -> list[str]:
+        """Each machine's embedded server ("host:port", by machine), or [] when none runs."""
+        return list(self._colocated)
+
+    @property
+    def dedicated(self) -> list[str]:
+        """The dedicated servers' addresses."""
+        return list(self._dedicated)
+
+    def server_stats(self, server: int) -> dict[str, int]:
+        """The counters of this group's server `server` (index into `addresses`). Blocks."""
+        return self._client.server_stats(server)
+
+    def solo_client(self, address: str):
+        """A client of a one-worker job of its own on one of this group's servers, with this job's credentials:
+        it measures the path to that server alone (torch_bps.doctor). Close it after use."""
+        from torch_bps.client import Client
+
+        config = self.config
+        held = config.pool_credential if address in self._dedicated else self._secret
+        auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
+        return Client([address], int.from_bytes(os.urandom(8), "little"), 0, 1, timeout=config.timeout,
+                      connect_timeout=config.connect_timeout, heartbeat_interval=config.heartbeat_interval,
+                      heartbeat_timeout=config.heartbeat_timeout, auth=auth)  # fmt: skip
+
     def _explain(self, error: BaseException) -> None:
         """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""
         if not hasattr(error, "add_note"):

@@ -77,14 +77,19 @@ class Cluster:
             p = c.spawn("probe", c.workers[0], [sys.executable, "-c", "print('RESULT {}')"])
     """
 
-    def __init__(self, n_workers: int, n_servers: int, rate_mbit: float = 500.0, subnet: str = "10.77.0"):
+    def __init__(self, n_workers: int, n_servers: int, rate_mbit: float = 500.0, subnet: str = "10.77.0",
+                 rates: dict[str, float] | None = None):  # fmt: skip
+        """rates: host name ("w1", "s0") -> its link's rate in Mbit/s, where it differs from rate_mbit."""
         if not 1 <= n_workers <= 99 or not 0 <= n_servers <= 99:
             raise ValueError(f"need 1..99 workers and 0..99 servers, got {n_workers} and {n_servers}")
         self.run_id = netns.new_run_id()
         self.shaping = Shaping.for_rate(rate_mbit)
+        self._shapings = {name: Shaping.for_rate(rate) for name, rate in (rates or {}).items()}
         self.bridge_ns = netns.namespace_name("br", self.run_id)
         self.workers = [self._host(f"w{i}", "worker", f"{subnet}.{1 + i}") for i in range(n_workers)]
         self.servers = [self._host(f"s{j}", "server", f"{subnet}.{101 + j}") for j in range(n_servers)]
+        if unknown := set(self._shapings) - {h.name for h in self.hosts}:
+            raise ValueError(f"rates name hosts this cluster does not have: {sorted(unknown)}")
         self.logdir = ""
         self._created: list[str] = []
         self._procs: list[procs.Proc] = []
@@ -143,7 +148,7 @@ class Cluster:
         netns.ip("link", "set", IFNAME, "up", netns=host.netns)
         netns.ip("link", "set", port, "master", BRIDGE, netns=self.bridge_ns)
         netns.ip("link", "set", port, "up", netns=self.bridge_ns)
-        tbf = self.shaping.tbf_args()
+        tbf = self._shapings.get(host.name, self.shaping).tbf_args()
         netns.tc("qdisc", "replace", "dev", IFNAME, "root", *tbf, netns=host.netns)  # host -> bridge
         netns.tc("qdisc", "replace", "dev", port, "root", *tbf, netns=self.bridge_ns)  # bridge -> host
 
