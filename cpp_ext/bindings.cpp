@@ -83,7 +83,7 @@ class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
-           int64_t creditBytes) {
+           int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -100,6 +100,8 @@ class PyClient {
     };
     ClientOptions options{std::move(servers), jobId,           worker,           numWorkers,     timeout,
                           heartbeatInterval,  heartbeatTimeout, std::move(auth), creditBytes};
+    options.serverCreditBytes = serverCreditBytes;
+    options.socketBufferBytes = socketBufferBytes;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete));
   }
@@ -224,28 +226,34 @@ PYBIND11_MODULE(_C, m) {
   // The client's scheduling queue alone, for tests/test_scheduler.py to compare with CreditScheduler.
   using CreditQueue = bps::CreditQueue<uint64_t>;
   py::class_<CreditQueue>(m, "CreditQueue")
-      .def(py::init<int64_t>(), py::arg("credit_bytes"))
-      .def("push", &CreditQueue::push, py::arg("nbytes"), py::arg("priority"), py::arg("item"))
-      .def("pop", &CreditQueue::pop, "(item, nbytes) with its credit taken, or None if it may not go yet")
-      .def("release", &CreditQueue::release, py::arg("nbytes"))
+      .def(py::init<int64_t, int64_t>(), py::arg("credit_bytes"), py::arg("destination_credit_bytes") = 0)
+      .def("push", &CreditQueue::push, py::arg("destination"), py::arg("nbytes"), py::arg("priority"), py::arg("item"))
+      .def("pop", &CreditQueue::pop,
+           "(item, nbytes, destination) with its credit taken, or None if nothing may go yet")
+      .def("release", &CreditQueue::release, py::arg("destination"), py::arg("nbytes"))
+      .def("destination_in_flight", &CreditQueue::destinationInFlight, py::arg("destination"))
       .def_property_readonly("in_flight", &CreditQueue::inFlight)
-      .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight);
+      .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight)
+      .def_property_readonly("peak_destination_in_flight", &CreditQueue::peakDestinationInFlight);
 
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
-                       std::vector<std::string> tokens, int64_t creditBytes) {
+                       std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
+                       int socketBufferBytes) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
-                                 heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes);
+                                 heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
+                                 serverCreditBytes, socketBufferBytes);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
            py::arg("identity") = "", py::arg("curve_secret") = "",
            py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
-           py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes)
+           py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
+           py::arg("socket_buffer_bytes") = 0)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -282,7 +290,10 @@ PYBIND11_MODULE(_C, m) {
                              py::arg("peak_credit_in_flight") = s.peakCreditInFlight, py::arg("queued") = s.queued,
                              py::arg("push_bytes_in_flight") = s.pushBytesInFlight,
                              py::arg("peak_push_bytes_in_flight") = s.peakPushBytesInFlight,
-                             py::arg("parts_sent") = s.partsSent, py::arg("parts_acknowledged") = s.partsAcknowledged);
+                             py::arg("parts_sent") = s.partsSent, py::arg("parts_acknowledged") = s.partsAcknowledged,
+                             py::arg("server_credit_bytes") = s.serverCreditBytes,
+                             py::arg("peak_server_credit_in_flight") = s.peakServerCreditInFlight,
+                             py::arg("peak_server_push_bytes_in_flight") = s.peakServerPushBytesInFlight);
            })
       .def(
           "stats",

@@ -29,11 +29,16 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
     : options_(std::move(options)),
       onComplete_(std::move(onComplete)),
       timeout_(toDuration(options_.timeoutSeconds)),
-      credit_(options_.creditBytes) {
+      credit_(options_.creditBytes, options_.serverCreditBytes) {
   size_t n = options_.servers.size();
   if (n == 0) throw Error(ErrorKind::kValue, "no servers given");
   if (options_.creditBytes <= 0) {
     throw Error(ErrorKind::kValue, formatText("credit_bytes must be positive, got %" PRId64, options_.creditBytes));
+  }
+  if (options_.serverCreditBytes < 0 || options_.socketBufferBytes < 0) {
+    throw Error(ErrorKind::kValue, formatText("server_credit_bytes (%" PRId64 ") and socket_buffer_bytes (%d) must not "
+                                              "be negative (0: no limit, the kernel's buffers)",
+                                              options_.serverCreditBytes, options_.socketBufferBytes));
   }
   if (options_.worker >= options_.numWorkers) {
     throw Error(ErrorKind::kValue,
@@ -53,7 +58,8 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
       std::string monitor = formatText("inproc://bps-monitor-%p-%zu", static_cast<void*>(this), i);
       links_.push_back(std::make_unique<ServerLink>(context_, options_.servers[i], monitor,
                                                     options_.heartbeatIntervalSeconds,
-                                                    options_.heartbeatTimeoutSeconds, options_.auth.forServer(i)));
+                                                    options_.heartbeatTimeoutSeconds, options_.auth.forServer(i),
+                                                    options_.socketBufferBytes));
     }
   } catch (...) {
     links_.clear();
@@ -64,6 +70,7 @@ Client::Client(ClientOptions options, CompletionHandler onComplete)
   incarnations_.assign(n, 0);
   ioIncarnations_.assign(n, 0);
   linkStates_.assign(n, LinkState{});
+  serverPushBytesInFlight_.assign(n, 0);
   ioThread_ = std::thread([this] { ioLoop(); });
   ++openClients;
 }
@@ -224,6 +231,9 @@ SchedulerStats Client::schedulerStats() const {
   s.peakPushBytesInFlight = peakPushBytesInFlight_.load();
   s.partsSent = partsSent_.load();
   s.partsAcknowledged = partsAcknowledged_.load();
+  s.serverCreditBytes = credit_.destinationCreditBytes();
+  s.peakServerCreditInFlight = credit_.peakDestinationInFlight();
+  s.peakServerPushBytesInFlight = peakServerPushBytesInFlight_.load();
   return s;
 }
 

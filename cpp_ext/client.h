@@ -46,6 +46,13 @@ struct ClientOptions {
   ClientAuth auth;  // no tokens and no server keys: no authentication
   // Bytes of batch pushes in flight (sent, not yet acknowledged); the rest wait in priority order.
   int64_t creditBytes = 2 << 20;
+  // Bytes of batch pushes in flight toward any one server; 0: no limit but creditBytes. One partition may
+  // always be in flight per server, however big.
+  int64_t serverCreditBytes = 0;
+  // SO_SNDBUF and SO_RCVBUF of every server connection; 0: the kernel's (autotuned). A TCP connection never
+  // has more unacknowledged bytes in flight than these allow, in either direction, whatever sits in
+  // ZeroMQ's queues: it is what bounds the bytes n connections can pile into one link's queue.
+  int socketBufferBytes = 0;
 };
 
 // One partition of a batch: the arguments of one pushPull().
@@ -73,6 +80,11 @@ struct SchedulerStats {
   int64_t peakPushBytesInFlight = 0;
   uint64_t partsSent = 0;  // batch PUSHes sent
   uint64_t partsAcknowledged = 0;  // batch PUSHes the server acknowledged
+  int64_t serverCreditBytes = 0;
+  int64_t peakServerCreditInFlight = 0;  // the most credit one server's partitions held at once
+  // Counted apart from the credit, per server, like pushBytesInFlight: the most bytes of batch PUSHes in
+  // flight toward one server at once.
+  int64_t peakServerPushBytesInFlight = 0;
 };
 
 // Runs on a CompletionPool thread once per pushPull()/pushPullBatch()/stats(), with the token given there.
@@ -243,6 +255,8 @@ class Client {
   std::atomic<int64_t> peakPushBytesInFlight_{0};
   std::atomic<uint64_t> partsSent_{0};
   std::atomic<uint64_t> partsAcknowledged_{0};
+  std::vector<int64_t> serverPushBytesInFlight_;  // IO thread only
+  std::atomic<int64_t> peakServerPushBytesInFlight_{0};
   uint64_t nextRequestId_ = 1;
   bool stopping_ = false;
 };

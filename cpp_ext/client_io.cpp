@@ -70,7 +70,7 @@ void Client::takeSubmissions() {
   }
   for (auto& op : ops) {
     if (op->batch) {
-      credit_.push(static_cast<int64_t>(op->src.nbytes()), op->priority, op);
+      credit_.push(op->server, static_cast<int64_t>(op->src.nbytes()), op->priority, op);
     } else {
       start(op);
     }
@@ -82,8 +82,9 @@ void Client::sendQueued() {
   while (!stopping_) {
     auto next = credit_.pop();
     if (!next) return;
-    next->first->credit = next->second;
-    start(next->first);  // a part that fails at once returns its credit before the next pop
+    auto& [op, nbytes, server] = *next;
+    op->credit = nbytes;
+    start(op);  // a part that fails at once returns its credit before the next pop
   }
 }
 
@@ -152,6 +153,8 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
     op->pushInFlight = true;
     int64_t inFlight = pushBytesInFlight_ += static_cast<int64_t>(op->src.nbytes());
     if (inFlight > peakPushBytesInFlight_) peakPushBytesInFlight_ = inFlight;  // only this thread writes it
+    int64_t toServer = serverPushBytesInFlight_[op->server] += static_cast<int64_t>(op->src.nbytes());
+    if (toServer > peakServerPushBytesInFlight_) peakServerPushBytesInFlight_ = toServer;
     ++partsSent_;
   }
   inflight_.emplace(h.requestId, Request{op, command, deadline});
@@ -331,12 +334,13 @@ void Client::pushEnded(const OpPtr& op) {
   if (op->pushInFlight) {
     op->pushInFlight = false;
     pushBytesInFlight_ -= static_cast<int64_t>(op->src.nbytes());
+    serverPushBytesInFlight_[op->server] -= static_cast<int64_t>(op->src.nbytes());
   }
   // The credit comes back when the server has the push, not when the sum is back: a sum waits for the
   // other workers, whose clients may have picked other partitions first (priorities and timing differ per
   // worker), so holding credit until the pull would let workers wait on each other forever.
   if (op->credit != 0) {
-    credit_.release(op->credit);
+    credit_.release(op->server, op->credit);
     op->credit = 0;  // exactly once: on the acknowledgement, or when the op ends without one
   }
   if (op->pushedToken != 0) {

@@ -2,19 +2,29 @@
 // torch_bps/engine/scheduler.py's CreditScheduler, which stays as the reference (tests/test_scheduler.py feeds
 // both the same submissions and compares the send order).
 //
-// Items wait in a priority queue (higher priority first, then submission order). pop() hands out the head
-// and takes its credit if it fits within creditBytes of credit already taken, or if no credit is taken at all
-// (so an item bigger than the credit never starves). release() gives credit back.
+// Items wait in a priority queue per destination (a server). pop() considers each destination's head that its
+// destination's credit admits (its bytes fit within destinationCreditBytes of credit that destination already
+// holds, or that destination holds none, or destinationCreditBytes is 0: no per-destination limit), takes the
+// best of those (higher priority first, then submission order), and hands it out if it also fits within
+// creditBytes of credit already taken in all, or if no credit is taken at all (so an item bigger than a credit
+// never starves). release() gives credit back to its destination and to the total.
+//
+// With destinationCreditBytes 0 every head is admitted and the rule is the single queue's: the best item
+// overall goes when the total credit allows. With a per-destination credit, an item whose server already
+// holds its share waits while items for other servers go past it: that is the point (bytes in flight toward
+// one server stay bounded), at the cost of strict priority order across servers.
 //
 // Threading: one thread pushes, pops and releases (the client's IO thread); the counters may be read from
 // any thread.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <queue>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -23,47 +33,82 @@ namespace bps {
 template <typename T>
 class CreditQueue {
  public:
-  explicit CreditQueue(int64_t creditBytes) : creditBytes_(creditBytes) {}
+  explicit CreditQueue(int64_t creditBytes, int64_t destinationCreditBytes = 0)
+      : creditBytes_(creditBytes), destinationCreditBytes_(destinationCreditBytes) {}
 
-  void push(int64_t nbytes, int64_t priority, T item) {
-    queue_.push(Entry{priority, nextArrival_++, nbytes, std::move(item)});
-    queued_.store(queue_.size(), std::memory_order_relaxed);
+  void push(size_t destination, int64_t nbytes, int64_t priority, T item) {
+    grow(destination);
+    destinations_[destination].queue.push(Entry{priority, nextArrival_++, nbytes, std::move(item)});
+    queued_.fetch_add(1, std::memory_order_relaxed);
   }
 
-  // The head, with its credit taken, if it may go now; nothing otherwise.
-  std::optional<std::pair<T, int64_t>> pop() {
-    if (queue_.empty()) return std::nullopt;
-    const Entry& head = queue_.top();
+  // The best admitted head, with its credit taken, if it may go now; nothing otherwise.
+  // Returns (item, nbytes, destination).
+  std::optional<std::tuple<T, int64_t, size_t>> pop() {
+    Destination* best = nullptr;
+    size_t bestIndex = 0;
+    for (size_t i = 0; i < destinations_.size(); ++i) {
+      Destination& d = destinations_[i];
+      if (d.queue.empty()) continue;
+      const Entry& head = d.queue.top();
+      if (destinationCreditBytes_ > 0 && d.inFlight != 0 && d.inFlight + head.nbytes > destinationCreditBytes_) {
+        continue;
+      }
+      if (best == nullptr || best->queue.top() < head) {
+        best = &d;
+        bestIndex = i;
+      }
+    }
+    if (best == nullptr) return std::nullopt;
+    const Entry& head = best->queue.top();
     int64_t inFlight = inFlight_.load(std::memory_order_relaxed);
     if (inFlight != 0 && inFlight + head.nbytes > creditBytes_) return std::nullopt;
     // Moving the item out leaves the fields the heap orders by intact, so pop() below still works.
-    std::pair<T, int64_t> out{std::move(const_cast<Entry&>(head).item), head.nbytes};
-    queue_.pop();
-    queued_.store(queue_.size(), std::memory_order_relaxed);
-    inFlight += out.second;
+    std::tuple<T, int64_t, size_t> out{std::move(const_cast<Entry&>(head).item), head.nbytes, bestIndex};
+    int64_t nbytes = head.nbytes;
+    best->queue.pop();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
+    inFlight += nbytes;
     inFlight_.store(inFlight, std::memory_order_relaxed);
     if (inFlight > peakInFlight_.load(std::memory_order_relaxed)) {
       peakInFlight_.store(inFlight, std::memory_order_relaxed);
     }
+    best->inFlight += nbytes;
+    if (best->inFlight > peakDestinationInFlight_.load(std::memory_order_relaxed)) {
+      peakDestinationInFlight_.store(best->inFlight, std::memory_order_relaxed);
+    }
     return out;
   }
 
-  void release(int64_t nbytes) { inFlight_.fetch_sub(nbytes, std::memory_order_relaxed); }
+  void release(size_t destination, int64_t nbytes) {
+    grow(destination);
+    destinations_[destination].inFlight -= nbytes;
+    inFlight_.fetch_sub(nbytes, std::memory_order_relaxed);
+  }
 
   // Everything still queued, in no particular order (the client fails them when it closes).
   std::vector<T> drain() {
     std::vector<T> out;
-    while (!queue_.empty()) {
-      out.push_back(std::move(const_cast<Entry&>(queue_.top()).item));
-      queue_.pop();
+    for (Destination& d : destinations_) {
+      while (!d.queue.empty()) {
+        out.push_back(std::move(const_cast<Entry&>(d.queue.top()).item));
+        d.queue.pop();
+      }
     }
     queued_.store(0, std::memory_order_relaxed);
     return out;
   }
 
   int64_t creditBytes() const { return creditBytes_; }
+  int64_t destinationCreditBytes() const { return destinationCreditBytes_; }
   int64_t inFlight() const { return inFlight_.load(std::memory_order_relaxed); }
   int64_t peakInFlight() const { return peakInFlight_.load(std::memory_order_relaxed); }
+  // The most credit any one destination held at once.
+  int64_t peakDestinationInFlight() const { return peakDestinationInFlight_.load(std::memory_order_relaxed); }
+  // Credit `destination` holds now (IO thread only).
+  int64_t destinationInFlight(size_t destination) const {
+    return destination < destinations_.size() ? destinations_[destination].inFlight : 0;
+  }
   size_t queued() const { return queued_.load(std::memory_order_relaxed); }
 
  private:
@@ -78,11 +123,22 @@ class CreditQueue {
     }
   };
 
+  struct Destination {
+    std::priority_queue<Entry> queue;
+    int64_t inFlight = 0;
+  };
+
+  void grow(size_t destination) {
+    if (destination >= destinations_.size()) destinations_.resize(destination + 1);
+  }
+
   int64_t creditBytes_;
-  std::priority_queue<Entry> queue_;
+  int64_t destinationCreditBytes_;
+  std::vector<Destination> destinations_;
   uint64_t nextArrival_ = 0;
   std::atomic<int64_t> inFlight_{0};
   std::atomic<int64_t> peakInFlight_{0};
+  std::atomic<int64_t> peakDestinationInFlight_{0};
   std::atomic<size_t> queued_{0};
 };
 

@@ -19,7 +19,8 @@ std::string zmqError(const std::string& what) { return what + ": " + zmq_strerro
 }  // namespace
 
 ServerLink::ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-                       double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys)
+                       double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys,
+                       int socketBufferBytes)
     : address_(address) {
   socket_ = zmq_socket(context, ZMQ_DEALER);
   if (socket_ == nullptr) throw Error(ErrorKind::kTransport, zmqError("cannot create a socket for " + address));
@@ -29,6 +30,11 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
   setInt(socket_, ZMQ_RCVHWM, 0);
   setInt(socket_, ZMQ_HEARTBEAT_IVL, static_cast<int>(heartbeatInterval * 1000));
   setInt(socket_, ZMQ_HEARTBEAT_TIMEOUT, static_cast<int>(heartbeatTimeout * 1000));
+  if (socketBufferBytes > 0) {
+    // Applied to every TCP connection this socket opens (reconnections too), so set before connecting.
+    setInt(socket_, ZMQ_SNDBUF, socketBufferBytes);
+    setInt(socket_, ZMQ_RCVBUF, socketBufferBytes);
+  }
   // Before connecting: the handshake of the very first connection must already use the mechanism.
   std::vector<std::pair<int, const std::string*>> options;
   if (keys.usesToken()) {

@@ -54,8 +54,11 @@ class ServerLink {
   // Heartbeats catch a server that vanished without closing TCP (stopped, cut off): silent for
   // heartbeatTimeout after a PING, the connection drops. Any traffic counts as an answer, so a PING
   // queued behind a big message does not time out. A killed process closes TCP and is noticed at once.
+  // socketBufferBytes > 0 sets SO_SNDBUF and SO_RCVBUF of the TCP connection (before it opens), which bound
+  // its bytes in flight both ways; 0 leaves the kernel's autotuning.
   ServerLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-             double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{});
+             double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{},
+             int socketBufferBytes = 0);
   ~ServerLink();
   ServerLink(const ServerLink&) = delete;
   ServerLink& operator=(const ServerLink&) = delete;

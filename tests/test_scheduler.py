@@ -60,22 +60,47 @@ def test_oversized_partition_is_not_starved():
 def test_bad_credit():
     with pytest.raises(ValueError):
         CreditScheduler(0)
+    with pytest.raises(ValueError):
+        CreditScheduler(100, destination_credit_bytes=-1)
+
+
+def test_destination_credit_lets_other_destinations_pass_and_bounds_each():
+    """Credit for 2 partitions toward one server: a third for server 0 waits while server 1's go past it."""
+    sched = CreditScheduler(credit_bytes=1000, destination_credit_bytes=200)
+    started = []
+    for i in range(4):
+        sched.submit(100, priority=5, start=lambda i=i: started.append((0, i)), destination=0)
+    sched.submit(100, priority=0, start=lambda: started.append((1, 0)), destination=1)
+    assert started == [(0, 0), (0, 1), (1, 0)]  # server 0 holds its 200; the lower priority for server 1 goes
+    assert sched.destination_in_flight[0] == 200 and sched.peak_destination_in_flight == 200
+    sched.release(100, destination=1)
+    assert len(started) == 3  # credit returned to server 1 admits nothing for server 0
+    sched.release(100, destination=0)
+    assert started[3] == (0, 2)
+
+
+def test_destination_credit_admits_one_oversized_partition_per_destination():
+    sched = CreditScheduler(credit_bytes=10_000, destination_credit_bytes=10)
+    started = []
+    for d in (0, 0, 1):
+        sched.submit(1000, priority=0, start=lambda d=d: started.append(d), destination=d)
+    assert started == [0, 1]
 
 
 class _Twin:
     """The C++ client's CreditQueue driven as its IO thread drives it: after every push or release, send
     (pop) whatever may go."""
 
-    def __init__(self, credit_bytes: int):
-        self.queue = _C.CreditQueue(credit_bytes)
+    def __init__(self, credit_bytes: int, destination_credit_bytes: int = 0):
+        self.queue = _C.CreditQueue(credit_bytes, destination_credit_bytes)
         self.started: list[int] = []
 
-    def submit(self, item: int, nbytes: int, priority: int) -> None:
-        self.queue.push(nbytes, priority, item)
+    def submit(self, item: int, nbytes: int, priority: int, destination: int = 0) -> None:
+        self.queue.push(destination, nbytes, priority, item)
         self._pump()
 
-    def release(self, nbytes: int) -> None:
-        self.queue.release(nbytes)
+    def release(self, nbytes: int, destination: int = 0) -> None:
+        self.queue.release(destination, nbytes)
         self._pump()
 
     def _pump(self) -> None:
@@ -83,10 +108,11 @@ class _Twin:
             self.started.append(head[0])
 
 
-# A submission: (nbytes, priority); an acknowledgement: which of the started-and-unacknowledged to release.
+# A submission: (nbytes, priority, destination); an acknowledgement: which of the started-and-unacknowledged
+# to release.
 _EVENTS = st.lists(
     st.one_of(
-        st.tuples(st.just("submit"), st.integers(0, 3000), st.integers(-2, 3)),
+        st.tuples(st.just("submit"), st.integers(0, 3000), st.integers(-2, 3), st.integers(0, 3)),
         st.tuples(st.just("ack"), st.integers(0, 1 << 16)),
     ),
     max_size=80,
@@ -94,28 +120,41 @@ _EVENTS = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(credit=st.integers(1, 4000), events=_EVENTS)
-def test_the_cpp_queue_sends_in_the_reference_order(credit, events):
-    """The same submissions, priorities and acknowledgements give the same send order, and the same credit
-    taken, in CreditScheduler and in the C++ client's queue."""
-    ref, twin = CreditScheduler(credit), _Twin(credit)
+@given(
+    credit=st.integers(1, 4000),
+    destination_credit=st.one_of(st.just(0), st.integers(1, 3000)),
+    events=_EVENTS,
+)
+def test_the_cpp_queue_sends_in_the_reference_order(credit, destination_credit, events):
+    """The same submissions, priorities, destinations and acknowledgements give the same send order, and the
+    same credit taken, in CreditScheduler and in the C++ client's queue; neither lets a destination hold more
+    than its credit beyond one partition (a partition of 0 bytes holds none)."""
+    ref, twin = CreditScheduler(credit, destination_credit), _Twin(credit, destination_credit)
     ref_started: list[int] = []
     sizes: list[int] = []
+    where: list[int] = []
     acknowledged: set[int] = set()
     for event in events:
         if event[0] == "submit":
-            item, nbytes, priority = len(sizes), event[1], event[2]
+            item, nbytes, priority, destination = len(sizes), event[1], event[2], event[3]
             sizes.append(nbytes)
-            ref.submit(nbytes, priority, lambda item=item: ref_started.append(item))
-            twin.submit(item, nbytes, priority)
+            where.append(destination)
+            ref.submit(nbytes, priority, lambda item=item: ref_started.append(item), destination)
+            twin.submit(item, nbytes, priority, destination)
         else:
             unacked = [i for i in ref_started if i not in acknowledged]
             if not unacked:
                 continue
             item = unacked[event[1] % len(unacked)]
             acknowledged.add(item)  # each started item is acknowledged once
-            ref.release(sizes[item])
-            twin.release(sizes[item])
+            ref.release(sizes[item], where[item])
+            twin.release(sizes[item], where[item])
         assert twin.started == ref_started
         assert twin.queue.in_flight == ref.in_flight
+        for d in range(4):
+            held = [sizes[i] for i in ref_started if i not in acknowledged and where[i] == d and sizes[i]]
+            assert twin.queue.destination_in_flight(d) == ref.destination_in_flight[d] == sum(held)
+            if destination_credit and len(held) > 1:
+                assert sum(held) <= destination_credit
     assert twin.queue.peak_in_flight == ref.peak_in_flight
+    assert twin.queue.peak_destination_in_flight == ref.peak_destination_in_flight

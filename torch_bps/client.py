@@ -93,6 +93,10 @@ class Client:
             False: no authentication, for servers run with `--auth off`.
         credit_bytes: bytes of `push_pull_batch` pushes in flight (sent, not yet acknowledged) at most; one
             partition may always go, however big.
+        server_credit_bytes: the same toward any one server; 0: no limit but credit_bytes. One partition
+            per server may always go, however big.
+        socket_buffer_bytes: SO_SNDBUF and SO_RCVBUF of every server connection, which bound its bytes in
+            flight both ways (pushes out, replies in); 0: the kernel's autotuned buffers.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -112,6 +116,8 @@ class Client:
         heartbeat_timeout: float = 10.0,
         auth: ClientKeys | bool | None = None,
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
+        server_credit_bytes: int = 0,
+        socket_buffer_bytes: int = 0,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -133,6 +139,11 @@ class Client:
             )
         if credit_bytes <= 0:
             raise ValueError(f"credit_bytes must be positive, got {credit_bytes}")
+        if server_credit_bytes < 0 or not 0 <= socket_buffer_bytes < 1 << 31:
+            raise ValueError(
+                f"server_credit_bytes={server_credit_bytes} and socket_buffer_bytes={socket_buffer_bytes} must not be "
+                "negative (0: no per-server limit, the kernel's buffers)"
+            )
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -152,6 +163,7 @@ class Client:
                 keys["tokens"] = [t.decode() for t in auth.tokens]
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
+                               server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
@@ -270,7 +282,9 @@ class Client:
     def scheduler_stats(self) -> dict[str, int]:
         """The batch scheduler's counters: credit_bytes, credit_in_flight (0 when idle), peak_credit_in_flight,
         queued, push_bytes_in_flight and its peak (counted apart from the credit, from a batch PUSH leaving to
-        its acknowledgement), parts_sent, parts_acknowledged."""
+        its acknowledgement), parts_sent, parts_acknowledged; server_credit_bytes, peak_server_credit_in_flight
+        (the most credit one server's partitions held) and peak_server_push_bytes_in_flight (the most PUSH bytes
+        in flight toward one server, counted apart from the credit)."""
         return self._impl.scheduler_stats()
 
     def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0):

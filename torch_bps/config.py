@@ -65,6 +65,11 @@ class Config:
     # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: the default,
     # DEFAULT_CREDIT_BYTES (2 MiB).
     credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
+    # Bytes of pushes in flight toward any one server; 0: no limit but credit_bytes.
+    server_credit_bytes: int = field(default=0, metadata={"env": "BPS_SERVER_CREDIT_BYTES", "parse": int})
+    # SO_SNDBUF / SO_RCVBUF of each worker -> server connection: they bound that connection's bytes in flight
+    # both ways, and so what n connections can pile into one link's queue. 0: the kernel's autotuned buffers.
+    socket_buffer_bytes: int = field(default=0, metadata={"env": "BPS_SOCKET_BUFFER_BYTES", "parse": int})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
     # The address other machines reach this one's embedded server at; default: the interface that
@@ -124,6 +129,11 @@ class Config:
             raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
         if self.credit_bytes < 0:
             raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: the default)")
+        if self.server_credit_bytes < 0 or not 0 <= self.socket_buffer_bytes < 1 << 31:
+            raise ConfigError(
+                f"server_credit_bytes={self.server_credit_bytes}, socket_buffer_bytes={self.socket_buffer_bytes}: "
+                "use 0 (no limit, the kernel's buffers) or a positive byte count"
+            )
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         if self.auth not in ("token", "curve", "off"):

@@ -132,6 +132,8 @@ class Runtime:
             heartbeat_timeout=config.heartbeat_timeout,
             auth=_client_keys(config, secret, weights),
             credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
+            server_credit_bytes=config.server_credit_bytes,
+            socket_buffer_bytes=config.socket_buffer_bytes,
         )
         local = None
         if hierarchical:

@@ -113,6 +113,7 @@ def run_torch_bps(
     partition_bytes: int = 4_096_000,
     port: int = 9000,
     credit_bytes: int = 0,
+    socket_buffer_bytes: int = -1,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 
@@ -120,7 +121,9 @@ def run_torch_bps(
     colocated on each worker host. Every worker then runs workers/bps_pushpull.py. `placement_mode`
     "exact" splits to the byte (benchmarks/cluster/placement.py); "library" places 4 MB partitions
     with torch_bps.engine.placement. Either way no partition exceeds `partition_bytes` (BytePS's default
-    4096000). Bind the keywords with functools.partial to pass it as a runner.
+    4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 sizes it from the links' queue
+    (`socket_buffer_for`), 0 leaves the kernel's buffers. Bind the keywords with functools.partial to pass it
+    as a runner.
     """
     reason = probe("client")
     if reason:
@@ -132,6 +135,8 @@ def run_torch_bps(
     server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port)
     by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
     server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
+    if socket_buffer_bytes < 0:
+        socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, len(by_host))
     # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
     server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
     try:
@@ -146,6 +151,7 @@ def run_torch_bps(
                 "--credit-bytes",
                 str(credit_bytes),
             ],
+            {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes)},
         )
         wall = time.monotonic() - start
         server_cores = [
@@ -160,7 +166,19 @@ def run_torch_bps(
     return StepTime(max(r["seconds_per_step"] for r in results), cpu)
 
 
-def _run_workers(job: BytepsJob, server_list: str, extra: list[str]) -> list[dict]:
+def socket_buffer_for(link_queue_bytes: int, servers: int) -> int:
+    """Return socket buffer bytes per server connection such that a link's queue holds what they let fly.
+
+    A worker's link carries its connection to each of `servers` servers and, at k < n, its colocated server's
+    connections to the other workers: up to 2 x servers flows, each with at most about the buffer's size in
+    flight (the kernel doubles the value for its bookkeeping). A third more than an even share of the queue
+    per connection went without tail drops at n = 8 (32 KiB buffers, 756 KB queue; 64 KiB dropped 2,000-3,400
+    packets a run): the flows are rarely all full at once.
+    """
+    return max(4096, link_queue_bytes // (3 * max(1, servers)))
+
+
+def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str]) -> list[dict]:
     n, k = len(job.workers), job.k
     workers = [
         job.cluster.spawn(
@@ -172,7 +190,7 @@ def _run_workers(job: BytepsJob, server_list: str, extra: list[str]) -> list[dic
                 "--size-bytes", str(job.size_bytes), "--steps", str(job.steps), "--warmup", str(job.warmup),
                 "--timeout", str(job.timeout_s), *extra,
             ],
-            {"OMP_NUM_THREADS": "1"},
+            {"OMP_NUM_THREADS": "1", **env},
         )
         for i, h in enumerate(job.workers)
     ]  # fmt: skip

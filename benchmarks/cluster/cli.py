@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="byteps bytes in flight per worker (default 0: the library default, 2 MiB)",
     )
+    p.add_argument(
+        "--socket-buffer-bytes",
+        type=int,
+        default=-1,
+        help="byteps workers' BPS_SOCKET_BUFFER_BYTES (default -1: sized from the links' queue so that every "
+        "connection's bytes in flight fit in it; 0: the kernel's autotuned buffers, as before issue 17)",
+    )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
     p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048; DDP and --fsdp)")
@@ -117,14 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     plan = make_plan(args)
     runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
-                               credit_bytes=args.credit_bytes)  # fmt: skip
+                               credit_bytes=args.credit_bytes,
+                               socket_buffer_bytes=args.socket_buffer_bytes)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
         print("interrupted; the emulated cluster was torn down", file=sys.stderr)
         return 130
     result["plan"].update(
-        placement=args.placement, partition_bytes=args.partition_bytes, credit_bytes=args.credit_bytes
+        placement=args.placement,
+        partition_bytes=args.partition_bytes,
+        credit_bytes=args.credit_bytes,
+        socket_buffer_bytes=args.socket_buffer_bytes,
     )
     print(report.format_table(result), flush=True)
     if args.json:

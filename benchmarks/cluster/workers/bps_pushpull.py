@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from torch_bps.client import Client
-    from torch_bps.config import DEFAULT_CREDIT_BYTES
+    from torch_bps.config import DEFAULT_CREDIT_BYTES, Config
 
     torch.set_num_threads(1)
     n, k = args.num_workers, args.k
@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = None
     credit = args.credit_bytes or DEFAULT_CREDIT_BYTES
+    config = Config.resolve()  # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, as the library resolves them
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
-                credit_bytes=credit) as client:  # fmt: skip
+                credit_bytes=credit, server_credit_bytes=config.server_credit_bytes,
+                socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
         if args.placement == "engine":
             engine = library_engine(client, n, k, servers, args.partition_bytes)
 
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             step()
         elapsed = time.perf_counter() - start
         result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu.stop()}
-        result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received())
+        result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
+                      scheduler=client.scheduler_stats())  # fmt: skip
     emit(result)
     return 0
 

@@ -1,0 +1,99 @@
+"""The client's limits on bytes in flight per server, against real summation-server processes on loopback.
+
+Two limits keep n workers' traffic within what one link can queue (issue 17): a credit per server in the
+IO thread's scheduling (server_credit_bytes), counted here by the client's own counters, which count PUSH
+bytes apart from the credit; and the socket buffers of every server connection (socket_buffer_bytes), read
+back from the kernel with `ss`. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from torch_bps.client import Client
+from torch_bps.wire import Mode
+
+pytestmark = pytest.mark.timeout(120)
+
+PART = 16 << 10  # bytes per partition
+
+
+def _parts(t: torch.Tensor, numel: int) -> list[tuple]:
+    """`t` cut into SUM partitions of `numel` elements, keys 0.. (so key % servers picks the server)."""
+    return [(p, i, None, None, Mode.SUM, None, 0, 0) for i, p in enumerate(t.split(numel))]
+
+
+def _wait(client: Client, future, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not future.done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"batch unfinished after {seconds}s; the client's scheduler: {client.scheduler_stats()}")
+        time.sleep(0.01)
+    future.wait()
+
+
+@pytest.mark.parametrize("server_credit", [PART, 4 * PART])
+def test_push_bytes_toward_one_server_never_exceed_its_credit(servers, job_id, server_credit):
+    """A total credit of 1 MiB would put 21 partitions in flight toward each of 3 servers at once; the server
+    credit holds each to its share, while the total still goes past one server's share (other servers' pushes
+    go meanwhile). Counted from the PUSH leaving to its acknowledgement, apart from the credit, so a credit
+    never taken or returned twice shows up as more bytes in flight."""
+    addresses = [s.address for s in servers]
+    with Client(addresses, job_id, 0, 1, timeout=30, credit_bytes=1 << 20, server_credit_bytes=server_credit) as c:
+        for step in range(3):
+            t = torch.arange(64 * PART // 4, dtype=torch.float32) + step
+            want = t.clone()
+            _wait(c, c.push_pull_batch(_parts(t, PART // 4), priority=step))
+            assert torch.equal(t, want)  # a job of one: the sum is the tensor
+        s = c.scheduler_stats()
+    assert s["parts_sent"] == s["parts_acknowledged"] == 3 * 64, s
+    assert s["credit_in_flight"] == s["push_bytes_in_flight"] == s["queued"] == 0, s
+    assert s["server_credit_bytes"] == server_credit, s
+    assert s["peak_server_push_bytes_in_flight"] <= server_credit, s
+    assert s["peak_server_credit_in_flight"] <= server_credit, s
+    assert s["peak_push_bytes_in_flight"] > server_credit, s  # the servers' shares were in flight together
+
+
+def test_without_server_credit_one_server_gets_the_whole_credit(servers, job_id):
+    """The control: the same batches with no server credit put far more than a partition toward one server."""
+    addresses = [s.address for s in servers]
+    with Client(addresses, job_id, 0, 1, timeout=30, credit_bytes=1 << 20) as c:
+        _wait(c, c.push_pull_batch(_parts(torch.ones(64 * PART // 4), PART // 4)))
+        s = c.scheduler_stats()
+    assert s["server_credit_bytes"] == 0 and s["peak_server_push_bytes_in_flight"] > 4 * PART, s
+
+
+def _client_buffers(port: int) -> list[tuple[int, int]]:
+    """(rcvbuf, sndbuf) of every TCP connection on loopback toward `port` (the client ends), from ss."""
+    out = subprocess.run(
+        ["ss", "-tnmH", "state", "established", "dst", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
+    return [(int(rb), int(tb)) for rb, tb in re.findall(r"skmem:\(r\d+,rb(\d+),t\d+,tb(\d+)", out)]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_socket_buffers_are_set_on_every_server_connection(server, job_id):
+    """SO_RCVBUF and SO_SNDBUF reach the kernel (which doubles them), on the connection the client opened."""
+    port = int(server.address.rpartition(":")[2])
+    before = set(_client_buffers(port))
+    with Client([server.address], job_id, 0, 1, timeout=30, socket_buffer_bytes=24 << 10) as c:
+        assert torch.equal(c.push_pull(torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
+        mine = [b for b in _client_buffers(port) if b not in before] or _client_buffers(port)
+    assert (48 << 10, 48 << 10) in mine, mine  # the kernel stores twice the value asked for
+
+
+def test_flow_settings_are_checked(server, job_id):
+    with pytest.raises(ValueError, match="server_credit_bytes"):
+        Client([server.address], job_id, 0, 1, server_credit_bytes=-1)
+    with pytest.raises(ValueError, match="socket_buffer_bytes"):
+        Client([server.address], job_id, 0, 1, socket_buffer_bytes=-5)
