@@ -31,7 +31,7 @@ import time
 
 import zmq
 
-from torch_bps import _C
+import torch_bps._C as _C
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.keys import KeyInfo, check_init, check_request
