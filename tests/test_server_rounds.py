@@ -87,7 +87,7 @@ def scenarios(draw):
     else:
         dtype, nbytes = 7, draw(st.integers(0, 8))
     ops = []
-    for _ in range(draw(st.integers(1, 40))):
+    for _ in range(draw(st.integers(1, 30))):
         kind = draw(st.sampled_from(["push"] * 4 + ["pull"] * 4 + ["refuse", "lose", "expire"]))
         worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 3))
         if kind == "push":
@@ -121,7 +121,7 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
     return draw(st.binary(min_size=nbytes, max_size=nbytes))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(scenario=scenarios())
 def test_the_native_rounds_answer_as_the_reference_does(scenario):
     num_workers, mode, nbytes, dtype, ops = scenario
