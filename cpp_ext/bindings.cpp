@@ -307,4 +307,8 @@ PYBIND11_MODULE(_C, m) {
       .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
       .def("post", &PyClient::post, py::arg("fn"))
       .def("close", [](PyClient& c) { c.get().close(); }, release());
+
+  // The summation server's native core and its rounds (cpp_ext/server_*.{h,cpp}), bound in server_bindings.cpp.
+  void bindServerCore(py::module_ & m);
+  bindServerCore(m);
 }

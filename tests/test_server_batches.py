@@ -15,7 +15,7 @@ from torch_bps.wire import Command, Status
 pytestmark = pytest.mark.timeout(120)
 
 FLOAT32 = 1  # the dtype code of docs/protocol.md
-SMALL, BIG = 96 * 1024, 3 * 1024 * 1024  # a key summed on the front thread, one handed to an engine thread
+SMALL, BIG = 96 * 1024, 3 * 1024 * 1024  # a small key and one over 1 MiB (the size the old server split at)
 
 
 def _peers(server, job_id: int, n: int) -> list[RawPeer]:

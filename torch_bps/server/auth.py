@@ -1,17 +1,19 @@
 """Who may talk to a summation server: a ZeroMQ security mechanism on the ROUTER, a ZAP handler, and jobs
 bound to identities.
 
-- `ServerSecurity` makes the ROUTER a PLAIN server (mechanism "token": a client's identity and token,
-  checked once per connection) or a CURVE server (mechanism "curve": every connection also encrypted) and
-  starts a `ZapHandler`: libzmq asks it, once per connection and before a single frame reaches the
-  server's code, whether the client may in. A peer that fails gets no frame and changes nothing. Two
-  policies (torch_bps/security.py): an embedded server accepts exactly its job's client identity; a pool
-  server accepts any identity that proves it holds the pool credential (a token made with it; or, under
-  CURVE, completing the handshake with the server key that derives from it).
+- `ServerSecurity.configure` makes the server's ROUTER a PLAIN server (mechanism "token": a client's identity
+  and token, checked once per connection) or a CURVE server (mechanism "curve": every connection also
+  encrypted) and returns a `ZapHandler`: libzmq asks the server's ZAP socket, once per connection and
+  before a single frame reaches the server's code, whether the client may in, and the server's loop thread
+  answers with `ZapHandler.answer`. A peer that fails gets no frame and changes nothing. Two policies
+  (torch_bps/security.py): an embedded server accepts exactly its job's client identity; a pool server
+  accepts any identity that proves it holds the pool credential (a token made with it; or, under CURVE,
+  completing the handshake with the server key that derives from it).
 - The accepted identity becomes the connection's ZAP user id, which libzmq attaches to every frame the
-  connection delivers (`Frame.get("User-Id")`). `JobGuard` binds each job id to the user id that said
-  the job's first HELLO; a request of a job bound to another user id is refused as if the job did not
-  exist, so it learns nothing about the job (no key sizes, no rounds).
+  connection delivers ("User-Id"). `JobGuard` binds each job id to the user id that said the job's first
+  HELLO; a request of a job bound to another user id is refused as if the job did not exist, so it learns
+  nothing about the job (no key sizes, no rounds). The server's native core applies the same binding to
+  PUSH and PULL and hands every request that fails it to the control plane, where JobGuard answers.
 
 May import: the standard library, pyzmq, torch_bps.wire, torch_bps.errors and torch_bps.security.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 
 import zmq
 from zmq.utils import z85
@@ -31,32 +32,18 @@ from torch_bps.wire import Command, Header, Status
 
 log = logging.getLogger("torch_bps.server")
 
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZeroMQ's RFC 27
 ZAP_DOMAIN = b"torch_bps"
 
 
-class ZapHandler(threading.Thread):
+class ZapHandler:
     """Answers libzmq's ZAP requests: a client gets in if `security.admit` accepts its credentials.
 
-    Runs until the context is terminated.
+    Called by the server's loop thread (the ZAP socket is one of the sockets it polls).
     """
 
-    def __init__(self, ctx: zmq.Context, security: ServerSecurity):
-        super().__init__(name="bps-zap", daemon=True)
+    def __init__(self, security: ServerSecurity):
         self.security = security
         self.refused = 0
-        self._socket = ctx.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(ZAP_ENDPOINT)  # before the ROUTER binds: no connection is ever handled without it
-
-    def run(self) -> None:
-        try:
-            while True:
-                self._socket.send_multipart(self.answer(self._socket.recv_multipart()))
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            self._socket.close()
 
     def answer(self, request: list[bytes]) -> list[bytes]:
         """Return the ZAP reply to one request (RFC 27 frames)."""
@@ -113,37 +100,29 @@ class ServerSecurity:
             return None
         return identity if identity and (self.allowed is None or identity in self.allowed) else None
 
-    def apply(self, ctx: zmq.Context, router: zmq.Socket) -> ZapHandler:
-        """Start the ZAP handler on ctx and set router's mechanism; call before router binds."""
-        zap = ZapHandler(ctx, self)
-        zap.start()
+    def configure(self, core) -> ZapHandler:
+        """Set the mechanism of the server's ROUTER and bind its ZAP socket (`core`: a torch_bps._C.ServerCore,
+        before it binds); return the handler that answers the ZAP requests."""
         if self.mechanism == "curve":
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.secret)
+            core.set_option(zmq.CURVE_SERVER, 1)
+            core.set_option(zmq.CURVE_SECRETKEY, self._keys.secret)
         else:
-            router.setsockopt(zmq.PLAIN_SERVER, 1)
-        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        return zap
+            core.set_option(zmq.PLAIN_SERVER, 1)
+        core.set_option(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        core.enable_zap()  # before the ROUTER binds: no connection is ever handled without it
+        return ZapHandler(self)
 
 
 class JobGuard:
     """Binds each job to the identity (ZAP user id) of its first HELLO; refuses the job to anyone else.
 
-    Used by the front thread only. `jobs` is the server's job table: a binding lives exactly as long as
+    Used by the server's loop thread only. `jobs` is the server's job table: a binding lives exactly as long as
     the job does (a forgotten job's id is free again).
     """
 
     def __init__(self, jobs: dict):
         self._jobs = jobs
         self._owner: dict[int, str] = {}
-
-    @staticmethod
-    def identity(frame: zmq.Frame) -> str:
-        """The ZAP user id of the connection frame came from ("" without authentication)."""
-        try:
-            return frame.get("User-Id")
-        except zmq.ZMQError:  # a NULL-mechanism connection has no user id
-            return ""
 
     def check(self, h: Header, identity: str) -> None:
         """Raise ProtocolError if h's job exists and belongs to another identity."""

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     _option(p, "--port", "BPS_SERVER_PORT", int, 9000, "TCP port; 0 picks a free one")
     _option(p, "--engine-threads", "BPS_SERVER_ENGINE_THREADS", int, 2,
-            "summation threads; each owns a disjoint set of keys")  # fmt: skip
+            "accepted for launchers that pass it, and ignored: the server sums on its loop thread")  # fmt: skip
     p.add_argument(
         "--log-level",
         default=os.environ.get("BPS_LOG_LEVEL", "WARNING"),
@@ -143,14 +143,13 @@ def _option(group, flag: str, env: str, kind, default, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s bps-server %(levelname)s %(message)s")
-    # Parallelism comes from engine threads owning disjoint keys; one torch thread each avoids oversubscription.
+    # fp16 and bf16 are summed by torch's kernels on the loop thread: one thread, no pool to wake per add.
     torch.set_num_threads(1)
     _keep_freed_memory()
     try:
         server = SummationServer(
             args.host,
             args.port,
-            args.engine_threads,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             limits=args.limits,
@@ -161,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
-    server.start()
     # Tests and launchers read this line to learn the port and incarnation.
     print(
         f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True

@@ -2,8 +2,10 @@
 
 The first INIT of a key fixes its size, dtype and mode (SUM or COPY); every later INIT, PUSH and PULL must
 agree, and a PUSH or PULL must name a byte range inside the key (a SUM key's PUSH: the whole key). These run
-on the server's front thread, on metadata alone, before any payload is looked at, so a worker whose plan
-disagrees with the others' gets KEY_MISMATCH naming both sides instead of a wrong result.
+on metadata alone, before any payload is looked at, so a worker whose plan disagrees with the others' gets
+KEY_MISMATCH naming both sides instead of a wrong result. The server's native core makes the same checks on
+PUSH and PULL and hands every request that fails one to the control plane, so the words a peer reads are
+always these.
 
 May import: the standard library, torch_bps.wire and torch_bps.errors.
 """
@@ -23,7 +25,6 @@ class KeyInfo:
     nbytes: int
     dtype: int
     mode: Mode
-    engine: int  # index of the owning engine thread, or the server's _FRONT
 
 
 def check_init(h: Header) -> None:

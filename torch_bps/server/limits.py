@@ -7,8 +7,8 @@ server past its bound, is refused with OVER_QUOTA before anything is allocated. 
 charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
 forgotten, which gives its charge back. What the book does not see is bounded at the socket: a frame over
 `max_frame_bytes` drops its connection before it is read (ZMQ_MAXMSGSIZE), at most `queue_messages`
-messages wait per connection (ZMQ_RCVHWM), and pushes queued for the engine threads are held to
-`backlog_bytes` (EngineBacklog: the front thread stops reading until the engines catch up).
+messages wait per connection (ZMQ_RCVHWM). Nothing queues between the socket and the summation: the
+server's loop thread sums each push as it reads it.
 
 May import: the standard library, torch_bps.wire and torch_bps.errors.
 """
@@ -16,7 +16,6 @@ May import: the standard library, torch_bps.wire and torch_bps.errors.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -64,8 +63,6 @@ class Limits:
     max_workers: int = 4096
     # Messages that may wait, per connection, before the server stops reading that connection.
     queue_messages: int = 32
-    # Bytes of pushes queued for the engine threads before the front thread stops reading.
-    backlog_bytes: int = 256 << 20
     # A job every worker of which is lost (its connection dropped) is forgotten after this many seconds
     # without a request, long before the lease: nobody is left to finish its rounds.
     lost_job_seconds: float = 60.0
@@ -75,12 +72,12 @@ class Limits:
         memory = self.max_memory_bytes or _physical_memory() // 2
         return Limits(
             self.max_frame_bytes, memory, self.job_quota_bytes or memory, self.job_lease_seconds,
-            self.max_workers, self.queue_messages, self.backlog_bytes, self.lost_job_seconds,
+            self.max_workers, self.queue_messages, self.lost_job_seconds,
         )  # fmt: skip
 
     def check(self) -> None:
         """Raise ValueError naming the first field out of range."""
-        for name in ("max_frame_bytes", "max_memory_bytes", "job_quota_bytes", "max_workers", "backlog_bytes"):
+        for name in ("max_frame_bytes", "max_memory_bytes", "job_quota_bytes", "max_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative")
         if self.job_lease_seconds <= 0 or self.lost_job_seconds <= 0 or self.queue_messages < 1:
@@ -95,7 +92,7 @@ def key_charge(nbytes: int, num_workers: int) -> int:
 class MemoryBook:
     """Charges of every job against its quota and the server's bound, and when each job was last heard.
 
-    Used by the front thread only. Example:
+    Used by the server's loop thread only. Example:
         book = MemoryBook(Limits(max_memory_bytes=1 << 30).resolved()); book.add_job(7); book.add_key(7, 4096, 2)
     """
 
@@ -147,28 +144,3 @@ class MemoryBook:
             raise ProtocolError(Status.OVER_QUOTA, f"{what}: this server is at its memory bound; retry elsewhere")
         self._charged[job_id] = job + amount
         self.total += amount
-
-
-class EngineBacklog:
-    """Bytes of pushes handed to engine threads and not yet processed, held under a bound.
-
-    The front thread `acquire`s before queueing a push (blocking while the engines are behind, so the
-    ROUTER is not read and TCP pushes back on the senders); an engine `release`s after processing it.
-    A single item bigger than the bound is let through alone.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.queued = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> None:
-        with self._cond:
-            while self.queued and self.queued + nbytes > self.limit:
-                self._cond.wait()
-            self.queued += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.queued -= nbytes
-            self._cond.notify_all()

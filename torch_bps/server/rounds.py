@@ -10,8 +10,9 @@ floor + 1). A round that a lost worker has not pushed can never close: its pulls
 naming the worker. A pull that waited longer than it
 allows fails with ROUND_TIMEOUT, naming the workers that have not pushed (a stalled rank).
 
-A KeyRounds is owned by one engine thread: nothing here locks. The Job it reads is written by the
-server's front thread only (a lost worker is recorded there before the owners hear of it).
+The server runs the native rounds (cpp_ext/server_rounds.h); this module is their reference:
+tests/test_server_rounds.py drives both with the same random sequences and compares every answer. Job is also
+what the server's control plane knows of a job (server.py). Nothing here locks: one thread uses a KeyRounds.
 
 May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
 """

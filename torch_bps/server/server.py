@@ -1,353 +1,122 @@
-"""The summation server: a ZeroMQ ROUTER front thread and engine threads that own disjoint keys.
+"""The summation server: a native core that serves PUSH and PULL, and the control plane around it.
 
-The front thread receives every message, checks what can be checked from metadata alone (header,
-incarnation, job, key declaration, sizes and byte ranges: keys.py) and answers HELLO, INIT and STATS itself.
-A key sums its rounds (SUM) or gathers them, copying each push's bytes into place (COPY: rounds.py). PUSH and PULL of a
-big key go to the engine that owns it (the least loaded by bytes when the key was declared), so one
-key's requests stay in order and big partitions of different keys are summed in parallel: torch's add
-releases the GIL. Engines hand replies back over an inproc socket, since only the front thread may
-touch the ROUTER. A monitor on the ROUTER reports dropped connections (a killed worker at once, a stopped
-one after the heartbeat timeout): the workers that said HELLO on it are lost, and pulls of rounds they
-never pushed fail naming them. Pulls waiting past their wait_ms fail naming the workers not yet pushed.
-Keys up to INLINE_BYTES are summed on the front thread: there the hand-off (two
-thread wake-ups, an inproc message) costs more CPU than the addition, and thread switches are what a
-busy machine is short of.
-The front thread handles what waits on a socket in batches (up to _BATCH messages per poll wake-up), and
-sends a round's whole result back as the message it was summed into (shared by reference count in libzmq).
+The core (`torch_bps._C.ServerCore`, cpp_ext/server_core.h) owns the ROUTER and runs its loop on the thread
+that calls `serve_forever`. PUSH and PULL of a declared key never enter Python: the core checks the header,
+the job's identity and the key's declaration, runs the key's rounds (cpp_ext/server_rounds.h, the rules of
+rounds.py, which stays as the reference it is tested against), sums in place into the first push's received
+message and answers pulls with that message itself (shared by reference count). Everything else comes here,
+synchronously on the same thread, so every peer's messages keep their order (an INIT pipelined in front of
+its key's first PUSH is declared before that PUSH is read): HELLO, INIT, STATS, garbage and every request
+the core refuses (`_on_request`, which answers with keys.py's and auth.py's words), dropped connections
+(`_on_disconnect`: the workers that said HELLO on them are lost), ZAP requests (auth.ZapHandler) and a tick
+every _TICK_S (stop flag, parent process, lease sweep). Whatever changes here is told to the core at once:
+a job registered and bound to its identity, a key declared, a worker lost, a push refused, a job forgotten.
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
-peers that pass the mechanism (token or CURVE) and the ZAP handler, and auth.JobGuard refuses a job's
-requests to any identity but the one that said its first HELLO; limits.py bounds frame sizes and charges
-every new job and key against the job's quota and the server's bound.
+peers that pass the mechanism (token or CURVE) and the ZAP handler, and a job's requests are served only
+from the identity that said its first HELLO (auth.JobGuard here, the same check natively); limits.py
+bounds frame sizes and charges every new job and key against the job's quota and the server's bound.
 
-May import: the standard library, torch, pyzmq, torch_bps.wire, torch_bps.errors, torch_bps.server.
+May import: the standard library, pyzmq (option constants), torch_bps._C, torch_bps.wire, torch_bps.errors,
+torch_bps.server.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
-import queue
 import struct
 import threading
 import time
 
-import torch
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
+import torch_bps._C as _C
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.keys import KeyInfo, check_init, check_request
-from torch_bps.server.limits import FRAME_SLACK, EngineBacklog, Limits, MemoryBook
-from torch_bps.server.rounds import Job, KeyRounds, Round, SumCounters
-from torch_bps.wire import DTYPES, REPLY, STATS_FIELDS, Command, Header, Mode, Status
+from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
+from torch_bps.server.rounds import Job
+from torch_bps.wire import REPLY, STATS_FIELDS, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
 
-_REPLIES = "inproc://bps-replies-{}"
-_POLL_MS = 200  # how often the front thread looks at the stop flag
-# Messages handled per poll wake-up and socket: a poll costs as much Python as handling a small message, and
-# under load messages queue up; bounded so the other sockets (engines' replies, the monitor) are not starved.
-_BATCH = 64
-INLINE_BYTES = 1 << 20  # keys up to this size are summed on the front thread itself
-_FRONT = -1  # KeyInfo.engine of an inline key
-_EXPIRE_S = 0.25  # how often waiting pulls are checked against their deadlines
-_LOST = "lost"  # an engine inbox item: (_LOST, job_id), a worker of that job was lost
-_FORGET = "forget"  # an engine inbox item: (_FORGET, job_id), drop every key of that job (past its lease)
-_SWEEP_SECONDS = 10.0  # how often the front thread looks for jobs past their lease
+_TICK_S = 0.2  # how often the loop calls _tick: the stop flag, the parent process, the lease sweep
+_SWEEP_SECONDS = 10.0  # how often jobs past their lease are looked for
 
 
-class KeyOwner:
-    """The rounds of a set of keys: folds pushes into sums and answers pulls. Used by one thread only."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.counters = SumCounters()
-        self._keys: dict[tuple[int, int], KeyRounds] = {}
-        self._waiting: set[KeyRounds] = set()  # keys with queued pulls, for expire()
-        self._next_expire = 0.0
-
-    def handle(self, item: tuple, send) -> None:
-        """Process one (ident, header, payload, job, key info) item; `send(frames)` each reply.
-
-        ident None means the front thread refused a push of this key: its round fails for everyone.
-        """
-        ident, header, payload, job, info = item
-        if ident is None:
-            return self._refuse(send, header, payload, job, info)
-        try:
-            for frames in self._handle(ident, header, payload, job, info):
-                send(frames)
-        except ProtocolError as e:
-            send(_error(ident, header, e.status, str(e)))
-        except Exception as e:  # a bug: answer it, keep serving everyone else
-            log.exception("%s failed on %s", self.name, header)
-            send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
-
-    def worker_lost(self, job_id: int, send) -> None:
-        """Fail the waiting pulls of every round of job_id that one of its lost workers has not pushed."""
-        for (job, _), rounds in self._keys.items():
-            if job == job_id:
-                for (ident, pull), message in rounds.fail_lost():
-                    send(_error(ident, pull, Status.WORKER_LOST, message))
-
-    def expire(self, send) -> None:
-        """Answer every pull waiting past its deadline with ROUND_TIMEOUT (looks at most every _EXPIRE_S)."""
-        now = time.monotonic()
-        if now < self._next_expire:
-            return
-        self._next_expire = now + _EXPIRE_S
-        for rounds in list(self._waiting):
-            for (ident, pull), message in rounds.expire(now):
-                send(_error(ident, pull, Status.ROUND_TIMEOUT, message))
-            if not rounds.has_waiting:
-                self._waiting.discard(rounds)
-
-    def _rounds(self, header: Header, job: Job, info: KeyInfo) -> KeyRounds:
-        rounds = self._keys.get((header.job_id, header.key))
-        if rounds is None:
-            name = f"job {header.job_id:#x} key {header.key}"
-            rounds = KeyRounds(name, job, self.counters, info.mode, info.nbytes)
-            self._keys[(header.job_id, header.key)] = rounds
-        return rounds
-
-    def forget(self, job_id: int, send) -> None:
-        """Drop every key of job_id; answer its waiting pulls with UNKNOWN_JOB."""
-        for job_key in [k for k in self._keys if k[0] == job_id]:
-            rounds = self._keys.pop(job_key)
-            self._waiting.discard(rounds)
-            for r in rounds.rounds.values():
-                for (ident, pull), _, _ in r.waiting:
-                    message = f"job {job_id:#x} was forgotten by this server: no request for longer than its lease"
-                    send(_error(ident, pull, Status.UNKNOWN_JOB, message))
-
-    def _refuse(self, send, header: Header, reason: str, job: Job, info: KeyInfo) -> None:
-        reason = f"the round failed because another worker's push was refused ({reason})"
-        try:
-            waiting = self._rounds(header, job, info).refuse(header.worker, header.round, reason)
-        except ProtocolError as e:  # the refused push named a round that is not alive: nothing to fail
-            log.info("%s", e)
-            return
-        for ident, pull in waiting:
-            message = (
-                f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}: {reason}"
-            )
-            send(_error(ident, pull, Status.KEY_MISMATCH, message))
-
-    def _handle(self, ident, header: Header, payload, job: Job, info: KeyInfo):
-        rounds = self._rounds(header, job, info)
-        if header.command == Command.PUSH:
-            ready = rounds.push(header.worker, header.round, _as_tensor(payload, header), header.offset, payload)
-            yield [ident, header.reply().pack()]
-            for (pull_ident, pull), result in ready:
-                if isinstance(result, str):  # the round failed as it closed
-                    message = f"pull of job {pull.job_id:#x} key {pull.key} round {pull.round} by worker {pull.worker}"
-                    yield _error(pull_ident, pull, Status.KEY_MISMATCH, f"{message}: {result}")
-                else:
-                    yield _result_reply(pull_ident, pull, result)
-        else:
-            deadline = time.monotonic() + header.wait_ms / 1000 if header.wait_ms else math.inf
-            closed = rounds.pull(header.worker, header.round, (ident, header), deadline)
-            if closed is not None:
-                yield _result_reply(ident, header, closed)
-            else:
-                self._waiting.add(rounds)
-
-
-class Engine(threading.Thread):
-    """A thread owning the keys placed on it; replies go back to the front thread over inproc."""
-
-    def __init__(self, index: int, ctx: zmq.Context, reply_address: str, backlog: EngineBacklog):
-        super().__init__(name=f"bps-engine-{index}", daemon=True)
-        self.index = index
-        self.inbox: queue.Queue = queue.Queue()
-        self.backlog = backlog  # bytes of pushes queued here; released once processed
-        self.bytes_owned = 0  # load measure used to place new keys
-        self.owner = KeyOwner(self.name)
-        self._ctx = ctx
-        self._reply_address = reply_address
-
-    def run(self) -> None:
-        out = self._ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
-        out.setsockopt(zmq.SNDHWM, 0)  # never block: the front thread may be waiting for this engine's backlog
-        out.connect(self._reply_address)
-        send = functools.partial(out.send_multipart, copy=False)
-        try:
-            while True:
-                try:
-                    item = self.inbox.get(timeout=_EXPIRE_S)
-                except queue.Empty:
-                    item = ()
-                if item is None:
-                    break
-                if item and item[0] == _LOST:
-                    self.owner.worker_lost(item[1], send)
-                elif item and item[0] == _FORGET:
-                    self.owner.forget(item[1], send)
-                elif item:
-                    self.owner.handle(item, send)
-                    self.backlog.release(_queued_bytes(item))
-                self.owner.expire(send)
-        finally:
-            out.close()
-
-
-def _drain(sock: zmq.Socket, handle) -> None:
-    """Pass `handle` each message waiting on sock, up to _BATCH: one poll wake-up for all of them."""
-    for _ in range(_BATCH):
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # once per batch: checking zmq.EVENTS before each message costs a syscall each
-            return
-        handle(frames)
-
-
-def _queued_bytes(item: tuple) -> int:
-    payload = item[2]
-    return len(payload) if isinstance(payload, zmq.Frame) else 0
-
-
-def _as_tensor(payload: zmq.Frame, header: Header) -> torch.Tensor:
-    dtype = torch.uint8 if header.mode == Mode.COPY else DTYPES[header.dtype]  # COPY moves bytes, of any dtype
-    if header.length == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(payload.buffer, dtype=dtype)
-
-
-def _result_reply(ident, header: Header, closed: Round) -> list:
-    """Answer a PULL with bytes [offset, offset + length) of its round's result (the range was checked)."""
-    # A round's result is never written again once closed, so it can go out zero-copy. When it is a received
-    # message and the whole of it is wanted (every all-reduce pull), that message itself goes back: libzmq
-    # shares it by reference count. A tensor sent zero-copy instead costs pyzmq a wake-up of its garbage
-    # collector thread per reply, to drop the reference once libzmq is done.
-    if closed.source is not None and header.offset == 0 and header.length == len(closed.source):
-        return [ident, header.reply().pack(), closed.source]
-    data = closed.total.view(torch.uint8)[header.offset : header.offset + header.length]
-    return [ident, header.reply().pack(), data.numpy() if data.numel() else b""]
-
-
-def _error(ident, header: Header | None, status: int, message: str) -> list:
+def _error(ident: bytes, header: Header | None, status: int, message: str) -> list[bytes]:
     reply = header.reply(status, nbytes=0) if header is not None else Header(command=REPLY, status=status)
     return [ident, reply.pack(), message.encode()]
 
 
+def _no_zap(frames: list[bytes]) -> list[bytes]:
+    raise AssertionError("a ZAP request reached a server without authentication")
+
+
 class SummationServer:
-    """A summation server bound to host:port (port 0 picks a free port; see `.port` after start).
+    """A summation server bound to host:port (port 0 picks a free port; see `.port`).
 
     Example:
-        server = SummationServer("127.0.0.1", 0, engine_threads=2); server.start(); ...; server.stop()
+        server = SummationServer("127.0.0.1", 0); threading.Thread(target=server.serve_forever).start(); ...
+        server.stop()
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 9000, engine_threads: int = 2, *,
-                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0, limits: Limits | None = None,
+    def __init__(self, host: str = "127.0.0.1", port: int = 9000, *, heartbeat_interval: float = 1.0,
+                 heartbeat_timeout: float = 10.0, limits: Limits | None = None,
                  security: ServerSecurity | None = None):  # fmt: skip
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
         self.limits = (limits or Limits()).resolved()
         self.limits.check()
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished worker are dropped, not raised
+        self._core = core = _C.ServerCore(self.incarnation)
+        core.set_option(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished worker are dropped, not raised
         # A bigger frame drops its connection as soon as its length is read: it is never allocated.
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + FRAME_SLACK)
-        self._router.setsockopt(zmq.RCVHWM, self.limits.queue_messages)
+        core.set_option(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + FRAME_SLACK)
+        core.set_option(zmq.RCVHWM, self.limits.queue_messages)
         self.security = security
-        self.zap = security.apply(self._ctx, self._router) if security is not None else None
+        self.zap = security.configure(core) if security is not None else None
         # A worker silent for heartbeat_timeout after a PING (stopped, cut off) is disconnected; a killed one
-        # closes TCP at once. Either way the monitor reports the connection's fd, and the workers that said
-        # HELLO on it are lost (see _on_disconnect).
-        self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # closes TCP at once. Either way the core's monitor reports the connection's fd, and the workers that
+        # said HELLO on it are lost (see _on_disconnect).
+        core.set_option(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        core.set_option(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        bound = core.bind(f"tcp://{host}:{port or '*'}")
+        self.host, self.port = host, int(bound.rsplit(":", 1)[1])
         self._connections: dict[int, list[tuple[int, int]]] = {}  # fd -> (job, worker) that said HELLO on it
-        if port:
-            self._router.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.host = host
-        reply_address = _REPLIES.format(id(self))
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.setsockopt(zmq.RCVHWM, 0)
-        self._replies.bind(reply_address)
-        self._backlog = EngineBacklog(self.limits.backlog_bytes)
-        self._engines = [Engine(i, self._ctx, reply_address, self._backlog) for i in range(max(1, engine_threads))]
         self._book = MemoryBook(self.limits)
         self._next_sweep = self._last_sweep = 0.0
-        self._inline = KeyOwner("front thread")  # small keys: a hand-off to an engine costs more than the sum
         self._jobs: dict[int, Job] = {}
         self._guard = JobGuard(self._jobs)
         self._keys: dict[tuple[int, int], KeyInfo] = {}
-        self._counts = dict.fromkeys(("pushes", "pulls", "bytes_in", "bytes_out", "errors"), 0)
+        self._parent_pid: int | None = None
         self._stop = threading.Event()
 
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
-    def start(self) -> None:
-        for e in self._engines:
-            e.start()
-
     def stop(self) -> None:
         """Ask serve_forever to return (thread-safe, also from a signal handler)."""
         self._stop.set()
 
     def serve_forever(self, parent_pid: int | None = None) -> None:
-        """Run the front loop until stop() (or until process parent_pid is gone); then shut down.
+        """Run the core's loop on this thread until stop() (or until process parent_pid is gone); then close.
 
         parent_pid: for an embedded server, the worker that started it: the server must not outlive the job
         even when that worker is killed without a chance to stop it.
         """
-        poller = zmq.Poller()
-        # The monitor first: a disconnect must be seen before a message from a new connection that reuses
-        # its fd number (its HELLO would otherwise be recorded, then dropped with the old connection).
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                if parent_pid is not None and os.getppid() != parent_pid:
-                    log.warning("parent process %d is gone: shutting down", parent_pid)
-                    break
-                for sock, _ in poller.poll(_POLL_MS):
-                    if sock is self._monitor:
-                        self._drain_monitor()
-                    elif sock is self._router:
-                        _drain(self._router, self._on_request)
-                    else:
-                        _drain(self._replies, self._send)
-                self._inline.expire(self._send)
-                self._sweep()
-        finally:
-            for e in self._engines:
-                e.inbox.put(None)
-            for e in self._engines:
-                e.join(timeout=5)
-            self._replies.close()
-            self._router.disable_monitor()
-            self._monitor.close()
-            self._router.close()
-            self._ctx.term()
+        self._parent_pid = parent_pid
+        zap = self.zap.answer if self.zap is not None else _no_zap
+        self._core.run(self._on_request, self._on_disconnect, zap, self._tick, _TICK_S)
 
-    def _send(self, frames: list) -> None:
-        if len(frames) > 2:
-            status = struct.unpack_from("<H", frames[1], 8)[0]
-            if status == Status.OK:
-                self._counts["bytes_out"] += len(frames[2])
-            else:
-                self._counts["errors"] += 1
-        self._router.send_multipart(frames, copy=False)
-
-    def _drain_monitor(self) -> None:
-        while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._on_disconnect(event["value"])
+    def _tick(self) -> bool:
+        if self._stop.is_set():
+            return False
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            log.warning("parent process %d is gone: shutting down", self._parent_pid)
+            return False
+        self._sweep()
+        return True
 
     def _on_disconnect(self, fd: int) -> None:
         """The connection on fd is gone: every worker that said HELLO on it is lost to its job."""
@@ -359,44 +128,43 @@ class SummationServer:
                 f"worker {worker} of job {job_id:#x} (at {job.peers.get(worker, 'an unknown address')}) disconnected"
             )
             log.info("%s", job.lost[worker])  # also how every job ends: the errors tell the failures
-            self._inline.worker_lost(job_id, self._send)
-            for e in self._engines:
-                e.inbox.put((_LOST, job_id))
+            self._core.worker_lost(job_id, worker, job.lost[worker])
 
-    def _on_request(self, frames: list) -> None:
+    def _on_request(self, frames: list[bytes], fd: int, peer: str, user_id: str) -> list[bytes] | None:
+        """Answer a message the core did not serve; return the reply's frames."""
         ident, rest = frames[0], frames[1:]
         header = None
         try:
             if not rest:
                 raise ProtocolError(Status.BAD_FRAME, "message has no header frame")
-            header = Header.unpack(rest[0].bytes)
-            identity = JobGuard.identity(rest[0]) if self.security is not None else ""
+            header = Header.unpack(rest[0])
+            identity = user_id if self.security is not None else ""
             self._guard.check(header, identity)
-            self._dispatch(ident, header, rest[0], rest[1:])
+            reply = self._dispatch(ident, header, rest[1:], fd, peer, identity)
             if header.command == Command.HELLO:
                 self._guard.bind(header, identity)
+            return reply
         except ProtocolError as e:
-            log.info("refused request from %r: %s", bytes(ident.bytes), e)
-            self._send(_error(ident, header, e.status, str(e)))
+            log.info("refused request from %r: %s", ident, e)
             if e.status == Status.KEY_MISMATCH and header.command == Command.PUSH:
-                info = self._keys.get((header.job_id, header.key))
-                job = self._jobs.get(header.job_id)
-                if info is not None and job is not None and header.worker < job.num_workers:
-                    self._to_owner(info, (None, header, str(e), job, info))
+                # A refused push fails its round for every worker: the others would wait for a sum that can
+                # never be right.
+                self._core.refuse(header.job_id, header.key, header.worker, header.round, str(e))
+            return _error(ident, header, e.status, str(e))
         except Exception as e:  # a bug: answer it and keep serving everyone else
-            log.exception("front thread failed on %s", header)
-            self._send(_error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}"))
+            log.exception("control plane failed on %s", header)
+            return _error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, ident, h: Header, head: zmq.Frame, payload: list) -> None:
+    def _dispatch(self, ident: bytes, h: Header, payload: list[bytes], fd: int, peer: str, identity: str) -> list:
         expect = 1 if h.command == Command.PUSH else 0
         if len(payload) != expect:
             raise ProtocolError(
                 Status.BAD_FRAME, f"command {h.command} takes {expect + 1} frame(s), got {len(payload) + 1}"
             )
         if h.command == Command.HELLO:
-            return self._hello(ident, h, head)
-        if h.command == Command.STATS:  # not through _send: bytes_out counts the data pulled, nothing else
-            return self._router.send_multipart([ident, h.reply().pack(), self._stats()], copy=False)
+            return self._hello(ident, h, fd, peer, identity)
+        if h.command == Command.STATS:
+            return [ident, h.reply().pack(), self._stats()]
         if h.command not in (Command.INIT, Command.PUSH, Command.PULL):
             raise ProtocolError(Status.BAD_COMMAND, f"unknown command {h.command}")
         if h.incarnation != self.incarnation:
@@ -412,34 +180,18 @@ class SummationServer:
             raise ProtocolError(
                 Status.JOB_MISMATCH, f"worker {h.worker} out of range for job {h.job_id:#x} of {job.num_workers}"
             )
-        now = time.monotonic()
-        self._book.touch(h.job_id, now)
-        job.last_seen[h.worker] = now
+        self._book.touch(h.job_id, time.monotonic())
+        self._core.touch(h.job_id, h.worker)
         if h.command == Command.INIT:
             return self._init(ident, h)
-        key = (h.job_id, h.key)
-        if h.command == Command.PUSH:
-            got = len(payload[0])
-            info = check_request(self._keys.get(key), h, got)
-            self._counts["pushes"] += 1
-            self._counts["bytes_in"] += got
-            self._to_owner(info, (ident, h, payload[0], job, info))
-        else:
-            info = check_request(self._keys.get(key), h)
-            self._counts["pulls"] += 1
-            self._to_owner(info, (ident, h, None, job, info))
+        check_request(self._keys.get((h.job_id, h.key)), h, len(payload[0]) if payload else 0)
+        # Every check passed here, so the core should have served it: the two tables disagree.
+        raise RuntimeError(f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} passed the control plane's "
+                           "checks but not the native core's")  # fmt: skip
 
-    def _to_owner(self, info: KeyInfo, item: tuple) -> None:
-        if info.engine == _FRONT:
-            self._inline.handle(item, self._send)
-        else:
-            self._backlog.acquire(_queued_bytes(item))
-            self._engines[info.engine].inbox.put(item)
-
-    def _hello(self, ident, h: Header, head: zmq.Frame) -> None:
-        # Disconnects first: this HELLO's connection may reuse the fd number of one that dropped while the
-        # messages of a batch were handled, and its record must not be dropped with the old connection's.
-        self._drain_monitor()
+    def _hello(self, ident: bytes, h: Header, fd: int, peer: str, identity: str) -> list:
+        # The core read every disconnect before handing this over: this HELLO's connection may reuse the fd
+        # number of one that dropped, whose record must be gone before this one is made.
         job = self._jobs.get(h.job_id)
         if h.num_workers == 0 or h.worker >= h.num_workers or h.num_workers > self.limits.max_workers:
             raise ProtocolError(
@@ -460,27 +212,23 @@ class SummationServer:
         job.workers.add(h.worker)
         # Which connection this worker is on, to know it lost when that connection drops. A worker that
         # says HELLO again (after a reconnection) is back.
-        self._connections.setdefault(head.get(zmq.SRCFD), []).append((h.job_id, h.worker))
-        job.peers[h.worker] = head.get("Peer-Address") or "an unknown address"
-        job.last_seen[h.worker] = now = time.monotonic()
+        self._connections.setdefault(fd, []).append((h.job_id, h.worker))
+        job.peers[h.worker] = peer or "an unknown address"
         job.lost.pop(h.worker, None)
-        self._book.touch(h.job_id, now)
-        self._send([ident, h.reply(incarnation=self.incarnation).pack()])
+        self._book.touch(h.job_id, time.monotonic())
+        self._core.hello(h.job_id, h.worker, h.num_workers, job.peers[h.worker], identity)
+        return [ident, h.reply(incarnation=self.incarnation).pack()]
 
-    def _init(self, ident, h: Header) -> None:
+    def _init(self, ident: bytes, h: Header) -> list:
         check_init(h)
         info = self._keys.get((h.job_id, h.key))
         if info is None:
             self._charge(self._book.add_key, h.job_id, h.nbytes, self._jobs[h.job_id].num_workers)
-            owner = _FRONT
-            if h.nbytes > INLINE_BYTES:
-                engine = min(self._engines, key=lambda e: e.bytes_owned)
-                engine.bytes_owned += h.nbytes
-                owner = engine.index
-            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode), owner)
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode))
+            self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode)
         else:
             check_request(info, h)
-        self._send([ident, h.reply().pack()])
+        return [ident, h.reply().pack()]
 
     def _charge(self, add, *args) -> None:
         """Charge the memory book; when full, forget jobs past their lease first and try once more."""
@@ -500,6 +248,8 @@ class SummationServer:
         self._last_sweep = now
         limits = self.limits
         self._next_sweep = now + min(_SWEEP_SECONDS, limits.job_lease_seconds / 4, limits.lost_job_seconds / 4)
+        for job_id, seen in self._core.take_touched():  # the requests the core served since the last sweep
+            self._book.touch(job_id, seen)
         for job_id in self._book.expired():
             self.forget_job(job_id, f"no request for {limits.job_lease_seconds:.0f} s")
         gone = [j for j, job in self._jobs.items() if job.workers and job.workers <= job.lost.keys()]
@@ -509,22 +259,16 @@ class SummationServer:
 
     def forget_job(self, job_id: int, why: str = "") -> None:
         """Drop job_id: its registration, identity binding, keys and rounds (pulls still waiting are answered
-        UNKNOWN_JOB by their owners), and its memory charge."""
+        UNKNOWN_JOB), and its memory charge. On the loop thread only."""
         log.info("job %#x: forgotten (%s)", job_id, why)
         self._jobs.pop(job_id, None)
         self._guard.forget(job_id)
         for job_key in [k for k in self._keys if k[0] == job_id]:
-            info = self._keys.pop(job_key)
-            if info.engine != _FRONT:
-                self._engines[info.engine].bytes_owned -= info.nbytes
-        self._inline.forget(job_id, self._send)
-        for e in self._engines:
-            e.inbox.put((_FORGET, job_id))
+            del self._keys[job_key]
+        message = f"job {job_id:#x} was forgotten by this server: no request for longer than its lease"
+        self._core.forget_job(job_id, message)
         self._book.release(job_id)
 
     def _stats(self) -> bytes:
-        values = {**self._counts, "bytes_summed": 0, "sum_ns": 0}
-        for owner in [self._inline, *(e.owner for e in self._engines)]:
-            values["bytes_summed"] += owner.counters.bytes_summed
-            values["sum_ns"] += owner.counters.sum_ns
-        return struct.pack(f"<{len(STATS_FIELDS)}Q", *(values[f] for f in STATS_FIELDS))
+        counters = self._core.counters()
+        return struct.pack(f"<{len(STATS_FIELDS)}Q", *(counters[f] for f in STATS_FIELDS))

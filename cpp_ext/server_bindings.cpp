@@ -1,0 +1,200 @@
+// torch_bps._C's server part: ServerCore for torch_bps/server/server.py, and KeyRoundsProbe (one key's native
+// rounds alone) for tests/test_server_rounds.py to compare with rounds.py's KeyRounds.
+//
+// ServerCore.run releases the GIL; the control plane's callbacks take it, on the loop thread, and only for
+// control messages, ZAP requests, disconnects and ticks: never for PUSH or PULL.
+#include <Python.h>
+#include <torch/extension.h>
+
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server_core.h"
+#include "server_rounds.h"
+
+namespace py = pybind11;
+
+namespace bps {
+namespace {
+
+py::list toList(const std::vector<std::string>& frames) {
+  py::list out;
+  for (const auto& f : frames) out.append(py::bytes(f));
+  return out;
+}
+
+std::vector<std::string> toFrames(const py::handle& frames) {
+  std::vector<std::string> out;
+  if (frames.is_none()) return out;
+  for (const auto& f : frames) out.push_back(f.cast<std::string>());
+  return out;
+}
+
+// The Python callbacks of torch_bps/server/server.py's SummationServer.
+class PyControlPlane : public ControlPlane {
+ public:
+  PyControlPlane(py::object onRequest, py::object onDisconnect, py::object onZap, py::object tick)
+      : onRequest_(std::move(onRequest)),
+        onDisconnect_(std::move(onDisconnect)),
+        onZap_(std::move(onZap)),
+        tick_(std::move(tick)) {}
+
+  std::vector<std::string> onRequest(const std::vector<std::string>& frames, const RequestMeta& meta) override {
+    py::gil_scoped_acquire gil;
+    return toFrames(onRequest_(toList(frames), meta.fd, meta.peerAddress, meta.userId));
+  }
+  void onDisconnect(int fd) override {
+    py::gil_scoped_acquire gil;
+    onDisconnect_(fd);
+  }
+  std::vector<std::string> onZap(const std::vector<std::string>& frames) override {
+    py::gil_scoped_acquire gil;
+    return toFrames(onZap_(toList(frames)));
+  }
+  bool tick() override {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // run the signal handlers (SIGTERM: stop)
+    return tick_().cast<bool>();
+  }
+
+ private:
+  py::object onRequest_, onDisconnect_, onZap_, tick_;
+};
+
+py::tuple answerTuple(Answer& a) {
+  std::string data(reinterpret_cast<const char*>(a.data.data()), a.data.size());
+  return py::make_tuple(a.pull.header.requestId, a.status, a.status == kOk ? py::object(py::bytes(data))
+                                                                           : py::object(py::str(a.message)));
+}
+
+py::list answerList(std::vector<Answer>& answers) {
+  py::list out;
+  for (auto& a : answers) out.append(answerTuple(a));
+  return out;
+}
+
+// One key's rounds alone, with the job it reads: what the reference test drives.
+class KeyRoundsProbe {
+ public:
+  KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name)
+      : job_(makeJob(numWorkers)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
+
+  // Each call returns (status, error message, answers): status 0 if the call was accepted; answers are
+  // (token, status, result bytes or error message).
+  py::tuple push(uint32_t worker, uint64_t rnd, const std::string& data, uint64_t offset) {
+    try {
+      std::vector<Answer> ready = rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset);
+      return py::make_tuple(0, "", answerList(ready));
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::tuple pull(uint32_t worker, uint64_t rnd, uint64_t token, uint64_t offset, uint64_t length, double deadline) {
+    Header h;
+    h.command = kPull;
+    h.worker = worker;
+    h.round = rnd;
+    h.requestId = token;
+    h.offset = offset;
+    h.length = length;
+    try {
+      Answer answer;
+      py::list answers;
+      if (rounds_.pull(Pull{"", h}, deadline, &answer)) answers.append(answerTuple(answer));
+      return py::make_tuple(0, "", answers);
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::tuple refuse(uint32_t worker, uint64_t rnd, const std::string& reason) {
+    try {
+      std::vector<Answer> failed = rounds_.refuse(worker, rnd, reason);
+      return py::make_tuple(0, "", answerList(failed));
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::list failLost() {
+    std::vector<Answer> failed = rounds_.failLost();
+    return answerList(failed);
+  }
+  py::list expire(double now) {
+    std::vector<Answer> expired = rounds_.expire(now);
+    return answerList(expired);
+  }
+  void setLost(uint32_t worker, const std::string& how) { job_.setLost(worker, how); }
+  uint64_t floor() const { return rounds_.floor(); }
+  bool hasWaiting() const { return rounds_.hasWaiting(); }
+
+ private:
+  static Job makeJob(uint32_t numWorkers) {
+    Job job;
+    job.numWorkers = numWorkers;
+    return job;
+  }
+
+  Job job_;
+  SumCounters counters_;
+  KeyRounds rounds_;
+};
+
+}  // namespace
+}  // namespace bps
+
+void bindServerCore(py::module_& m) {
+  using bps::ServerCore;
+  py::class_<ServerCore>(m, "ServerCore")
+      .def(py::init<uint64_t>(), py::arg("incarnation"))
+      .def("set_option", py::overload_cast<int, int64_t>(&ServerCore::setOption), py::arg("option"), py::arg("value"))
+      .def(
+          "set_option",
+          [](ServerCore& core, int option, const py::bytes& value) { core.setOption(option, std::string(value)); },
+          py::arg("option"), py::arg("value"))
+      .def("enable_zap", &ServerCore::enableZap)
+      .def("bind", &ServerCore::bind, py::arg("endpoint"))
+      .def(
+          "run",
+          [](ServerCore& core, py::object onRequest, py::object onDisconnect, py::object onZap, py::object tick,
+             double tickSeconds) {
+            bps::PyControlPlane control(std::move(onRequest), std::move(onDisconnect), std::move(onZap),
+                                        std::move(tick));
+            py::gil_scoped_release release;
+            core.run(control, tickSeconds);
+          },
+          "Serve until tick() returns False: on_request(frames, fd, peer_address, user_id) -> reply frames or None; "
+          "on_disconnect(fd); on_zap(frames) -> reply frames; tick() -> bool, every tick_seconds.",
+          py::arg("on_request"), py::arg("on_disconnect"), py::arg("on_zap"), py::arg("tick"),
+          py::arg("tick_seconds"))
+      .def("hello", &ServerCore::hello, py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("peer"),
+           py::arg("identity"))
+      .def("touch", &ServerCore::touch, py::arg("job_id"), py::arg("worker"))
+      .def("declare", &ServerCore::declare, py::arg("job_id"), py::arg("key"), py::arg("nbytes"), py::arg("dtype"),
+           py::arg("mode"))
+      .def("worker_lost", &ServerCore::workerLost, py::arg("job_id"), py::arg("worker"), py::arg("how"))
+      .def("refuse", &ServerCore::refuse, py::arg("job_id"), py::arg("key"), py::arg("worker"), py::arg("round"),
+           py::arg("reason"))
+      .def("forget_job", &ServerCore::forgetJob, py::arg("job_id"), py::arg("message"))
+      .def("take_touched", &ServerCore::takeTouched)
+      .def("counters", [](const ServerCore& core) {
+        const bps::CoreCounters& c = core.counters();
+        return py::dict(py::arg("pushes") = c.pushes, py::arg("pulls") = c.pulls, py::arg("bytes_in") = c.bytesIn,
+                        py::arg("bytes_out") = c.bytesOut, py::arg("bytes_summed") = c.sums.bytesSummed,
+                        py::arg("sum_ns") = c.sums.sumNs, py::arg("errors") = c.errors);
+      });
+
+  using bps::KeyRoundsProbe;
+  py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")
+      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&>(), py::arg("num_workers"),
+           py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"))
+      .def("push", &KeyRoundsProbe::push, py::arg("worker"), py::arg("round"), py::arg("data"), py::arg("offset"))
+      .def("pull", &KeyRoundsProbe::pull, py::arg("worker"), py::arg("round"), py::arg("token"), py::arg("offset"),
+           py::arg("length"), py::arg("deadline") = std::numeric_limits<double>::infinity())
+      .def("refuse", &KeyRoundsProbe::refuse, py::arg("worker"), py::arg("round"), py::arg("reason"))
+      .def("fail_lost", &KeyRoundsProbe::failLost)
+      .def("expire", &KeyRoundsProbe::expire, py::arg("now"))
+      .def("set_lost", &KeyRoundsProbe::setLost, py::arg("worker"), py::arg("how"))
+      .def_property_readonly("floor", &KeyRoundsProbe::floor)
+      .def_property_readonly("has_waiting", &KeyRoundsProbe::hasWaiting);
+}
