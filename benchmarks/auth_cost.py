@@ -37,7 +37,7 @@ class Setup:
 
     def __init__(self, auth: str):
         self.auth = auth
-        self.server, address = start_server(2, 16 * MB, auth)
+        self.server, address = start_server(16 * MB, auth)
         tag = f"{auth}-{os.getpid()}"
 
         def client(job: str, worker: int, n: int) -> Client:

@@ -215,22 +215,22 @@ FIGURES = ("one_message", "tcp_one_message", "one_message_vs_tcp", "engine", "tc
            "server_add_kernel")  # fmt: skip
 
 
-def start_server(engine_threads: int, max_frame: int, auth: str = "") -> tuple[subprocess.Popen, str]:
+def start_server(max_frame: int, auth: str = "") -> tuple[subprocess.Popen, str]:
     """A summation server on loopback: `auth` token, curve (with the pool credential of BPS_POOL_CREDENTIAL,
     which Client also picks up) or off; default BPS_AUTH's, as Client's. Returns it and its address."""
     os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
     auth = auth or os.environ.get("BPS_AUTH", "token")
     server, port = start_process(
         [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
-         "--engine-threads", str(engine_threads), "--max-frame-bytes", str(max(max_frame, 16 * MB))],
+         "--max-frame-bytes", str(max(max_frame, 16 * MB))],
         r"port (\d+) incarnation",
     )  # fmt: skip
     return server, f"127.0.0.1:{port}"
 
 
-def measure(sizes: list[int], budget: float, repeats: int, engine_threads: int) -> list[dict]:
-    torch.set_num_threads(1)  # the add_ baseline is one thread, as each of the server's engine threads is
-    server, address = start_server(engine_threads, max(sizes))  # authentication on, as by default
+def measure(sizes: list[int], budget: float, repeats: int) -> list[dict]:
+    torch.set_num_threads(1)  # the add_ baseline is one thread, as the server sums on one thread
+    server, address = start_server(max(sizes))  # authentication on, as by default
     echo = Echo(max(sizes))
     rows = []
     try:
@@ -286,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4 KB to 256 MB by 4x)")
     p.add_argument("--budget", type=float, help="seconds per figure per repeat (default 0.4, quick 0.2)")
     p.add_argument("--repeats", type=int, help="repeats of every figure (default 5, quick 3)")
-    p.add_argument("--engine-threads", type=int, default=2, help="the server's engine threads (default 2)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
     budget = args.budget or (0.2 if args.quick else 0.4)
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1 worker and 1 server subprocess on loopback (server: 2 workers); torch {torch.__version__}; "
           f"median (min-max) of {repeats} repeats")  # fmt: skip
     print("size | " + " | ".join(FIGURES[:-1]))
-    rows = measure(sizes, budget, repeats, args.engine_threads)
+    rows = measure(sizes, budget, repeats)
     largest = max(rows, key=lambda r: r["size"])
     summary = {name: largest[name]["median"] for name in FIGURES if "_vs_" in name}
     summary.update(largest_size=largest["size"], command=" ".join(["python", "benchmarks/pushpull.py", *(argv or [])]))

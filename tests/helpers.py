@@ -33,7 +33,6 @@ class ServerProcess:
     def __init__(
         self,
         port: int = 0,
-        engine_threads: int = 2,
         log_level: str = "WARNING",
         start_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
@@ -44,7 +43,6 @@ class ServerProcess:
         self.extra_args = tuple(extra_args)
         self.credential = os.environ.get("BPS_POOL_CREDENTIAL", "") if auth else ""
         self.port = port
-        self.engine_threads = engine_threads
         self.log_level = log_level
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
@@ -57,7 +55,7 @@ class ServerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--engine-threads", str(self.engine_threads), "--log-level", self.log_level]  # fmt: skip
+               "--log-level", self.log_level]  # fmt: skip
         cmd += self.extra_args if self.credential else ("--auth", "off", *self.extra_args)
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env["BPS_POOL_CREDENTIAL"] = self.credential or ""

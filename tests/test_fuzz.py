@@ -101,7 +101,7 @@ class Fuzzing:
 
     def __init__(self) -> None:
         limits = ("--max-frame-bytes", str(MAX_FRAME), "--max-memory-bytes", str(MAX_MEMORY), "--job-lease", "5")
-        self.server = ServerProcess(engine_threads=1, extra_args=limits)
+        self.server = ServerProcess(extra_args=limits)
         self.rss_before = rss_bytes(self.server.proc.pid)
         self.job_secret = new_secret()
         pool = [os.environ["BPS_POOL_CREDENTIAL"]]

@@ -23,7 +23,7 @@ SLACK = 24 * MB  # what the interpreter, torch and ZeroMQ may grow by on their o
 
 
 def limited_server(*args: str) -> ServerProcess:
-    return ServerProcess(engine_threads=1, extra_args=args)
+    return ServerProcess(extra_args=args)
 
 
 def still_sums(server: ServerProcess, job_id: int) -> None:

@@ -59,7 +59,7 @@ def all_reduce_rounds(clients: list[Client], rounds: int, key: int = 3) -> int:
 
 @pytest.fixture(params=["token", "curve"])
 def pool_server(request):
-    s = ServerProcess(engine_threads=1, extra_args=("--auth", request.param))
+    s = ServerProcess(extra_args=("--auth", request.param))
     s.mechanism = request.param
     yield s
     s.stop()

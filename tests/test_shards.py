@@ -183,7 +183,7 @@ def test_a_worker_lost_mid_gather_fails_the_pulls_naming_it(server, job_id):
 
 def test_copy_keys_are_charged_like_sum_keys():
     quota = JOB_OVERHEAD + key_charge(1 << 20, 2)
-    server = ServerProcess(engine_threads=1, extra_args=("--job-quota-bytes", str(quota)))
+    server = ServerProcess(extra_args=("--job-quota-bytes", str(quota)))
     try:
         a = RawPeer(server.address, 0xC0FF, 0, 2)
         a.hello()

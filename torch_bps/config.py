@@ -75,7 +75,6 @@ class Config:
     # The address other machines reach this one's embedded server at; default: the interface that
     # routes to MASTER_ADDR.
     host: str = field(default="", metadata={"env": "BPS_HOST", "parse": str})
-    server_engine_threads: int = field(default=2, metadata={"env": "BPS_SERVER_ENGINE_THREADS", "parse": int})
     # "token": only workers that prove the job's secret (or the pool credential) get in, not encrypted;
     # "curve": the same, and every connection encrypted (CurveZMQ; for networks you do not control);
     # "off": plain connections anyone who reaches a server's port can use. See torch_bps/security.py.
@@ -140,5 +139,5 @@ class Config:
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.registry:
             _parse_servers(self.registry)  # host:port, named in the error
-        if self.num_servers < 0 or self.server_engine_threads < 1:
-            raise ConfigError(f"num_servers={self.num_servers}, server_engine_threads={self.server_engine_threads}")
+        if self.num_servers < 0:
+            raise ConfigError(f"num_servers={self.num_servers} must not be negative")

@@ -316,7 +316,7 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
-           "--engine-threads", str(config.server_engine_threads), "--heartbeat-timeout", str(config.heartbeat_timeout),
+           "--heartbeat-timeout", str(config.heartbeat_timeout),
            "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
            "--job-lease", "1e9"]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.

@@ -35,8 +35,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "interface); env BPS_SERVER_HOST",
     )
     _option(p, "--port", "BPS_SERVER_PORT", int, 9000, "TCP port; 0 picks a free one")
-    _option(p, "--engine-threads", "BPS_SERVER_ENGINE_THREADS", int, 2,
-            "accepted for launchers that pass it, and ignored: the server sums on its loop thread")  # fmt: skip
     p.add_argument(
         "--log-level",
         default=os.environ.get("BPS_LOG_LEVEL", "WARNING"),
@@ -90,8 +88,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.host:
         p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
-    if args.engine_threads < 1:
-        p.error("--engine-threads must be at least 1")
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
         p.error("need 0 < --heartbeat-interval < --heartbeat-timeout")
     if not 0 <= args.port < 65536:
