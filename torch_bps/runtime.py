@@ -119,22 +119,9 @@ class Runtime:
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
-        from torch_bps.client import Client  # the C++ extension: imported when first needed
-
-        client = Client(
-            addresses,
-            job_id,
-            topology.node_rank if hierarchical else rank,
-            topology.num_nodes if hierarchical else world_size,
-            timeout=config.timeout,
-            connect_timeout=timeout,
-            heartbeat_interval=config.heartbeat_interval,
-            heartbeat_timeout=config.heartbeat_timeout,
-            auth=_client_keys(config, secret, weights),
-            credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
-            server_credit_bytes=config.server_credit_bytes,
-            socket_buffer_bytes=config.socket_buffer_bytes,
-        )
+        client = _client(config, addresses, job_id, topology.node_rank if hierarchical else rank,
+                         topology.num_nodes if hierarchical else world_size, _client_keys(config, secret, weights),
+                         connect_timeout=timeout)  # fmt: skip
         local = None
         if hierarchical:
             from torch_bps.local import LocalComm
@@ -204,14 +191,10 @@ class Runtime:
     def solo_client(self, address: str):
         """A client of a one-worker job of its own on one of this group's servers, with this job's credentials:
         it measures the path to that server alone (torch_bps.doctor). Close it after use."""
-        from torch_bps.client import Client
-
         config = self.config
         held = config.pool_credential if address in self._dedicated else self._secret
         auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
-        return Client([address], int.from_bytes(os.urandom(8), "little"), 0, 1, timeout=config.timeout,
-                      connect_timeout=config.connect_timeout, heartbeat_interval=config.heartbeat_interval,
-                      heartbeat_timeout=config.heartbeat_timeout, auth=auth)  # fmt: skip
+        return _client(config, [address], int.from_bytes(os.urandom(8), "little"), 0, 1, auth)
 
     def _explain(self, error: BaseException) -> None:
         """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""
@@ -256,6 +239,19 @@ class Runtime:
                 self._server_proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._server_proc.kill()
+
+
+def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_workers: int, auth,
+            connect_timeout: float | None = None):  # fmt: skip
+    """A Client with this config's timeouts, credit and socket buffers: the one place they are passed on."""
+    from torch_bps.client import Client  # the C++ extension: imported when first needed
+
+    return Client(addresses, job_id, worker, num_workers, timeout=config.timeout,
+                  connect_timeout=connect_timeout or config.connect_timeout,
+                  heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
+                  credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
+                  server_credit_bytes=config.server_credit_bytes,
+                  socket_buffer_bytes=config.socket_buffer_bytes)  # fmt: skip
 
 
 def _attempt() -> str:
