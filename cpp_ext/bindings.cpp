@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -83,7 +84,8 @@ class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
-           int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0) {
+           int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
+           py::object onLinkDown = py::none()) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -98,12 +100,28 @@ class PyClient {
         e.discard_as_unraisable("torch_bps completion handler");
       }
     };
+    LinkDownHandler linkDown;
+    if (!onLinkDown.is_none()) {
+      std::shared_ptr<py::object> held(new py::object(std::move(onLinkDown)), [](py::object* p) {
+        py::gil_scoped_acquire gil;
+        delete p;
+      });
+      linkDown = [held](size_t server, const std::string& why) {
+        py::gil_scoped_acquire gil;
+        try {
+          (*held)(server, why);
+        } catch (py::error_already_set& e) {
+          e.discard_as_unraisable("torch_bps link-down handler");
+        }
+      };
+    }
     ClientOptions options{std::move(servers), jobId,           worker,           numWorkers,     timeout,
                           heartbeatInterval,  heartbeatTimeout, std::move(auth), creditBytes};
     options.serverCreditBytes = serverCreditBytes;
     options.socketBufferBytes = socketBufferBytes;
+    options.failover = failover;
     py::gil_scoped_release release;
-    client_ = std::make_unique<Client>(std::move(options), std::move(complete));
+    client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
   }
 
   ~PyClient() {
@@ -241,19 +259,19 @@ PYBIND11_MODULE(_C, m) {
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
-                       int socketBufferBytes) {
+                       int socketBufferBytes, bool failover, py::object onLinkDown) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
-                                 serverCreditBytes, socketBufferBytes);
+                                 serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown));
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
            py::arg("identity") = "", py::arg("curve_secret") = "",
            py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
            py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
-           py::arg("socket_buffer_bytes") = 0)
+           py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none())
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -271,7 +289,8 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "push_pull_batch",
           // parts: (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset) per partition.
-          [](PyClient& c, uint64_t token, const std::vector<BatchPart>& parts, int64_t priority) {
+          [](PyClient& c, uint64_t token, const std::vector<BatchPart>& parts, int64_t priority,
+             std::optional<at::Tensor> outcomes) {
             std::vector<bps::PartSpec> specs;
             specs.reserve(parts.size());
             for (const auto& p : parts) {
@@ -280,9 +299,19 @@ PYBIND11_MODULE(_C, m) {
                                             std::get<5>(p).detach(), std::get<6>(p), std::get<7>(p).detach(),
                                             std::get<8>(p)});
             }
-            c.get().pushPullBatch(token, std::move(specs), priority);
+            c.get().pushPullBatch(token, std::move(specs), priority, outcomes ? outcomes->detach() : at::Tensor());
           },
-          py::arg("token"), py::arg("parts"), py::arg("priority"), release())
+          py::arg("token"), py::arg("parts"), py::arg("priority"), py::arg("outcomes") = std::nullopt, release())
+      .def(
+          "kept",
+          [](PyClient& c, uint64_t key) {
+            bps::KeptRound k = c.get().kept(key);
+            return std::make_tuple(k.completed, k.whole, k.pushOffset);
+          },
+          py::arg("key"), release())
+      .def("kept_bytes", [](PyClient& c, uint64_t key) { return c.get().keptBytes(key); }, py::arg("key"), release())
+      .def("abandon", [](PyClient& c, size_t server, const std::string& why) { c.get().abandon(server, why); },
+           py::arg("server"), py::arg("why"), release())
       .def("scheduler_stats",
            [](PyClient& c) {
              bps::SchedulerStats s = c.get().schedulerStats();

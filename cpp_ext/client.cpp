@@ -2,6 +2,8 @@
 // The IO thread's side is client_io.cpp.
 #include "client.h"
 
+#include <ATen/ops/empty.h>
+
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -25,9 +27,10 @@ std::chrono::steady_clock::duration toDuration(double seconds) {
 
 }  // namespace
 
-Client::Client(ClientOptions options, CompletionHandler onComplete)
+Client::Client(ClientOptions options, CompletionHandler onComplete, LinkDownHandler onLinkDown)
     : options_(std::move(options)),
       onComplete_(std::move(onComplete)),
+      onLinkDown_(std::move(onLinkDown)),
       timeout_(toDuration(options_.timeoutSeconds)),
       credit_(options_.creditBytes, options_.serverCreditBytes) {
   size_t n = options_.servers.size();
@@ -202,10 +205,16 @@ void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtyp
   submit({std::move(op)});
 }
 
-void Client::pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority) {
+void Client::pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority, at::Tensor outcomes) {
+  if (outcomes.defined() &&
+      (outcomes.scalar_type() != at::kByte || !outcomes.is_contiguous() || outcomes.numel() != int64_t(parts.size()))) {
+    throw Error(ErrorKind::kValue, formatText("outcomes must be a contiguous uint8 tensor of %zu elements, one per part",
+                                              parts.size()));
+  }
   auto batch = std::make_shared<Batch>();
   batch->token = token;
   batch->remaining = parts.size();
+  batch->outcomes = std::move(outcomes);
   if (parts.empty()) {
     pool_.post([this, token] { onComplete_(token, ErrorInfo{}); });
     return;
@@ -215,10 +224,45 @@ void Client::pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t 
   for (auto& part : parts) {
     OpPtr op = makePushOp(0, std::move(part));
     op->batch = batch;
+    op->partIndex = ops.size();
     op->priority = priority;
     ops.push_back(std::move(op));
   }
   submit(std::move(ops));
+}
+
+KeptRound Client::kept(uint64_t key) {
+  std::lock_guard<std::mutex> lock(keptMutex_);
+  auto it = kept_.find(key);
+  return it == kept_.end() ? KeptRound{} : it->second.round;
+}
+
+at::Tensor Client::keptBytes(uint64_t key) {
+  std::lock_guard<std::mutex> lock(keptMutex_);
+  auto it = kept_.find(key);
+  if (it == kept_.end()) return at::empty({0}, at::kByte);
+  Kept& k = it->second;
+  if (!k.round.whole) return k.pushed.defined() ? k.pushed.clone() : at::empty({0}, at::kByte);
+  at::Tensor out = at::empty({static_cast<int64_t>(k.result.size())}, at::kByte);
+  if (k.result.size() > 0) std::memcpy(out.data_ptr(), k.result.data(), k.result.size());
+  return out;
+}
+
+void Client::abandon(size_t server, const std::string& why) {
+  if (server >= links_.size()) {
+    throw Error(ErrorKind::kValue, formatText("server index %zu is out of range: %zu servers", server, links_.size()));
+  }
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(submitMutex_);
+    if (closing_ || !ioFailure_.empty()) return;  // nothing outstanding will ever be answered anyway
+    abandons_.emplace_back(server, why);
+    std::lock_guard<std::mutex> done(abandonMutex_);
+    ticket = ++abandonsAsked_;
+  }
+  wake();
+  std::unique_lock<std::mutex> lock(abandonMutex_);
+  abandonDone_.wait(lock, [&] { return abandonsDone_ >= ticket; });
 }
 
 SchedulerStats Client::schedulerStats() const {

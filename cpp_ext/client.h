@@ -53,6 +53,20 @@ struct ClientOptions {
   // has more unacknowledged bytes in flight than these allow, in either direction, whatever sits in
   // ZeroMQ's queues: it is what bounds the bytes n connections can pile into one link's queue.
   int socketBufferBytes = 0;
+  // Failover (docs/protocol.md): batches go on past a lost server, each part's outcome is reported, and per
+  // key the client counts completed rounds and keeps what its last completed round may still owe the other
+  // workers (the reply itself when it pulled the whole key, else a copy of the bytes it pushed).
+  bool failover = false;
+};
+
+// A batch part's outcome (pushPullBatch's `outcomes`).
+enum PartOutcome : uint8_t { kPartOk = 0, kPartServerLost = 1, kPartFailed = 2, kPartNotRun = 3 };
+
+// Per key, what failover needs (see ClientOptions::failover).
+struct KeptRound {
+  uint64_t completed = 0;  // rounds of the key this client completed
+  bool whole = false;  // `result` holds the last completed round's whole result; else `pushed` its pushed bytes
+  uint64_t pushOffset = 0;  // where those pushed bytes go in the key
 };
 
 // One partition of a batch: the arguments of one pushPull().
@@ -89,11 +103,14 @@ struct SchedulerStats {
 
 // Runs on a CompletionPool thread once per pushPull()/pushPullBatch()/stats(), with the token given there.
 using CompletionHandler = std::function<void(uint64_t token, const ErrorInfo& error)>;
+// Runs on a CompletionPool thread each time a server's link goes down (connection lost, or it came back as
+// another incarnation), with the server's index and why.
+using LinkDownHandler = std::function<void(size_t server, const std::string& why)>;
 
 class Client {
  public:
   // Connects (asynchronously) to every server; throws Error(kTransport) for an address ZeroMQ refuses.
-  Client(ClientOptions options, CompletionHandler onComplete);
+  Client(ClientOptions options, CompletionHandler onComplete, LinkDownHandler onLinkDown = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -116,7 +133,18 @@ class Client {
   // the server acknowledges its PUSH (or it fails), never later: see client_io.cpp. `token` completes once,
   // when every part has ended, with the first part's error or OK; after a part failed, the batch's parts not
   // yet sent are not sent. Throws Error(kValue) for a part that does not fit, before anything is queued.
-  void pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority);
+  // With ClientOptions::failover, every part runs whatever the others do, and `outcomes` (a uint8 tensor of
+  // one byte per part, or undefined) receives each part's PartOutcome before the batch completes.
+  void pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority, at::Tensor outcomes = {});
+
+  // Failover: the key's completed rounds (0 for a key never completed), and a copy of what its last completed
+  // round kept (uint8; empty if nothing).
+  KeptRound kept(uint64_t key);
+  at::Tensor keptBytes(uint64_t key);
+
+  // Failover: treat `server` as lost for good: fail everything outstanding on it at once (kTransport, `why`),
+  // never reconnect to it. Returns once the IO thread has done so.
+  void abandon(size_t server, const std::string& why);
 
   SchedulerStats schedulerStats() const;
 
@@ -143,6 +171,7 @@ class Client {
     size_t remaining = 0;
     ErrorInfo error;
     std::vector<std::shared_ptr<Op>> ended;  // released on a pool thread, with the completion
+    at::Tensor outcomes;  // uint8 per part, or undefined
   };
 
   struct Op {
@@ -169,6 +198,9 @@ class Client {
     int64_t priority = 0;  // a batch part's
     int64_t credit = 0;  // credit bytes this part holds (taken when it left the queue, returned once)
     bool pushInFlight = false;  // its PUSH was sent and is not yet acknowledged
+    size_t partIndex = 0;  // a batch part's index in its batch
+    Frame result;  // failover: the PULL reply of a whole-key pull, kept once the round completes
+    at::Tensor pushed;  // failover: a copy of the pushed bytes when the pull is not the whole key
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -182,6 +214,7 @@ class Client {
   // reconnects and answers HELLO as the same incarnation (a restarted server has lost the job's sums).
   struct LinkState {
     bool down = false;
+    bool abandoned = false;  // failed over: down for good
     std::string why;
     Clock::time_point since;
   };
@@ -220,10 +253,14 @@ class Client {
   void failOp(const OpPtr& op, ErrorInfo error);
   void finishOp(const OpPtr& op);
   void failEverything(const std::string& why);
+  void markDown(size_t server, const std::string& why);
+  void failServer(size_t server, const std::string& what);
+  void keepRound(const OpPtr& op);
   std::string describe(const Op& op) const;
 
   ClientOptions options_;
   CompletionHandler onComplete_;
+  LinkDownHandler onLinkDown_;
   Clock::duration timeout_;
   void* context_ = nullptr;
   std::vector<std::unique_ptr<ServerLink>> links_;
@@ -236,6 +273,7 @@ class Client {
   std::vector<OpPtr> submitted_;
   bool closing_ = false;
   std::string ioFailure_;  // set if the IO thread stopped on an error: nothing is accepted any more
+  std::vector<std::pair<size_t, std::string>> abandons_;  // abandon() requests
 
   // HELLO results and incarnations, guarded by stateMutex_.
   std::mutex stateMutex_;
@@ -243,6 +281,19 @@ class Client {
   size_t helloPending_ = 0;
   std::vector<ErrorInfo> helloErrors_;
   std::vector<uint64_t> incarnations_;
+
+  // Failover's per-key rounds (ClientOptions::failover), guarded by keptMutex_: written by the IO thread
+  // when a round completes, read by failover.
+  struct Kept {
+    KeptRound round;
+    Frame result;
+    at::Tensor pushed;
+  };
+  std::mutex keptMutex_;
+  std::unordered_map<uint64_t, Kept> kept_;
+  std::mutex abandonMutex_;
+  std::condition_variable abandonDone_;
+  uint64_t abandonsAsked_ = 0, abandonsDone_ = 0;
 
   // IO thread state.
   std::vector<uint64_t> ioIncarnations_;

@@ -9,6 +9,8 @@
 
 #include "client.h"
 
+#include <ATen/ops/empty.h>
+
 namespace bps {
 
 void Client::ioLoop() {
@@ -60,13 +62,28 @@ void Client::ioLoop() {
   failEverything(ioFailure_.empty() ? "the torch_bps client was closed"
                                     : "the torch_bps client failed (" + ioFailure_ + ")");
   for (auto& link : links_) link->close();
+  std::lock_guard<std::mutex> lock(abandonMutex_);
+  abandonsDone_ = abandonsAsked_;  // nobody waits for an abandon() after the IO thread is gone
+  abandonDone_.notify_all();
 }
 
 void Client::takeSubmissions() {
   std::vector<OpPtr> ops;
+  std::vector<std::pair<size_t, std::string>> abandons;
   {
     std::lock_guard<std::mutex> lock(submitMutex_);
     ops.swap(submitted_);
+    abandons.swap(abandons_);
+  }
+  if (!abandons.empty()) {
+    for (auto& [server, why] : abandons) {
+      markDown(server, why);
+      linkStates_[server].abandoned = true;
+      failServer(server, "server " + links_[server]->address() + " was failed over (" + why + ")");
+    }
+    std::lock_guard<std::mutex> lock(abandonMutex_);
+    abandonsDone_ += abandons.size();
+    abandonDone_.notify_all();
   }
   for (auto& op : ops) {
     if (op->batch) {
@@ -89,8 +106,9 @@ void Client::sendQueued() {
 }
 
 void Client::start(const OpPtr& op) {
-  if (op->batch && !op->batch->error.ok()) {
-    finishOp(op);  // an earlier part of its batch failed: do not push the rest
+  if (op->batch && !op->batch->error.ok() && !options_.failover) {
+    op->error = {ErrorKind::kClosed, 0, "not sent: an earlier part of its batch failed"};
+    finishOp(op);  // do not push the rest
     return;
   }
   if (op->kind != kHello && failIfDown(op)) return;
@@ -219,27 +237,45 @@ void Client::onReply(size_t server, Message& message) {
                          describe(*op).c_str())});
       return;
     }
+    bool whole = command == kPull && op->pullOffset == 0 && expected == op->nbytes;
+    if (options_.failover && command == kPull && !whole) {
+      // What this round may still owe the others: its pushed bytes (the pull below may overwrite them).
+      op->pushed = at::empty({static_cast<int64_t>(op->src.nbytes())}, at::kByte);
+      if (op->src.nbytes() > 0) std::memcpy(op->pushed.data_ptr(), op->src.data_ptr(), op->src.nbytes());
+    }
     // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
     if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload.data(), expected);
+    if (options_.failover && whole) op->result = std::move(message.payload);  // the result itself, no copy
   }
   if (op->requests.empty()) finishOp(op);
 }
 
 void Client::onDisconnect(size_t server) {
+  markDown(server, "lost the connection");
+  failServer(server, "lost the connection to server " + links_[server]->address());
+}
+
+void Client::markDown(size_t server, const std::string& why) {
   LinkState& state = linkStates_[server];
-  if (!state.down) state = {true, "lost the connection", Clock::now()};
+  if (state.down) return;
+  state.down = true;
+  state.why = why;
+  state.since = Clock::now();
+  if (onLinkDown_) pool_.post([this, server, why] { onLinkDown_(server, why); });
+}
+
+void Client::failServer(size_t server, const std::string& what) {
   std::vector<OpPtr> lost;
   for (auto& entry : inflight_) {
     if (entry.second.op->server == server) lost.push_back(entry.second.op);
   }
-  const std::string& address = links_[server]->address();
   std::string earlier = earlierLoss(server);
   for (auto& op : lost) {
     if (op->done) continue;
     uint16_t command = inflight_.at(op->requests.front()).command;
     failOp(op, {ErrorKind::kTransport, 0,
-                formatText("lost the connection to server %s while waiting for the %s reply (%s)%s", address.c_str(),
-                           commandName(command), describe(*op).c_str(), earlier.c_str())});
+                formatText("%s while waiting for the %s reply (%s)%s", what.c_str(), commandName(command),
+                           describe(*op).c_str(), earlier.c_str())});
   }
 }
 
@@ -261,7 +297,7 @@ std::string Client::earlierLoss(size_t server) const {
 
 void Client::onReconnect(size_t server) {
   // Reachable again: ask who answers before trusting it (a restarted server has lost the job's sums).
-  if (!linkStates_[server].down || ioIncarnations_[server] == 0) return;
+  if (!linkStates_[server].down || linkStates_[server].abandoned || ioIncarnations_[server] == 0) return;
   auto op = std::make_shared<Op>();
   op->kind = kHello;
   op->server = server;
@@ -273,11 +309,13 @@ void Client::onReconnect(size_t server) {
 void Client::onRehello(const OpPtr& op, uint64_t incarnation) {
   op->done = true;
   LinkState& state = linkStates_[op->server];
+  if (state.abandoned) return;
   if (incarnation == ioIncarnations_[op->server]) {
     state = LinkState{};
   } else {
     state.why = formatText("restarted (incarnation 0x%016" PRIx64 ", now 0x%016" PRIx64 ") and lost this job's sums",
                            ioIncarnations_[op->server], incarnation);
+    if (onLinkDown_) pool_.post([this, server = op->server, why = state.why] { onLinkDown_(server, why); });
   }
 }
 
@@ -350,8 +388,25 @@ void Client::pushEnded(const OpPtr& op) {
   }
 }
 
+void Client::keepRound(const OpPtr& op) {
+  std::lock_guard<std::mutex> lock(keptMutex_);
+  Kept& kept = kept_[op->key];
+  ++kept.round.completed;
+  kept.round.whole = !op->pushed.defined();
+  kept.round.pushOffset = op->pushOffset;
+  kept.result = std::move(op->result);  // the previous round's result is released here
+  kept.pushed = std::move(op->pushed);
+}
+
 void Client::endPart(const OpPtr& op) {
   Batch& batch = *op->batch;
+  if (batch.outcomes.defined()) {
+    uint8_t outcome = op->error.ok() ? kPartOk
+                      : op->error.kind == ErrorKind::kTransport ? kPartServerLost
+                      : op->error.kind == ErrorKind::kClosed && !batch.error.ok() && op->requests.empty() ? kPartNotRun
+                                                                                                       : kPartFailed;
+    batch.outcomes.data_ptr<uint8_t>()[op->partIndex] = outcome;
+  }
   if (!op->error.ok() && batch.error.ok()) batch.error = op->error;
   batch.ended.push_back(op);
   if (--batch.remaining > 0) return;
@@ -374,6 +429,7 @@ void Client::finishOp(const OpPtr& op) {
     return;
   }
   if (op->holdsKey) {
+    if (options_.failover && op->error.ok()) keepRound(op);
     KeyState& key = keys_[op->key];
     key.busy = false;
     if (!stopping_ && !key.waiting.empty()) {

@@ -166,9 +166,10 @@ def _check_survivor(m: Machines, rank: int, kinds: tuple[str, ...], culprits: tu
 
 @pytest.mark.parametrize("door", sorted(WITH_BUFFERS))
 def test_killed_dedicated_server(machines, door):
+    # With failover off (BPS_FAILOVER=0): with it, training goes on (tests/test_failover.py).
     server = ServerProcess()
     try:
-        m = machines(WITH_BUFFERS[door], {"BPS_SERVERS": server.address})
+        m = machines(WITH_BUFFERS[door], {"BPS_SERVERS": server.address, "BPS_FAILOVER": "0"})
         m.wait_for_step(3)
         server.kill()
         killed = time.time()

@@ -38,6 +38,8 @@ from torch_bps.security import ClientKeys
 from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode
 
 _U64 = 1 << 64
+# A batch part's outcome (push_pull_batch's `outcomes`; cpp_ext/client.h PartOutcome).
+OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN = 0, 1, 2, 3
 
 
 def job_id_from_name(name: str) -> int:
@@ -97,6 +99,10 @@ class Client:
             per server may always go, however big.
         socket_buffer_bytes: SO_SNDBUF and SO_RCVBUF of every server connection, which bound its bytes in
             flight both ways (pushes out, replies in); 0: the kernel's autotuned buffers.
+        failover: batches go on past a lost server and report each part's outcome (`push_pull_batch`), and per
+            key the client keeps what failover needs (`kept`, `kept_bytes`; torch_bps/failover.py).
+        on_link_down: called as `on_link_down(server_index, why)` on a completion thread whenever a server's
+            connection goes down (or it comes back as another incarnation).
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -118,6 +124,8 @@ class Client:
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
         server_credit_bytes: int = 0,
         socket_buffer_bytes: int = 0,
+        failover: bool = False,
+        on_link_down: Callable[[int, str], None] | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -164,7 +172,7 @@ class Client:
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
-                               **keys)  # fmt: skip
+                               failover=failover, on_link_down=on_link_down, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -250,6 +258,7 @@ class Client:
         *,
         priority: int = 0,
         on_done: Callable[[BaseException | None], None] | None = None,
+        outcomes: torch.Tensor | None = None,
     ) -> torch.futures.Future | None:
         """Run one `push_pull` per part, scheduled by the client; return a Future of None, done when all are.
 
@@ -263,6 +272,9 @@ class Client:
                 arguments (`server` and `out` may be None, as there).
             priority: the batch's, for all its parts.
             on_done: instead of the future, a callable run with None or the error on a completion thread.
+            outcomes: a uint8 tensor of len(parts): each part's outcome is written there before the batch completes
+                (OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN). With `failover`, every part runs
+                whatever the others do.
 
         Example: `client.push_pull_batch([(g[:n], 0, None, None, Mode.SUM, None, 0, 0), ...], priority=3).wait()`
         """
@@ -273,11 +285,25 @@ class Client:
             on_done = completer(future, None)
         token = self._register(on_done)
         try:
-            self._impl.push_pull_batch(token, specs, priority)
+            self._impl.push_pull_batch(token, specs, priority, outcomes)
         except BaseException:
             self._pending.callbacks.pop(token, None)
             raise
         return future
+
+    def kept(self, key: int) -> tuple[int, bool, int]:
+        """With `failover`: (rounds of `key` completed, whether the last one's whole result is kept (else the bytes
+        it pushed are), the byte offset in the key those pushed bytes went to)."""
+        return self._impl.kept(key)
+
+    def kept_bytes(self, key: int) -> torch.Tensor:
+        """With `failover`: a copy of what `key`'s last completed round kept (uint8; empty if none)."""
+        return self._impl.kept_bytes(key)
+
+    def abandon(self, server: int, why: str) -> None:
+        """Treat server `server` as lost for good: everything outstanding on it fails now (TransportError naming
+        `why`, outcome OUTCOME_SERVER_LOST), and it is never reconnected to."""
+        self._impl.abandon(server, why)
 
     def scheduler_stats(self) -> dict[str, int]:
         """The batch scheduler's counters: credit_bytes, credit_in_flight (0 when idle), peak_credit_in_flight,

@@ -84,6 +84,18 @@ class Config:
     # from the rendezvous store.
     pool_credential: str = field(default="", repr=False, metadata={"env": "BPS_POOL_CREDENTIAL", "parse": str})
 
+    # A lost dedicated server is failed over (torch_bps/failover.py): its keys move to a standby server, else to
+    # the servers that remain, else to fresh colocated ones, and training goes on. Off: it fails the collective.
+    failover: bool = field(default=True, metadata={"env": "BPS_FAILOVER", "parse": _parse_bool})
+    # How long each step of a failover's agreement waits for every rank (a rank silent that long is lost).
+    failover_timeout: float = field(default=60.0, metadata={"env": "BPS_FAILOVER_TIMEOUT", "parse": float})
+    # Standby servers for failover, besides those registered beyond BPS_NUM_SERVERS.
+    standby_servers: tuple[str, ...] = field(
+        default=(), metadata={"env": "BPS_STANDBY_SERVERS", "parse": _parse_servers}
+    )
+    # How long a failover waits for a standby server to register when none is free (0: take what remains).
+    standby_wait: float = field(default=0.0, metadata={"env": "BPS_STANDBY_WAIT", "parse": float})
+
     @classmethod
     def resolve(cls, **keywords) -> Config:
         """Build a Config from keywords, then BPS_* environment variables, then defaults.
@@ -98,7 +110,7 @@ class Config:
         for f in dataclasses.fields(cls):
             value = keywords.get(f.name)
             if value is not None:
-                if f.name == "servers":
+                if f.name in ("servers", "standby_servers"):
                     value = _parse_servers(value) if isinstance(value, str) else _parse_servers(",".join(value))
                 values[f.name] = value
                 continue
@@ -114,7 +126,8 @@ class Config:
         return config
 
     def _check(self) -> None:
-        timeouts = (self.timeout, self.connect_timeout, self.heartbeat_timeout, self.heartbeat_interval)
+        timeouts = (self.timeout, self.connect_timeout, self.heartbeat_timeout, self.heartbeat_interval,
+                    self.failover_timeout)  # fmt: skip
         if not all(t > 0 for t in timeouts):
             raise ConfigError(
                 f"timeouts must be positive (timeout={self.timeout}, connect={self.connect_timeout}, heartbeat "
@@ -139,5 +152,7 @@ class Config:
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.registry:
             _parse_servers(self.registry)  # host:port, named in the error
+        if not self.standby_wait >= 0:
+            raise ConfigError(f"standby_wait={self.standby_wait} must not be negative")
         if self.num_servers < 0:
             raise ConfigError(f"num_servers={self.num_servers} must not be negative")

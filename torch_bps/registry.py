@@ -8,6 +8,7 @@ May import: the standard library and torch.distributed only (the server uses it 
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -51,3 +52,24 @@ def registered_servers(store: dist.Store, count: int, timeout: float, where: str
             f"{have} did{hint}"
         ) from e
     return [store.get(k).decode() for k in keys]
+
+
+def claim_standby(store: dist.Store, skip: int, used: set[str], count: int, wait: float, owner: str) -> list[str]:
+    """Claim up to `count` servers registered beyond the first `skip` (standbys) that nobody claimed and are not
+    in `used`; wait up to `wait` seconds for more to register. A claim (compare_set, keyed by address) holds for
+    every job sharing the registry: `owner` names the job that took it."""
+    claimed: list[str] = []
+    deadline = time.monotonic() + wait
+    index = skip
+    while len(claimed) < count:
+        if index < store.add(_PREFIX + "count", 0):
+            address = store.get(f"{_PREFIX}{index}").decode()
+            index += 1
+            key = f"{_PREFIX}claimed/{address}"
+            if address not in used and store.compare_set(key, "", owner).decode() == owner:
+                claimed.append(address)
+        elif time.monotonic() < deadline:
+            time.sleep(0.1)
+        else:
+            break
+    return claimed

@@ -35,7 +35,7 @@ from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
-from torch_bps.registry import connect, registered_servers
+from torch_bps.registry import claim_standby, connect, registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
 from torch_bps.topology import Topology
 
@@ -72,6 +72,7 @@ class Runtime:
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
+        self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -119,9 +120,13 @@ class Runtime:
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
-        client = _client(config, addresses, job_id, topology.node_rank if hierarchical else rank,
-                         topology.num_nodes if hierarchical else world_size, _client_keys(config, secret, weights),
-                         connect_timeout=timeout)  # fmt: skip
+        worker, num_workers = (topology.node_rank, topology.num_nodes) if hierarchical else (rank, world_size)
+        failover = config.failover and num_workers > 1 and any(s.dedicated for s in weights)
+        router_box: list = []  # the client's link-down handler reaches the router made after it
+        client = _client(config, addresses, job_id, worker, num_workers, _client_keys(config, secret, weights),
+                         connect_timeout=timeout, failover=failover,
+                         on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
+                         if failover else None)  # fmt: skip
         local = None
         if hierarchical:
             from torch_bps.local import LocalComm
@@ -150,11 +155,47 @@ class Runtime:
                                 alone=client.num_workers == 1)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
         rt._secret = secret
+        if failover:
+            engine.router = rt._router(weights, worker, num_workers, _store_host(store), job_id)
+            router_box.append(engine.router)
         if rank == 0:
             _log_split(name, topology, colocated, dedicated, weights)
         _RUNTIMES[name] = rt
         atexit.register(rt.close)
         return rt
+
+    def _router(self, weights, worker: int, num_workers: int, store_host: str, job_id: int):
+        """The failover router of this group's engine (torch_bps/failover.py), with what its agreement needs."""
+        from torch_bps.failover import Agreement, Router
+
+        config, topology = self.config, self.topology
+
+        def make_client(servers, new_job_id, on_link_down):
+            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers,
+                           _client_keys(config, self._secret, servers), failover=True,
+                           on_link_down=on_link_down)  # fmt: skip
+
+        def standby(count: int) -> list[str]:
+            used = {s.address for s in weights}
+            free = [a for a in config.standby_servers if a not in used][:count]
+            if len(free) < count and config.num_servers:
+                registry = (
+                    connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
+                )
+                free += claim_standby(registry, config.num_servers, used | set(free), count - len(free),
+                                      config.standby_wait, f"{job_id:#x}")  # fmt: skip
+            return free
+
+        def start_colocated(prefix: str) -> list[str]:
+            proc, addresses = _colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
+                                                 config.failover_timeout, store_host, self._secret)  # fmt: skip
+            if proc is not None:
+                self._fallback_procs.append(proc)
+            return addresses
+
+        agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
+                              self._engine.own_keys, make_client, standby, start_colocated)  # fmt: skip
+        return Router(self._client, weights, agreement, self.name)
 
     def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0) -> None:
         """Sum each tensor (1-D, contiguous, CPU) in place over every rank of the group as one collective, then
@@ -223,26 +264,30 @@ class Runtime:
         try:
             self._store.add("closed", 1)
             # After a failure the job is broken and some ranks may be dead: wait for nobody.
-            if self._server_proc is not None and not self._failed:
+            if (self._server_proc is not None or self._fallback_procs) and not self._failed:
                 deadline = time.monotonic() + self.config.connect_timeout
                 while self._store.add("closed", 0) < self.world_size and time.monotonic() < deadline:
                     time.sleep(0.05)
         except Exception as e:  # the store's host may be gone already: nothing left to wait for
             log.debug("close of %s: store unavailable (%s)", self.name, e)
         self._engine.close()
+        if self._engine.router is not None:
+            self._engine.router.close()
         self._client.close()
         for channel in self._local or ():
             channel.close()
-        if self._server_proc is not None:
-            self._server_proc.terminate()
+        for proc in [self._server_proc, *self._fallback_procs]:
+            if proc is None:
+                continue
+            proc.terminate()
             try:
-                self._server_proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._server_proc.kill()
+                proc.kill()
 
 
 def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_workers: int, auth,
-            connect_timeout: float | None = None):  # fmt: skip
+            connect_timeout: float | None = None, **failover):  # fmt: skip
     """A Client with this config's timeouts, credit and socket buffers: the one place they are passed on."""
     from torch_bps.client import Client  # the C++ extension: imported when first needed
 
@@ -251,7 +296,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
                   credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
                   server_credit_bytes=config.server_credit_bytes,
-                  socket_buffer_bytes=config.socket_buffer_bytes)  # fmt: skip
+                  socket_buffer_bytes=config.socket_buffer_bytes, **failover)  # fmt: skip
 
 
 def _attempt() -> str:

@@ -77,6 +77,10 @@ class KeyBook:
             plan = self._plans[(*shape, slot)] = self._new_plan(len(self._plans), numel, dtype)
         return plan
 
+    def keys_of(self, slice_index: int) -> dict[int, int]:
+        """Every key of local slice `slice_index` planned so far -> its server."""
+        return {p.key: p.server for plan in self._plans.values() for p in plan[slice_index]}
+
     def partition_size(self, nbytes: int) -> int:
         """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough that
         even the server with the smallest share gets PARTS_PER_SERVER partitions of it, down to

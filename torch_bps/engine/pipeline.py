@@ -71,6 +71,8 @@ class PushPullEngine:
             default: the client's worker index times the local size, onwards.
         alone: this machine is the whole job: the local stages make the sum (or the gather) and nothing goes to
             a server.
+        router: a torch_bps.failover.Router: partitions go through it (it follows keys across failovers)
+            instead of straight to the client.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class PushPullEngine:
         timeout: float = 300.0,
         worker_ranks: Sequence[int] | None = None,
         alone: bool = False,
+        router=None,
     ):
         self.client = client
+        self.router = router
         self.alone = alone
         self._worker_ranks = worker_ranks
         self.keys = keys
@@ -128,6 +132,11 @@ class PushPullEngine:
                 self._schedule(op)
             else:
                 self._rs_queue.put(op)
+
+    def own_keys(self) -> dict[int, int]:
+        """Every key this rank has pushed or may push so far -> its server (as placed at the start)."""
+        with self._lock:
+            return self.keys.keys_of(self.local_rank if self.local is not None else 0)
 
     @property
     def worker_ranks(self) -> Sequence[int]:
@@ -184,7 +193,10 @@ class PushPullEngine:
             return
         done = span(lambda: self._network_name(parts), lambda error: self._network_done(op, error))
         try:
-            self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
+            if self.router is not None:
+                self.router.submit(parts, op.priority, done)
+            else:
+                self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
             self._network_done(op, e)
 

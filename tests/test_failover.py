@@ -1,0 +1,243 @@
+"""A lost dedicated server costs no step: DDP training under torchrun (2 workers, BPS_LOCAL_REDUCE=0) goes on
+through SIGKILLed summation servers and ends with parameters bit-identical to an uninterrupted run (two
+workers' sums cannot differ in order). See torch_bps/failover.py and docs/protocol.md "Failover".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import REPO, RawPeer, ServerProcess, _free_port
+from torch_bps.client import Client
+from torch_bps.engine.placement import server_weights
+from torch_bps.failover import RECOVERY_BIT, Agreement, Router
+from torch_bps.wire import DTYPE_CODES as PROTOCOL_CODES
+from torch_bps.wire import Command, Mode
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = os.path.join(REPO, "tests", "failover_train.py")
+STEPS = 10
+
+
+def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None, hook: bool = False, name="run"):
+    """Run tests/failover_train.py on 2 workers; return (final parameters, failover records, output)."""
+    out = str(tmp_path / name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS), "--kill", kill]  # fmt: skip
+    if hook:
+        cmd.append("--hook")
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
+           "BPS_SERVERS": ",".join(servers), "BPS_FAILOVER_TIMEOUT": "30", **(env or {})}  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    with open(out + ".json") as f:
+        records = json.load(f)
+    return torch.load(out + ".pt"), records, output
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        params, records, _ = train(tmp_path_factory.mktemp("baseline"), [s.address for s in servers])
+    finally:
+        for s in servers:
+            s.stop()
+    assert records == []
+    return params
+
+
+def assert_identical(params, baseline) -> None:
+    assert params.keys() == baseline.keys()
+    for name, value in params.items():
+        assert torch.equal(value, baseline[name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("step,when", [(0, "backward"), (3, "start"), (4, "backward")])
+def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:{step}:{when}")
+    finally:
+        for s in servers:
+            s.stop()
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+    assert records[0]["servers"] == [servers[1].address]
+    assert "failover 1: lost" in output
+
+
+def test_standby_server_takes_over(tmp_path, baseline):
+    servers = [ServerProcess(), ServerProcess()]
+    standby = ServerProcess()
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[1].proc.pid}:2:backward",
+                                        env={"BPS_STANDBY_SERVERS": standby.address})  # fmt: skip
+        stats = standby  # the standby summed what moved to it
+    finally:
+        for s in [*servers, standby]:
+            s.stop()
+    assert_identical(params, baseline)
+    assert records[0]["standby"] == [stats.address], output[-3000:]
+    assert set(records[0]["servers"]) == {servers[0].address, standby.address}
+
+
+def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline):
+    """Two failovers in one run: to the survivor, then (none left) to colocated servers the workers start."""
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        kill = f"{servers[0].proc.pid}:2:backward,{servers[1].proc.pid}:6:start"
+        params, records, output = train(tmp_path, [s.address for s in servers], kill)
+    finally:
+        for s in servers:
+            s.stop()
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address], [servers[1].address]], output[-3000:]
+    # One machine (torchrun --nproc-per-node 2): its local rank 0 started the one colocated server.
+    assert len(records[1]["servers"]) == 1 and records[1]["servers"][0] not in {s.address for s in servers}
+
+
+def test_hook_door(tmp_path, baseline):
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
+                                        hook=True)  # fmt: skip
+    finally:
+        for s in servers:
+            s.stop()
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+
+
+def test_failover_off_fails_fast(tmp_path):
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        with pytest.raises(AssertionError, match="TransportError"):
+            train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
+                  env={"BPS_FAILOVER": "0"})  # fmt: skip
+    finally:
+        for s in servers:
+            s.stop()
+
+
+# -- The open round, deterministically: rank 0 is a real Router (its client and the agreement), rank 1 is played
+# by hand through RawPeers and the store, so that the server dies exactly where the test wants.
+N = 1000  # elements of the key
+
+
+class HandRank:
+    """Rank 1, by hand: pushes and pulls through RawPeers, reports through the store like a Router."""
+
+    def __init__(self, store, address: str, job_id: int):
+        self.store = store
+        self.peer = RawPeer(address, job_id=job_id, worker=1, num_workers=2)
+        self.peer.hello()
+
+    def push(self, peer, key: int, round_: int, t: torch.Tensor, mode=Mode.SUM, init=True, offset=0, nbytes=None):
+        nbytes = nbytes if nbytes is not None else N * 4
+        common = dict(key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32], mode=int(mode))
+        if init:
+            h, _ = peer.request(Command.INIT, **common)
+            assert h.status == 0
+        h, _ = peer.request(Command.PUSH, t.numpy().tobytes(), round=round_, offset=offset * 4, **common)
+        assert h.status == 0, h
+
+    def pull(self, peer, key: int, round_: int, mode=Mode.SUM) -> torch.Tensor:
+        h, frames = peer.request(Command.PULL, key=key, round=round_, nbytes=N * 4, mode=int(mode),
+                                 dtype=PROTOCOL_CODES[torch.float32], wait_ms=20000)  # fmt: skip
+        assert h.status == 0, (h, frames)
+        return torch.frombuffer(bytearray(frames[0]), dtype=torch.float32)
+
+    def report(self, epoch: int, lost: list[str], counts: dict[int, tuple[int, bool]]) -> dict:
+        ns = f"failover/{epoch}/"
+        self.store.set(f"{ns}lost/1", json.dumps(lost))
+        self.store.set(f"{ns}counts/1", json.dumps({str(k): v for k, v in counts.items()}))
+        self.store.wait([ns + "decision"], timedelta(seconds=30))
+        return json.loads(self.store.get(ns + "decision"))
+
+
+def router_rank0(store, servers: list[ServerProcess], job_id: int, keys: dict[int, int]):
+    """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated)."""
+    weights = server_weights([], [s.address for s in servers])
+    box = []
+    client = Client([s.address for s in servers], job_id, 0, 2, timeout=30, failover=True,
+                    on_link_down=lambda s, why: box[0].on_link_down(0, s, why))  # fmt: skip
+
+    def make_client(new, new_job, on_link_down):
+        return Client([s.address for s in new], new_job, 0, 2, timeout=30, failover=True, on_link_down=on_link_down)
+
+    agreement = Agreement(store, 0, 2, 30.0, "optimal", lambda: dict(keys), make_client, lambda n: [],
+                          lambda prefix: pytest.fail("no colocated servers in this test"))  # fmt: skip
+    router = Router(client, weights, agreement, "test")
+    box.append(router)
+    return client, router
+
+
+def submit(router, parts) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    router.submit(parts, 0, lambda error: fut.set_exception(error) if error else fut.set_result(None))
+    return fut
+
+
+@pytest.mark.parametrize("pull", ["whole", "shard"])
+def test_open_round_is_finished_by_the_rank_that_completed_it(pull):
+    """Rank 0 pulled round 0 of a key, rank 1 did not; the server dies. Whole pull: rank 0 broadcasts the result
+    it kept. Shard pull (a reduce-scatter): rank 0 pushes again the copy of its input it kept. Either way rank 1
+    gets round 0's sum from the new owner, and round 1 completes there."""
+    servers = [ServerProcess(), ServerProcess()]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    job = 0x5EED0001
+    key = 0x7 << 24  # on server 0 (the test gives the placement)
+    client = router = None
+    try:
+        # A store client of its own: a TCPStore client serves one wait at a time, and rank 0's failover waits too.
+        hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
+        client, router = router_rank0(store, servers, job, {key: 0})
+        a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.5)
+        t = a0.clone()
+        out = t if pull == "whole" else t[: N // 2]
+        f0 = submit(router, [(t, key, 0, out, Mode.SUM, N, 0, 0)])
+        hand.push(hand.peer, key, 0, b0)
+        f0.wait()  # rank 0 completed round 0; rank 1 never pulls it from this server
+        assert torch.equal(out, (a0 + b0)[: out.numel()])
+        assert client.kept(key)[:2] == (1, pull == "whole")
+        a1, b1 = torch.full((N,), 3.0), torch.full((N,), 4.0)
+        t1 = a1.clone()
+        f1 = submit(router, [(t1, key, 0, t1, Mode.SUM, N, 0, 0)])  # round 1: rank 1 has not pushed it
+        servers[0].kill()
+        decision = hand.report(1, [servers[0].address], {key: (0, False)})
+        assert decision["dedicated"] == [servers[1].address]
+        assert decision["actions"] == {str(key): [0, 0 if pull == "whole" else -1]}
+        new = RawPeer(servers[1].address, job_id=decision["job_id"], worker=1, num_workers=2)
+        new.hello()
+        if pull == "whole":  # a broadcast: rank 1 pushes nothing and pulls the result rank 0 kept
+            hand.push(new, key | RECOVERY_BIT, 0, torch.empty(0), mode=Mode.COPY)
+            got = hand.pull(new, key | RECOVERY_BIT, 0, mode=Mode.COPY)
+        else:  # summed again: rank 1 pushes its round-0 input again
+            hand.push(new, key | RECOVERY_BIT, 0, b0)
+            got = hand.pull(new, key | RECOVERY_BIT, 0)
+        assert torch.equal(got, a0 + b0), "rank 1 did not get round 0's sum"
+        hand.push(new, key, 0, b1)  # the key's round 1, the new job's round 0
+        assert torch.equal(hand.pull(new, key, 0), a1 + b1)
+        f1.wait()
+        assert torch.equal(t1, a1 + b1)
+        assert router.failovers[0]["held_parts"] == 1
+        new.close()
+        hand.peer.close()
+    finally:
+        if router is not None:
+            router.close()
+        if client is not None:
+            client.close()
+        for s in servers:
+            s.stop()

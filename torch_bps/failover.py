@@ -1,0 +1,409 @@
+"""Failover of the summation service: a lost dedicated server costs no step (docs/protocol.md, "Failover").
+
+With failover on, the engine hands every collective's partitions to a `Router` instead of the client. The
+router sends them through the clients of the job's epochs (epoch 0: the job's own client; each failover adds
+a client, under a fresh job id, of the servers that remain) and follows each key to where it lives now. A
+part whose server is lost is held, not failed, and the workers agree through the job's store in two steps:
+
+    lost/<rank>    the lost servers this rank saw -> rank 0 writes `lost`, their union; every rank abandons them
+    counts/<rank>  per key on them, the rounds this rank completed and what it kept -> rank 0 writes `decision`:
+                   the servers that remain (with claimed standbys; with none left, fresh colocated ones), the
+                   new job id, and per key whose round closed on a lost server, who supplies its result
+
+Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
+and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
+
+May import: the standard library, torch, torch_bps.client, errors, wire, engine.placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
+from torch_bps.engine.placement import Server, server_weights
+from torch_bps.errors import BpsTimeoutError
+from torch_bps.wire import Mode
+
+log = logging.getLogger("torch_bps")
+
+RECOVERY_BIT = 1 << 63  # key K's unfinished round is finished on key K | RECOVERY_BIT (KeyBook keys stay below 2**56)
+
+Done = Callable[[BaseException | None], None]
+
+
+# -- the rules: pure functions, so every rank computes the same from the same inputs
+def decide(counts: list[dict[int, tuple[int, bool]]]) -> dict[int, tuple[int, int]]:
+    """Return, per key whose round `lo` closed on a lost server, `(lo, source)`.
+
+    counts[rank][key] = (rounds completed, whether the last one's whole result is kept) for each key the rank
+    used on the lost servers. A rank pushes round r + 1 only after pulling round r, and a round closes only once
+    every rank pushed it, so completed rounds differ by one at most; where they differ, round lo closed and the
+    ranks at lo + 1 hold its result. source: the lowest rank at lo + 1 that kept the whole result (it broadcasts
+    it), or -1: every rank pushes round lo again (those at lo + 1 from their copy of what they pushed).
+    """
+    seen: dict[int, list[tuple[int, bool, int]]] = {}
+    for rank, mine in enumerate(counts):
+        for key, (done, whole) in mine.items():
+            seen.setdefault(key, []).append((done, whole, rank))
+    actions = {}
+    for key, entries in seen.items():
+        lo, hi = min(e[0] for e in entries), max(e[0] for e in entries)
+        if hi - lo > 1:
+            raise RuntimeError(f"key {key:#x}: ranks completed {lo} to {hi} rounds, but they differ by one at most")
+        if hi > lo:
+            sources = [rank for done, whole, rank in entries if done == hi and whole]
+            actions[key] = (lo, min(sources) if sources else -1)
+    return actions
+
+
+def owner(key: int, servers: list[Server]) -> int:
+    """The server (index) a moved key goes to: weighted rendezvous hashing, so every rank agrees with no message
+    and each server gets keys in proportion to its weight (the paper's split of what remains)."""
+
+    def score(i: int) -> float:
+        digest = hashlib.blake2b(f"{key}/{servers[i].address}".encode(), digest_size=8).digest()
+        u = (int.from_bytes(digest, "little") + 0.5) / 2**64
+        return -servers[i].weight / math.log(u)
+
+    return max(range(len(servers)), key=score)
+
+
+def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, kept: torch.Tensor | None,
+                  held: tuple | None, spec: tuple[int, torch.dtype, Mode], push_offset: int) -> tuple:  # fmt: skip
+    """This rank's part (a push_pull_batch tuple; server None) of the round that finishes `key`'s round lo, on
+    key | RECOVERY_BIT. held: this rank's failed part of round lo (ranks at lo); kept: what this rank kept of
+    round lo (ranks at lo + 1, uint8); spec: the key's (numel, dtype, mode); push_offset: of the kept bytes."""
+    lo, source = action
+    numel, dtype, mode = spec
+    empty = torch.empty(0, dtype=dtype)
+    if source >= 0:  # a broadcast of the kept result: a COPY round
+        tensor = kept.view(dtype) if rank == source else empty
+        out, out_offset = (held[3], held[7]) if completed == lo else (empty, 0)
+        return (tensor, key | RECOVERY_BIT, None, out, Mode.COPY, numel, 0, out_offset)
+    if completed == lo:  # push round lo again, pull what this rank still needs
+        return (held[0], key | RECOVERY_BIT, None, held[3], mode, numel, held[6], held[7])
+    return (kept.view(dtype), key | RECOVERY_BIT, None, empty, mode, numel, push_offset // dtype.itemsize, 0)
+
+
+# -- the router
+@dataclass(eq=False)
+class _Call:
+    """One collective: `pending` counts its batches in flight, plus one while parts of it are held."""
+
+    done: Done
+    priority: int
+    seq: int
+    pending: int = 0
+    error: BaseException | None = None
+
+
+@dataclass
+class _Epoch:
+    client: object
+    servers: list[Server]
+    lost: frozenset[str] = frozenset()  # the addresses whose keys this epoch took over
+
+
+@dataclass
+class Agreement:
+    """What the router needs from the runtime to agree on a failover and act on it."""
+
+    store: object  # the group's namespace in the job's store
+    rank: int
+    world_size: int
+    timeout: float  # each wait of the agreement (BPS_FAILOVER_TIMEOUT)
+    placement: str  # the paper's split, as configured
+    own_keys: Callable[[], dict[int, int]]  # every key this rank has used -> its server at epoch 0
+    make_client: Callable[[list[Server], int, Callable], object]  # (servers, job id, on_link_down) -> Client
+    standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
+    start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
+
+
+class Router:
+    """Sends a collective's partitions to where their keys live now; holds those of lost servers until the
+    workers agreed on a failover (see the module's doc)."""
+
+    def __init__(self, client, servers: list[Server], agreement: Agreement, name: str = "default"):
+        self._name = name
+        self._agree = agreement
+        self._lock = threading.Lock()
+        self._epochs = [_Epoch(client, list(servers))]
+        self._routes: dict[int, tuple[int, int]] = {}  # keys that moved: key -> (epoch, server index)
+        self._held: list[tuple[tuple[int, int], tuple, _Call]] = []  # (order, part, call)
+        self._calls = 0
+        self._seen: set[str] = set()  # lost servers some part or link reported
+        self._lost: set[str] = set()  # failed over
+        self._recover: dict[int, tuple] = {}  # key -> recovery_part's arguments, until this rank sent it
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.failovers: list[dict] = []  # what each failover did (also logged)
+
+    def on_link_down(self, epoch: int, server: int, why: str) -> None:
+        """A client's link-down handler: a dedicated server that goes down is failed over even if no part of
+        this rank waits on it, so that this rank reports too."""
+        with self._lock:
+            s = self._epochs[epoch].servers[server]
+            if s.dedicated:
+                self._notice(s.address)
+
+    def submit(self, parts: list[tuple], priority: int, done: Done) -> None:
+        """Run a collective's parts (push_pull_batch tuples, servers indexed as at epoch 0); call `done` once,
+        when all are back, wherever they went."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._calls += 1
+            call = _Call(done, priority, self._calls)
+            finished = self._send(call, [((call.seq, i), part) for i, part in enumerate(parts)])
+        for c in finished:
+            c.done(c.error)
+
+    # -- sending and holding; under self._lock, returning the calls that finished (to complete unlocked)
+    def _route(self, key: int, server: int) -> tuple[int, int]:
+        where = self._routes.get(key, (0, server))
+        for e in range(where[0] + 1, len(self._epochs)):
+            if self._epochs[where[0]].servers[where[1]].address in self._epochs[e].lost:
+                where = self._routes[key] = (e, owner(key, self._epochs[e].servers))
+        return where
+
+    def _send(self, call: _Call, items: list[tuple[tuple[int, int], tuple]], epoch: int | None = None) -> list[_Call]:
+        """Send items ((order, part)) to their keys' servers; with `epoch`, parts are already routed there."""
+        groups: dict[int, list] = {}
+        if epoch is not None:
+            groups[epoch] = items
+        elif len(self._epochs) == 1:
+            groups[0] = items
+        else:
+            for order, part in items:
+                e, server = self._route(part[1], part[2])
+                groups.setdefault(e, []).append((order, part if e == 0 else (*part[:2], server, *part[3:])))
+        call.pending += len(groups)
+        finished = []
+        for e, group in groups.items():
+            outcomes = torch.zeros(len(group), dtype=torch.uint8)
+            on_done = lambda error, e=e, g=group, o=outcomes: self._batch_done(call, e, g, o, error)  # noqa: E731
+            try:
+                self._epochs[e].client.push_pull_batch([p for _, p in group], priority=call.priority, on_done=on_done,
+                                                       outcomes=outcomes)  # fmt: skip
+            except BaseException as error:  # noqa: BLE001 - the collective fails, as a failed part would
+                call.error = call.error or error
+                finished += self._end(call)
+        return finished
+
+    def _batch_done(self, call: _Call, epoch: int, group: list, outcomes: torch.Tensor, error) -> None:
+        with self._lock:
+            finished = []
+            if error is not None:
+                lost = []
+                for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
+                    server = self._epochs[epoch].servers[part[2]]
+                    if outcome == OUTCOME_SERVER_LOST and server.dedicated and self._failure is None:
+                        lost.append((order, part, server.address))
+                    elif outcome != OUTCOME_OK:
+                        call.error = call.error or error
+                if call.error is None and lost:
+                    finished += self._hold(call, lost)
+            finished += self._end(call)
+        for c in finished:
+            c.done(c.error)
+
+    def _hold(self, call: _Call, lost: list[tuple[tuple[int, int], tuple, str]]) -> list[_Call]:
+        """Parts whose server is lost: held until the failover, or sent on if it happened already."""
+        late = [(order, part) for order, part, address in lost if address in self._lost]
+        held = [(order, part, address) for order, part, address in lost if address not in self._lost]
+        if held:
+            call.pending += 1
+            self._held += [(order, part, call) for order, part, _ in held]
+            for _, _, address in held:
+                self._notice(address)
+        return self._resend(call, late) if late else []
+
+    def _resend(self, call: _Call, items: list[tuple[tuple[int, int], tuple]]) -> list[_Call]:
+        """Send held parts to their keys' new owners; a key's part of an unfinished round becomes its recovery."""
+        finished, plain = [], []
+        for order, part in items:
+            if part[1] in self._recover:
+                finished += self._send_recovery(call, part[1], part)
+            else:
+                plain.append((order, part))
+        return finished + (self._send(call, plain) if plain else [])
+
+    def _send_recovery(self, call: _Call, key: int, held: tuple | None) -> list[_Call]:
+        epoch, server = self._routes[key]  # a moved key: routed when the failover was applied
+        action, completed, kept, spec, push_offset = self._recover.pop(key)
+        part = recovery_part(key, action, self._agree.rank, completed, kept, held, spec, push_offset)
+        return self._send(call, [((0, 0), (*part[:2], server, *part[3:]))], epoch=epoch)
+
+    def _end(self, call: _Call) -> list[_Call]:
+        call.pending -= 1
+        return [call] if call.pending == 0 else []
+
+    # -- failover
+    def _notice(self, address: str) -> None:
+        if address in self._lost or address in self._seen:
+            return
+        self._seen.add(address)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._fail_over, name=f"bps-failover-{self._name}", daemon=True)
+            self._thread.start()
+
+    def _fail_over(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    seen = sorted(self._seen - self._lost)
+                    if not seen:
+                        self._thread = None  # under the lock: a later notice starts a new thread
+                        return
+                self._one_failover(seen)
+        except BaseException as e:  # noqa: BLE001 - every held collective fails with it, and every later one
+            log.error("torch_bps[%s]: failover failed: %s", self._name, e)
+            with self._lock:
+                self._failure = e
+                held, self._held = self._held, []
+                finished = []
+                for c in {id(c): c for _, _, c in held}.values():
+                    c.error = c.error or e
+                    finished += self._end(c)  # the hold ends
+            for c in finished:
+                self._epochs[0].client.post(lambda c=c: c.done(c.error))
+
+    def _one_failover(self, seen: list[str]) -> None:
+        a, e = self._agree, len(self._epochs)
+        ns, started = f"failover/{e}/", time.monotonic()
+        # 1. The lost servers: the union of what the ranks saw, so that all abandon the same ones.
+        a.store.set(f"{ns}lost/{a.rank}", json.dumps(seen))
+        if a.rank == 0:
+            union = sorted({s for r in _wait_all(a, ns + "lost", "the servers it lost") for s in json.loads(r)})
+            a.store.set(ns + "lost", json.dumps(union))
+        lost = set(json.loads(_wait_one(a, ns + "lost", "the union of lost servers from rank 0")))
+        for epoch in self._epochs:
+            for i, server in enumerate(epoch.servers):
+                if server.address in lost:
+                    epoch.client.abandon(i, f"failover {e} of the job")
+        # 2. Per key on them, the rounds this rank completed; rank 0 decides who finishes each open round.
+        own = a.own_keys()
+        with self._lock:
+            mine = {}
+            for key, server in own.items():
+                epoch, index = self._route(key, server)
+                if self._epochs[epoch].servers[index].address in lost:
+                    mine[key] = epoch
+        kept = {key: self._epochs[epoch].client.kept(key) for key, epoch in mine.items()}
+        a.store.set(f"{ns}counts/{a.rank}", json.dumps({k: v[:2] for k, v in kept.items()}))
+        if a.rank == 0:
+            reports = [
+                {int(k): tuple(v) for k, v in json.loads(r).items()} for r in _wait_all(a, ns + "counts", "its rounds")
+            ]
+            current = self._current_servers()
+            dedicated = [s.address for s in current if s.dedicated and s.address not in lost]
+            colocated = [s.address for s in current if not s.dedicated]
+            standby = a.standby(len(lost))
+            decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated + standby,
+                        "colocated": colocated, "standby": standby,
+                        "actions": {str(k): v for k, v in decide(reports).items()}}  # fmt: skip
+            a.store.set(ns + "decision", json.dumps(decision))
+        decision = json.loads(_wait_one(a, ns + "decision", "the failover decision from rank 0"))
+        colocated = decision["colocated"]
+        if not decision["dedicated"] and not colocated:  # nothing left: every machine starts a server of its own
+            colocated = a.start_colocated(ns + "colocated")
+        servers = server_weights(colocated, decision["dedicated"], a.placement)
+        client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
+        actions = {int(k): tuple(v) for k, v in decision["actions"].items()}
+        # 3. Finish the open rounds on the new owners, send the held parts there, go on.
+        with self._lock:
+            for key, (lo, source) in actions.items():
+                if key in mine:
+                    old = self._epochs[mine[key]].client
+                    done, _, push_offset = kept[key]
+                    numel, dtype, _, mode = old._keys[key]
+                    data = old.kept_bytes(key) if done > lo else None
+                    self._recover[key] = ((lo, source), done, data, (numel, dtype, Mode(mode)), push_offset)
+            self._epochs.append(_Epoch(client, servers, frozenset(lost)))
+            self._lost |= lost
+            for key in mine:
+                self._route(key, own[key])
+            held, self._held = sorted(self._held, key=lambda h: h[0]), []
+            # Ranks at lo + 1 hold no part of round lo: their share of its recovery goes now, on a call of its own.
+            own = _Call(self._recovery_done, 1 << 30, 0, pending=1)
+            finished = []
+            for key in [k for k, r in self._recover.items() if r[1] > r[0][0]]:
+                finished += self._send_recovery(own, key, None)
+            calls: dict[int, tuple[_Call, list]] = {}
+            for order, part, call in held:
+                calls.setdefault(id(call), (call, []))[1].append((order, part))
+            for call, items in calls.values():
+                finished += self._resend(call, items) + self._end(call)  # the hold ends
+            finished += self._end(own)
+        for c in finished:
+            client.post(lambda c=c: c.done(c.error))
+        record = {"epoch": e, "lost": sorted(lost), "servers": [s.address for s in servers],
+                  "standby": decision["standby"], "keys_moved": len(mine),
+                  "broadcast": sum(1 for k in actions if k in mine and actions[k][1] >= 0),
+                  "summed_again": sum(1 for k in actions if k in mine and actions[k][1] < 0),
+                  "held_parts": len(held), "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+        self.failovers.append(record)
+        to = ", ".join(f"{s.address} ({s.weight:.0%})" for s in servers)
+        log.warning("torch_bps[%s]: failover %d: lost %s; %d key(s) of rank %d moved to %s (standby: %s); open rounds "
+                    "finished by broadcast %d, by summing again %d; %d held part(s) resent; %.2f s",
+                    self._name, e, ", ".join(record["lost"]), len(mine), a.rank, to,
+                    ", ".join(decision["standby"]) or "none", record["broadcast"], record["summed_again"], len(held),
+                    record["seconds"])  # fmt: skip
+
+    def _recovery_done(self, error: BaseException | None) -> None:
+        if error is not None:
+            log.error("torch_bps[%s]: a recovery round failed: %s", self._name, error)
+            with self._lock:
+                self._failure = self._failure or error
+
+    def _current_servers(self) -> list[Server]:
+        """Every server some key may live on now, once each, in the order they joined."""
+        out: dict[str, Server] = {}
+        for epoch in self._epochs:
+            for s in epoch.servers:
+                if s.address not in self._lost:
+                    out.setdefault(s.address, s)
+        return list(out.values())
+
+    def close(self) -> None:
+        """Close the clients failovers added (the runtime closes its own)."""
+        for epoch in self._epochs[1:]:
+            epoch.client.close()
+
+
+def _wait_all(a: Agreement, prefix: str, what: str) -> list[bytes]:
+    keys = [f"{prefix}/{r}" for r in range(a.world_size)]
+    try:
+        a.store.wait(keys, timedelta(seconds=a.timeout))
+    except Exception as e:
+        missing = [r for r, k in enumerate(keys) if not a.store.check([k])]
+        raise BpsTimeoutError(
+            f"failover: rank(s) {missing} did not report {what} within {a.timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
+            "that does not report is lost itself, or does not see the server as lost"
+        ) from e
+    return [a.store.get(k) for k in keys]
+
+
+def _wait_one(a: Agreement, key: str, what: str) -> bytes:
+    try:
+        a.store.wait([key], timedelta(seconds=a.timeout))
+    except Exception as e:
+        raise BpsTimeoutError(
+            f"failover: waited {a.timeout}s (BPS_FAILOVER_TIMEOUT) for {what} (store key {key})"
+        ) from e
+    return a.store.get(key)
+
+
+__all__ = ["Agreement", "RECOVERY_BIT", "Router", "decide", "owner", "recovery_part"]
