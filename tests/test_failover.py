@@ -5,10 +5,14 @@ workers' sums cannot differ in order). See torch_bps/failover.py and docs/protoc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -166,8 +170,8 @@ class HandRank:
         return json.loads(self.store.get(ns + "decision"))
 
 
-def router_rank0(store, servers: list[ServerProcess], job_id: int, keys: dict[int, int]):
-    """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated)."""
+def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
+    """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated; anything with .address)."""
     weights = server_weights([], [s.address for s in servers])
     box = []
     client = Client([s.address for s in servers], job_id, 0, 2, timeout=30, failover=True,
@@ -235,6 +239,93 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull):
         new.close()
         hand.peer.close()
     finally:
+        if router is not None:
+            router.close()
+        if client is not None:
+            client.close()
+        for s in servers:
+            s.stop()
+
+
+class FreezableProxy:
+    """A TCP forwarder on loopback to `target`: rank 0 reaches a server through it, and the test can freeze the
+    server -> rank 0 direction (replies wait in the proxy) and then cut the connection, as a dying link would."""
+
+    def __init__(self, target: str):
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            self.socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
+        held = b""
+        try:
+            while data := src.recv(1 << 16):
+                if to_client and self.frozen.is_set():
+                    held += data  # never delivered
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def test_open_round_is_finished_for_the_rank_that_had_not_completed_it():
+    """Rank 1 pulled round 0 of a key, rank 0's reply is lost with the server (frozen in a proxy, then cut): rank 0
+    holds its part; rank 1 broadcasts the result it kept and rank 0's held part receives it from the new owner."""
+    servers = [ServerProcess(), ServerProcess()]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    proxy = FreezableProxy(servers[0].address)
+    job, key = 0x5EED0002, 0x9 << 24
+    client = router = None
+    try:
+        hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
+        client, router = router_rank0(store, [proxy, servers[1]], job, {key: 0})
+        a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.25)
+        t = a0.clone()
+        f0 = submit(router, [(t, key, 0, t, Mode.SUM, N, 0, 0)])
+        deadline = time.monotonic() + 10
+        while client.scheduler_stats()["parts_acknowledged"] < 1:  # rank 0's push reached the server
+            assert time.monotonic() < deadline, "rank 0's push was never acknowledged"
+            time.sleep(0.01)
+        proxy.frozen.set()
+        hand.push(hand.peer, key, 0, b0)
+        assert torch.equal(hand.pull(hand.peer, key, 0), a0 + b0)  # rank 1 completed round 0
+        servers[0].kill()
+        proxy.cut()
+        decision = hand.report(1, [proxy.address], {key: (1, True)})
+        assert decision["actions"] == {str(key): [0, 1]}, "rank 1 broadcasts"
+        new = RawPeer(servers[1].address, job_id=decision["job_id"], worker=1, num_workers=2)
+        new.hello()
+        hand.push(new, key | RECOVERY_BIT, 0, a0 + b0, mode=Mode.COPY)
+        hand.pull(new, key | RECOVERY_BIT, 0, mode=Mode.COPY)
+        f0.wait()
+        assert torch.equal(t, a0 + b0), "rank 0's held part did not receive round 0's sum"
+        assert router.failovers[0]["held_parts"] == 1
+        new.close()
+        hand.peer.close()
+    finally:
+        proxy.cut()
         if router is not None:
             router.close()
         if client is not None:
