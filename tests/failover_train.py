@@ -2,9 +2,10 @@
 summation server at a chosen moment of a chosen step. Rank 0 saves the final parameters and what every
 failover did to --out.
 
---kill PID:STEP:WHEN, WHEN one of
+--kill PID:STEP:WHEN[:stop], WHEN one of
   start     before the step's forward (no collective in flight)
   backward  inside the backward pass, when the last bucket's gradient is ready: earlier buckets are in flight
+and with ":stop" the server is SIGSTOPped (silent, connections open) instead of SIGKILLed.
 """
 
 from __future__ import annotations
@@ -39,22 +40,22 @@ def main() -> None:
     if args.hook:
         ddp.register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    kills = [(int(pid), int(step), when) for pid, step, when in (k.split(":") for k in args.kill.split(",") if k)]
+    kills = [(int(k[0]), int(k[1]), k[2], k[3:] == ["stop"]) for k in (k.split(":") for k in args.kill.split(",") if k)]
     kills = [k for k in kills if rank == 0]
     armed: list = []
 
     def kill_now(*_):
         while armed:
-            pid = armed.pop()
-            print(f"killing server pid {pid}", flush=True)
-            os.kill(pid, signal.SIGKILL)
+            pid, stop = armed.pop()
+            print(f"{'stopping' if stop else 'killing'} server pid {pid}", flush=True)
+            os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
 
     model[0].weight.register_hook(lambda grad: kill_now() or grad)  # the last gradient of the backward pass
     data = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
-        for pid, at, when in kills:
+        for pid, at, when, stop in kills:
             if at == step:
-                armed.append(pid)
+                armed.append((pid, stop))
                 if when == "start":
                     kill_now()
         x = torch.randn(32, 64, generator=data)

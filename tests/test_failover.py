@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +80,21 @@ def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
     assert records[0]["servers"] == [servers[1].address]
     assert "failover 1: lost" in output
+
+
+def test_stopped_server_is_failed_over_after_the_heartbeat_timeout(tmp_path, baseline):
+    """A SIGSTOPped server keeps its connections open: the heartbeats find it silent, then it is failed over."""
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        heartbeats = {"BPS_HEARTBEAT_TIMEOUT": "1.5", "BPS_HEARTBEAT_INTERVAL": "0.5"}
+        kill = f"{servers[0].proc.pid}:3:backward:stop"
+        params, records, output = train(tmp_path, [s.address for s in servers], kill, env=heartbeats)
+    finally:
+        os.kill(servers[0].proc.pid, signal.SIGCONT)
+        for s in servers:
+            s.stop()
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
 
 
 def test_standby_server_takes_over(tmp_path, baseline):

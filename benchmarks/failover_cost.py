@@ -1,0 +1,96 @@
+"""What a failover costs: step times on the emulated cluster around the SIGKILL of a dedicated server.
+
+n worker hosts all_reduce through the "byteps" backend with k dedicated servers (and, as the paper's split
+wants at k < n, colocated ones); at step --kill-at the orchestrator SIGKILLs the first dedicated server. The
+table gives the steady state before, the step that lost the server, and the steady state after (the keys moved
+to the servers that remain, or to a standby host with --standby), each against t_opt of its placement.
+Needs root and iproute2.
+
+    python benchmarks/failover_cost.py --workers 4 --servers 2 --rate 500 --mb 16 --json docs/results/failover_cost.json
+
+May import: the standard library, benchmarks.cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.cluster import byteps, netns, procs  # noqa: E402
+from benchmarks.cluster.theory import t_opt_s  # noqa: E402
+from benchmarks.cluster.topology import IFNAME, Cluster  # noqa: E402
+
+STORE_PORT, SERVER_PORT = 29565, 9600
+
+
+def run(n: int, k: int, standby: bool, rate: float, mb: float, steps: int, kill_at: int, timeout: float) -> dict:
+    with Cluster(n_workers=n, n_servers=k + standby, rate_mbit=rate) as cluster:
+        servers, addresses = byteps.start_servers(cluster, cluster.servers, SERVER_PORT)
+        dedicated, spare = addresses[:k], addresses[k:]
+        argv = [sys.executable, "-m", "benchmarks.cluster.workers.failover_steps", "--mb", str(mb),
+                "--steps", str(steps)]  # fmt: skip
+        env = {"MASTER_ADDR": cluster.workers[0].ip, "MASTER_PORT": str(STORE_PORT), "WORLD_SIZE": str(n),
+               "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "BPS_SERVERS": ",".join(dedicated),
+               "BPS_STANDBY_SERVERS": ",".join(spare), "GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1"}  # fmt: skip
+        ranks = [cluster.spawn(f"rank {r}", h, argv, env | {"RANK": str(r), "BPS_HOST": h.ip})
+                 for r, h in enumerate(cluster.workers)]  # fmt: skip
+        try:
+            procs.wait_for_line(ranks[0], f"step {kill_at - 1}", timeout)
+            os.killpg(servers[0].pid, signal.SIGKILL)  # a crash: no goodbye on any connection
+            killed = time.time()
+            results = procs.wait_all(ranks, timeout, "failover_steps")
+        finally:
+            for p in [*ranks, *servers]:
+                p.kill()
+    seconds = [max(r["seconds"][i] for r in results) for i in range(steps)]  # the slowest rank's step
+    before, after = seconds[2:kill_at], seconds[kill_at + 2 :]
+    m = mb * 1e6
+    k_after = k if standby else k - 1
+    row = {"n": n, "k": k, "standby": standby, "rate_mbit": rate, "mb": mb, "killed_at": killed,
+           "steps": seconds, "failovers": results[0]["failovers"],
+           "before_s": statistics.median(before), "failover_step_s": max(seconds[kill_at : kill_at + 2]),
+           "after_s": statistics.median(after), "t_opt_before_s": t_opt_s(n, k, m, rate * 1e6),
+           "t_opt_after_s": t_opt_s(n, k_after, m, rate * 1e6)}  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=2, help="dedicated servers k (the first one is killed)")
+    p.add_argument("--rate", type=float, default=500.0, help="link rate in Mbit/s")
+    p.add_argument("--mb", type=float, default=16.0, help="MB summed per step")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--kill-at", type=int, default=12, help="the server dies during this step")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if reason := netns.unavailable_reason():
+        print(f"SKIPPED: {reason}")
+        return 0
+    rows = [run(args.workers, args.servers, standby, args.rate, args.mb, args.steps, args.kill_at, args.timeout)
+            for standby in (False, True)]  # fmt: skip
+    print(f"n = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, {args.mb:g} MB per step; server 0 killed "
+          f"during step {args.kill_at}")
+    print("standby | before (s) | x t_opt | failover step (s) | x before | after (s) | x t_opt after | failover took (s)")
+    for r in rows:
+        took = r["failovers"][0]["seconds"] if r["failovers"] else float("nan")
+        print(f"{'yes' if r['standby'] else 'no'} | {r['before_s']:.3f} | {r['before_s'] / r['t_opt_before_s']:.2f} | "
+              f"{r['failover_step_s']:.3f} | {r['failover_step_s'] / r['before_s']:.2f} | {r['after_s']:.3f} | "
+              f"{r['after_s'] / r['t_opt_after_s']:.2f} | {took:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
