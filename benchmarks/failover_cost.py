@@ -78,14 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [run(args.workers, args.servers, standby, args.rate, args.mb, args.steps, args.kill_at, args.timeout)
             for standby in (False, True)]  # fmt: skip
-    print(f"n = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, {args.mb:g} MB per step; server 0 killed "
-          f"during step {args.kill_at}")
-    print("standby | before (s) | x t_opt | failover step (s) | x before | after (s) | x t_opt after | failover took (s)")
+    print(
+        f"n = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, {args.mb:g} MB per step; server 0 killed "
+        f"during step {args.kill_at}"
+    )
+    print(
+        "standby | before (s) | x t_opt | failover step (s) | x before | after (s) | x t_opt after | failover took (s)"
+    )
     for r in rows:
         took = r["failovers"][0]["seconds"] if r["failovers"] else float("nan")
-        print(f"{'yes' if r['standby'] else 'no'} | {r['before_s']:.3f} | {r['before_s'] / r['t_opt_before_s']:.2f} | "
-              f"{r['failover_step_s']:.3f} | {r['failover_step_s'] / r['before_s']:.2f} | {r['after_s']:.3f} | "
-              f"{r['after_s'] / r['t_opt_after_s']:.2f} | {took:.2f}")
+        print(
+            f"{'yes' if r['standby'] else 'no'} | {r['before_s']:.3f} | {r['before_s'] / r['t_opt_before_s']:.2f} | "
+            f"{r['failover_step_s']:.3f} | {r['failover_step_s'] / r['before_s']:.2f} | {r['after_s']:.3f} | "
+            f"{r['after_s'] / r['t_opt_after_s']:.2f} | {took:.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill", default="", help="PID:STEP:WHEN (rank 0 SIGKILLs PID); several, comma-separated")
     p.add_argument("--hook", action="store_true", help="gradient buckets through torch_bps.bps_hook on gloo")
+    p.add_argument("--rebalance", default="", help="STEP:FILE: at that step boundary, once FILE exists, rebalance")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     dist.init_process_group("gloo" if args.hook else "byteps")
@@ -52,7 +54,13 @@ def main() -> None:
 
     model[0].weight.register_hook(lambda grad: kill_now() or grad)  # the last gradient of the backward pass
     data = torch.Generator().manual_seed(1000 + rank)
+    rebalance = args.rebalance.split(":") if args.rebalance else None
     for step in range(args.steps):
+        if rebalance and int(rebalance[0]) == step:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(rebalance[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            torch_bps.rebalance()
         for pid, at, when, stop in kills:
             if at == step:
                 armed.append((pid, stop))

@@ -196,8 +196,10 @@ def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
     def make_client(new, new_job, on_link_down):
         return Client([s.address for s in new], new_job, 0, 2, timeout=30, failover=True, on_link_down=on_link_down)
 
-    agreement = Agreement(store, 0, 2, 30.0, "optimal", lambda: dict(keys), make_client, lambda n: [],
-                          lambda prefix: pytest.fail("no colocated servers in this test"))  # fmt: skip
+    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
+    no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
+    agreement = Agreement(store, 0, 2, 30.0, "optimal", own_keys, make_client, lambda n: [], no_colocated,
+                          lambda: ([], []))  # fmt: skip
     router = Router(client, weights, agreement, "test")
     box.append(router)
     return client, router
@@ -348,3 +350,35 @@ def test_open_round_is_finished_for_the_rank_that_had_not_completed_it():
             client.close()
         for s in servers:
             s.stop()
+
+
+def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
+    """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
+    `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule."""
+    servers = [ServerProcess(), ServerProcess()]
+    back = tmp_path / "back"
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS),
+           "--kill", f"{servers[0].proc.pid}:2:backward", "--rebalance", f"6:{back}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
+           "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER_TIMEOUT": "30"}  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "killing server" in line:
+                servers[0].proc.wait(timeout=10)
+                servers[0].start()  # the same port, a new incarnation
+                back.touch()
+        assert proc.wait(timeout=60) == 0, "".join(lines)[-6000:]
+    finally:
+        proc.kill()
+        for s in servers:
+            s.stop()
+    with open(out + ".json") as f:
+        records = json.load(f)
+    assert_identical(torch.load(out + ".pt"), baseline)
+    assert records[0]["lost"] == [servers[0].address]
+    assert records[1]["rebalance"] == 1 and sorted(records[1]["servers"]) == sorted(s.address for s in servers)

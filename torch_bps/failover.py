@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
-from torch_bps.engine.placement import Server, server_weights
+from torch_bps.engine.placement import Placement, Server, server_weights
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.wire import Mode
 
@@ -113,7 +113,8 @@ class _Call:
 class _Epoch:
     client: object
     servers: list[Server]
-    lost: frozenset[str] = frozenset()  # the addresses whose keys this epoch took over
+    lost: frozenset[str] = frozenset()  # a failover: the addresses whose keys this epoch took over
+    placement: Placement | None = None  # a rebalance: every key placed anew, by the paper's rule
 
 
 @dataclass
@@ -125,10 +126,11 @@ class Agreement:
     world_size: int
     timeout: float  # each wait of the agreement (BPS_FAILOVER_TIMEOUT)
     placement: str  # the paper's split, as configured
-    own_keys: Callable[[], dict[int, int]]  # every key this rank has used -> its server at epoch 0
+    own_keys: Callable[..., dict[int, tuple[int, int]]]  # (every_slice) -> {key: (epoch-0 server, bytes)}
     make_client: Callable[[list[Server], int, Callable], object]  # (servers, job id, on_link_down) -> Client
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
     start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
+    available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
 
 
 class Router:
@@ -148,6 +150,9 @@ class Router:
         self._recover: dict[int, tuple] = {}  # key -> recovery_part's arguments, until this rank sent it
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._active = 0  # collectives in flight
+        self._idle = threading.Condition(self._lock)
+        self._rebalances = 0
         self.failovers: list[dict] = []  # what each failover did (also logged)
 
     def on_link_down(self, epoch: int, server: int, why: str) -> None:
@@ -165,17 +170,21 @@ class Router:
             if self._failure is not None:
                 raise self._failure
             self._calls += 1
+            self._active += 1
             call = _Call(done, priority, self._calls)
             finished = self._send(call, [((call.seq, i), part) for i, part in enumerate(parts)])
         for c in finished:
             c.done(c.error)
 
     # -- sending and holding; under self._lock, returning the calls that finished (to complete unlocked)
-    def _route(self, key: int, server: int) -> tuple[int, int]:
+    def _route(self, key: int, server: int, nbytes: int) -> tuple[int, int]:
         where = self._routes.get(key, (0, server))
         for e in range(where[0] + 1, len(self._epochs)):
-            if self._epochs[where[0]].servers[where[1]].address in self._epochs[e].lost:
-                where = self._routes[key] = (e, owner(key, self._epochs[e].servers))
+            epoch = self._epochs[e]
+            if epoch.placement is not None:
+                where = self._routes[key] = (e, epoch.placement.assign(key, nbytes))
+            elif self._epochs[where[0]].servers[where[1]].address in epoch.lost:
+                where = self._routes[key] = (e, owner(key, epoch.servers))
         return where
 
     def _send(self, call: _Call, items: list[tuple[tuple[int, int], tuple]], epoch: int | None = None) -> list[_Call]:
@@ -187,7 +196,7 @@ class Router:
             groups[0] = items
         else:
             for order, part in items:
-                e, server = self._route(part[1], part[2])
+                e, server = self._route(part[1], part[2], part[5] * part[0].element_size())
                 groups.setdefault(e, []).append((order, part if e == 0 else (*part[:2], server, *part[3:])))
         call.pending += len(groups)
         finished = []
@@ -248,7 +257,11 @@ class Router:
 
     def _end(self, call: _Call) -> list[_Call]:
         call.pending -= 1
-        return [call] if call.pending == 0 else []
+        if call.pending or call.seq == 0:  # seq 0: the recovery's own call, not a collective
+            return [call] if call.pending == 0 else []
+        self._active -= 1
+        self._idle.notify_all()
+        return [call]
 
     # -- failover
     def _notice(self, address: str) -> None:
@@ -297,8 +310,8 @@ class Router:
         own = a.own_keys()
         with self._lock:
             mine = {}
-            for key, server in own.items():
-                epoch, index = self._route(key, server)
+            for key, (server, nbytes) in own.items():
+                epoch, index = self._route(key, server, nbytes)
                 if self._epochs[epoch].servers[index].address in lost:
                     mine[key] = epoch
         kept = {key: self._epochs[epoch].client.kept(key) for key, epoch in mine.items()}
@@ -334,7 +347,7 @@ class Router:
             self._epochs.append(_Epoch(client, servers, frozenset(lost)))
             self._lost |= lost
             for key in mine:
-                self._route(key, own[key])
+                self._route(key, *own[key])
             held, self._held = sorted(self._held, key=lambda h: h[0]), []
             # Ranks at lo + 1 hold no part of round lo: their share of its recovery goes now, on a call of its own.
             own = _Call(self._recovery_done, 1 << 30, 0, pending=1)
@@ -376,6 +389,50 @@ class Router:
                 if s.address not in self._lost:
                     out.setdefault(s.address, s)
         return list(out.values())
+
+    def rebalance(self) -> dict:
+        """Re-place every key by the paper's rule over the servers that answer now: those that remain, standbys,
+        servers that came back or registered since; under a fresh job id. Collective over the group, at a step
+        boundary: every rank calls it once its collectives are done (it waits for them, up to the timeout).
+        Returns what it did (also logged)."""
+        a = self._agree
+        with self._lock:
+            if not self._idle.wait_for(lambda: self._active == 0, a.timeout):
+                raise BpsTimeoutError(f"rebalance: {self._active} collective(s) still in flight after {a.timeout}s")
+            self._rebalances += 1
+            ns, started = f"rebalance/{self._rebalances}/", time.monotonic()
+        a.store.set(f"{ns}ready/{a.rank}", "1")
+        if a.rank == 0:
+            _wait_all(a, ns + "ready", "that its collectives are done")
+            colocated, dedicated = a.available()
+            decision = {
+                "job_id": int.from_bytes(os.urandom(8), "little"),
+                "colocated": colocated,
+                "dedicated": dedicated,
+            }
+            a.store.set(ns + "decision", json.dumps(decision))
+        decision = json.loads(_wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
+        servers = server_weights(decision["colocated"], decision["dedicated"], a.placement)
+        e = len(self._epochs)
+        client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
+        keys = a.own_keys(True)  # every slice's keys, in one order: every rank places them alike
+        with self._lock:
+            old = self._epochs[1:]
+            self._epochs.append(_Epoch(client, servers, placement=Placement(servers)))
+            for key in sorted(keys):
+                self._route(key, *keys[key])
+            back = {s.address for s in servers}
+            self._lost -= back  # a server that came back is failed over again if lost again
+            self._seen -= back
+        for epoch in old:  # nothing routes there any more
+            epoch.client.close()
+        record = {"rebalance": self._rebalances, "servers": [s.address for s in servers], "keys": len(keys),
+                  "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+        self.failovers.append(record)
+        to = ", ".join(f"{s.address} ({s.weight:.0%})" for s in servers)
+        log.warning("torch_bps[%s]: rebalance %d: %d key(s) placed over %s; %.2f s", self._name, self._rebalances,
+                    len(keys), to, record["seconds"])  # fmt: skip
+        return record
 
     def close(self) -> None:
         """Close the clients failovers added (the runtime closes its own)."""

@@ -422,6 +422,19 @@ def implementation(group: dist.ProcessGroup | None = None) -> BackendBPS | None:
     return _C.backend_impl(group._get_backend(torch.device("cpu")))
 
 
+def rebalance(group: dist.ProcessGroup | None = None) -> dict | None:
+    """Take servers that came back, or standbys registered since, into the placement, and re-place every key by
+    the paper's rule over the dedicated servers that answer now (torch_bps/failover.py, `Router.rebalance`).
+
+    Collective: every rank of the "byteps" group (None: the default group) calls it at a step boundary. Returns
+    what it did, or None when the group has no failover (no dedicated servers, or BPS_FAILOVER=0).
+    """
+    impl = implementation(group)
+    if impl is None:
+        raise ValueError("torch_bps.rebalance needs a group of the 'byteps' backend")
+    return impl.runtime.rebalance()
+
+
 def register_backend() -> None:
     """Make "byteps" a torch.distributed backend for CPU and CUDA tensors. Idempotent."""
     if BACKEND not in dist.Backend.backend_list:

@@ -54,6 +54,11 @@ def registered_servers(store: dist.Store, count: int, timeout: float, where: str
     return [store.get(k).decode() for k in keys]
 
 
+def registered(store: dist.Store) -> list[str]:
+    """Every server registered so far, in index order."""
+    return [store.get(f"{_PREFIX}{i}").decode() for i in range(store.add(_PREFIX + "count", 0))]
+
+
 def claim_standby(store: dist.Store, skip: int, used: set[str], count: int, wait: float, owner: str) -> list[str]:
     """Claim up to `count` servers registered beyond the first `skip` (standbys) that nobody claimed and are not
     in `used`; wait up to `wait` seconds for more to register. A claim (compare_set, keyed by address) holds for

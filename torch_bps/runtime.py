@@ -35,7 +35,7 @@ from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
-from torch_bps.registry import claim_standby, connect, registered_servers
+from torch_bps.registry import claim_standby, connect, registered, registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
 from torch_bps.topology import Topology
 
@@ -73,6 +73,7 @@ class Runtime:
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
+        self._fallback_colocated: list[str] = []  # and their addresses
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -191,11 +192,37 @@ class Runtime:
                                                  config.failover_timeout, store_host, self._secret)  # fmt: skip
             if proc is not None:
                 self._fallback_procs.append(proc)
+            self._fallback_colocated = addresses
             return addresses
 
+        def available() -> tuple[list[str], list[str]]:
+            """The servers a rebalance may place keys on: the colocated ones, and every dedicated one (started with,
+            standby, registered) that answers HELLO now."""
+            dedicated = list(dict.fromkeys([*self._dedicated, *config.standby_servers]))
+            if config.num_servers:
+                registry = (
+                    connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
+                )
+                dedicated += [a for a in registered(registry) if a not in dedicated]
+            dedicated = [a for a in dedicated if self._answers(a)]
+            # Colocated servers a failover started stand in for dedicated ones only while none answers.
+            return self._colocated or ([] if dedicated else self._fallback_colocated), dedicated
+
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
-                              self._engine.own_keys, make_client, standby, start_colocated)  # fmt: skip
+                              self._engine.own_keys, make_client, standby, start_colocated, available)  # fmt: skip
         return Router(self._client, weights, agreement, self.name)
+
+    def _answers(self, address: str) -> bool:
+        try:
+            self.solo_client(address, connect_timeout=2.0).close()
+            return True
+        except (TransportError, BpsTimeoutError, ServerError) as e:
+            log.info("torch_bps[%s]: server %s does not answer: %s", self.name, address, e)
+            return False
+
+    def rebalance(self) -> dict | None:
+        """See torch_bps.rebalance."""
+        return self._engine.router.rebalance() if self._engine.router is not None else None
 
     def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0) -> None:
         """Sum each tensor (1-D, contiguous, CPU) in place over every rank of the group as one collective, then
@@ -229,13 +256,13 @@ class Runtime:
         """The counters of this group's server `server` (index into `addresses`). Blocks."""
         return self._client.server_stats(server)
 
-    def solo_client(self, address: str):
+    def solo_client(self, address: str, connect_timeout: float | None = None):
         """A client of a one-worker job of its own on one of this group's servers, with this job's credentials:
         it measures the path to that server alone (torch_bps.doctor). Close it after use."""
         config = self.config
         held = config.pool_credential if address in self._dedicated else self._secret
         auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
-        return _client(config, [address], int.from_bytes(os.urandom(8), "little"), 0, 1, auth)
+        return _client(config, [address], int.from_bytes(os.urandom(8), "little"), 0, 1, auth, connect_timeout)
 
     def _explain(self, error: BaseException) -> None:
         """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""

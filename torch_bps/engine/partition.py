@@ -77,9 +77,14 @@ class KeyBook:
             plan = self._plans[(*shape, slot)] = self._new_plan(len(self._plans), numel, dtype)
         return plan
 
-    def keys_of(self, slice_index: int) -> dict[int, int]:
-        """Every key of local slice `slice_index` planned so far -> its server."""
-        return {p.key: p.server for plan in self._plans.values() for p in plan[slice_index]}
+    def keys_of(self, slice_index: int | None = None) -> dict[int, tuple[int, int]]:
+        """Every key planned so far (of local slice `slice_index`; None: of all) -> (its server, its bytes)."""
+        return {
+            p.key: (p.server, p.numel * shape[1].itemsize)
+            for shape, plan in self._plans.items()
+            for parts in (plan if slice_index is None else [plan[slice_index]])
+            for p in parts
+        }
 
     def partition_size(self, nbytes: int) -> int:
         """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough that

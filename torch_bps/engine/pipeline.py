@@ -133,10 +133,11 @@ class PushPullEngine:
             else:
                 self._rs_queue.put(op)
 
-    def own_keys(self) -> dict[int, int]:
-        """Every key this rank has pushed or may push so far -> its server (as placed at the start)."""
+    def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
+        """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
+        placed at the start, its bytes)."""
         with self._lock:
-            return self.keys.keys_of(self.local_rank if self.local is not None else 0)
+            return self.keys.keys_of(None if every_slice else self.local_rank if self.local is not None else 0)
 
     @property
     def worker_ranks(self) -> Sequence[int]:
