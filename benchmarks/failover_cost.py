@@ -8,6 +8,10 @@ Needs root and iproute2.
 
     python benchmarks/failover_cost.py --workers 4 --servers 2 --rate 500 --mb 16 --json docs/results/failover_cost.json
 
+`--overhead N` measures instead what failover costs when nothing fails, on loopback: 2 ranks (torchrun, one
+machine, BPS_LOCAL_REDUCE=0) and 2 dedicated servers, BPS_FAILOVER=1 and =0 alternated N times; median step
+time and the ranks' CPU-seconds per step.
+
 May import: the standard library, benchmarks.cluster.
 """
 
@@ -39,7 +43,8 @@ def run(n: int, k: int, standby: bool, rate: float, mb: float, steps: int, kill_
                 "--steps", str(steps)]  # fmt: skip
         env = {"MASTER_ADDR": cluster.workers[0].ip, "MASTER_PORT": str(STORE_PORT), "WORLD_SIZE": str(n),
                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "BPS_SERVERS": ",".join(dedicated),
-               "BPS_STANDBY_SERVERS": ",".join(spare), "GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1"}  # fmt: skip
+               "BPS_STANDBY_SERVERS": ",".join(spare), "GLOO_SOCKET_IFNAME": IFNAME,
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
         ranks = [cluster.spawn(f"rank {r}", h, argv, env | {"RANK": str(r), "BPS_HOST": h.ip})
                  for r, h in enumerate(cluster.workers)]  # fmt: skip
         try:
@@ -62,6 +67,38 @@ def run(n: int, k: int, standby: bool, rate: float, mb: float, steps: int, kill_
     return row
 
 
+def overhead(repeats: int, mb: float, steps: int) -> list[dict]:
+    """Failover on vs off with nothing failing: loopback, 2 ranks, 2 dedicated servers; alternated."""
+    import resource
+    import subprocess
+
+    from tests.helpers import ServerProcess, _free_port
+
+    rows = []
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        for _ in range(repeats):
+            for failover in ("1", "0"):
+                env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0",
+                       "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER": failover}  # fmt: skip
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                       "127.0.0.1", "--master-port", str(_free_port()), "-m",
+                       "benchmarks.cluster.workers.failover_steps", "--mb", str(mb), "--steps", str(steps)]  # fmt: skip
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                if done.returncode != 0:
+                    raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
+                result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+                cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                rows.append({"failover": failover == "1", "median_step_s": statistics.median(result["seconds"][3:]),
+                             "cpu_s_per_step": cpu / steps})  # fmt: skip
+    finally:
+        for s in servers:
+            s.stop()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
@@ -71,8 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-at", type=int, default=12, help="the server dies during this step")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--overhead", type=int, default=0, metavar="N", help="loopback, nothing failing: N alternations")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if args.overhead:
+        rows = overhead(args.overhead, args.mb, args.steps)
+        print(
+            f"loopback, 2 ranks, 2 dedicated servers, {args.mb:g} MB per step: failover | median step (s) | "
+            "CPU-s per step (ranks, whole run)"
+        )
+        for r in rows:
+            print(f"{'on' if r['failover'] else 'off'} | {r['median_step_s']:.4f} | {r['cpu_s_per_step']:.4f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if reason := netns.unavailable_reason():
         print(f"SKIPPED: {reason}")
         return 0
