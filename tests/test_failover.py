@@ -110,6 +110,9 @@ def test_standby_server_takes_over(tmp_path, baseline):
     assert_identical(params, baseline)
     assert records[0]["standby"] == [stats.address], output[-3000:]
     assert set(records[0]["servers"]) == {servers[0].address, standby.address}
+    # The standby took the lost server's keys, and so its share: the paper's split of two servers again.
+    shares = records[0]["shares"]
+    assert shares.keys() == {servers[0].address, standby.address} and min(shares.values()) > 0.48, shares
 
 
 def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline):
@@ -181,7 +184,7 @@ class HandRank:
     def report(self, epoch: int, lost: list[str], counts: dict[int, tuple[int, bool]]) -> dict:
         ns = f"failover/{epoch}/"
         self.store.set(f"{ns}lost/1", json.dumps(lost))
-        self.store.set(f"{ns}counts/1", json.dumps({str(k): v for k, v in counts.items()}))
+        self.store.set(f"{ns}counts/1", json.dumps({str(k): [*v, N * 4] for k, v in counts.items()}))
         self.store.wait([ns + "decision"], timedelta(seconds=30))
         return json.loads(self.store.get(ns + "decision"))
 

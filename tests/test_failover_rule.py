@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_bps.engine.placement import server_weights
-from torch_bps.failover import RECOVERY_BIT, decide, owner, recovery_part
+from torch_bps.failover import RECOVERY_BIT, decide, owner, place_moved, recovery_part
 from torch_bps.wire import Mode
 
 N = 12  # elements per key
@@ -127,3 +127,16 @@ def test_owner_follows_the_weights_and_agrees_everywhere():
     for s, c in zip(servers, counts, strict=True):
         assert abs(c / 20000 - s.weight) < 0.02, (s, c)
     assert [owner(k, servers) for k in range(100)] == [owner(k, list(servers)) for k in range(100)]
+
+
+def test_moved_keys_bring_the_placement_to_the_paper_split_of_what_remains():
+    """n = 4 machines, k = 2 dedicated servers, one lost: the 30% it held is spread so that the survivor ends at
+    the rule's 33% for k = 1 and each colocated server at 17% (they held 30% and 10% each before)."""
+    before = server_weights([f"c{i}:1" for i in range(4)], ["d0:1", "d1:1"])
+    loads = {s.address: int(s.weight * 1e6) for s in before if s.address != "d0:1"}
+    moved = {key: 1000 for key in range(int(before[0].weight * 1e6) // 1000)}  # d0's 30%, in 1000-byte keys
+    after = server_weights([f"c{i}:1" for i in range(4)], ["d1:1"])
+    where = place_moved(moved, loads, after)
+    for i, s in enumerate(after):
+        share = (loads[s.address] + sum(moved[k] for k, j in where.items() if j == i)) / 1e6
+        assert abs(share - s.weight) < 0.002, (s, share)

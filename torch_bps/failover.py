@@ -68,9 +68,22 @@ def decide(counts: list[dict[int, tuple[int, bool]]]) -> dict[int, tuple[int, in
     return actions
 
 
+def place_moved(moved: dict[int, int], loads: dict[str, int], servers: list[Server]) -> dict[int, int]:
+    """Where the keys of lost servers go (key -> index into `servers`): largest first, each to the server whose
+    bytes (its `loads`, the keys it kept, plus what it got here) stay lowest against its weight, so that the
+    whole placement comes as close to the paper's split of what remains as moving only these keys allows."""
+    load = [loads.get(s.address, 0) for s in servers]
+    where = {}
+    for key, nbytes in sorted(moved.items(), key=lambda kv: (-kv[1], kv[0])):
+        i = min(range(len(servers)), key=lambda i: ((load[i] + nbytes) / servers[i].weight, i))
+        load[i] += nbytes
+        where[key] = i
+    return where
+
+
 def owner(key: int, servers: list[Server]) -> int:
-    """The server (index) a moved key goes to: weighted rendezvous hashing, so every rank agrees with no message
-    and each server gets keys in proportion to its weight (the paper's split of what remains)."""
+    """The server (index) a moved key no failover decision placed goes to (a key first used after it, or on
+    colocated servers started during it): weighted rendezvous hashing, so every rank agrees with no message."""
 
     def score(i: int) -> float:
         digest = hashlib.blake2b(f"{key}/{servers[i].address}".encode(), digest_size=8).digest()
@@ -315,18 +328,11 @@ class Router:
                 if self._epochs[epoch].servers[index].address in lost:
                     mine[key] = epoch
         kept = {key: self._epochs[epoch].client.kept(key) for key, epoch in mine.items()}
-        a.store.set(f"{ns}counts/{a.rank}", json.dumps({k: v[:2] for k, v in kept.items()}))
+        counts = {k: [*v[:2], own[k][1]] for k, v in kept.items()}  # completed, whole, bytes
+        a.store.set(f"{ns}counts/{a.rank}", json.dumps(counts))
         if a.rank == 0:
-            reports = [
-                {int(k): tuple(v) for k, v in json.loads(r).items()} for r in _wait_all(a, ns + "counts", "its rounds")
-            ]
-            current = self._current_servers()
-            dedicated = [s.address for s in current if s.dedicated and s.address not in lost]
-            colocated = [s.address for s in current if not s.dedicated]
-            standby = a.standby(len(lost))
-            decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated + standby,
-                        "colocated": colocated, "standby": standby,
-                        "actions": {str(k): v for k, v in decide(reports).items()}}  # fmt: skip
+            reports = [json.loads(r) for r in _wait_all(a, ns + "counts", "its rounds")]
+            decision = self._decide(lost, reports)
             a.store.set(ns + "decision", json.dumps(decision))
         decision = json.loads(_wait_one(a, ns + "decision", "the failover decision from rank 0"))
         colocated = decision["colocated"]
@@ -337,6 +343,7 @@ class Router:
         actions = {int(k): tuple(v) for k, v in decision["actions"].items()}
         # 3. Finish the open rounds on the new owners, send the held parts there, go on.
         with self._lock:
+            self._routes.update({int(k): (e, i) for k, i in decision["owners"].items()})
             for key, (lo, source) in actions.items():
                 if key in mine:
                     old = self._epochs[mine[key]].client
@@ -366,14 +373,46 @@ class Router:
                   "standby": decision["standby"], "keys_moved": len(mine),
                   "broadcast": sum(1 for k in actions if k in mine and actions[k][1] >= 0),
                   "summed_again": sum(1 for k in actions if k in mine and actions[k][1] < 0),
-                  "held_parts": len(held), "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+                  "held_parts": len(held), "shares": decision["shares"],
+                  "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
         self.failovers.append(record)
-        to = ", ".join(f"{s.address} ({s.weight:.0%})" for s in servers)
-        log.warning("torch_bps[%s]: failover %d: lost %s; %d key(s) of rank %d moved to %s (standby: %s); open rounds "
-                    "finished by broadcast %d, by summing again %d; %d held part(s) resent; %.2f s",
-                    self._name, e, ", ".join(record["lost"]), len(mine), a.rank, to,
-                    ", ".join(decision["standby"]) or "none", record["broadcast"], record["summed_again"], len(held),
-                    record["seconds"])  # fmt: skip
+        # Like the start-up split: each server's share of the bytes now, against the paper's split of what remains.
+        split = ", ".join(f"{s.address} {decision['shares'].get(s.address, float('nan')):.0%} (rule {s.weight:.0%})"
+                          for s in servers)  # fmt: skip
+        log.warning("torch_bps[%s]: failover %d: lost %s; %d key(s) of rank %d moved (standby: %s); bytes now: %s; "
+                    "open rounds finished by broadcast %d, by summing again %d; %d held part(s) resent; %.2f s",
+                    self._name, e, ", ".join(record["lost"]), len(mine), a.rank,
+                    ", ".join(decision["standby"]) or "none", split, record["broadcast"], record["summed_again"],
+                    len(held), record["seconds"])  # fmt: skip
+
+    def _decide(self, lost: set[str], reports: list[dict]) -> dict:
+        """Rank 0: the servers that remain (and standbys), where the lost servers' keys go, who finishes which
+        open round; from every rank's counts (JSON: key -> [completed, whole, bytes])."""
+        current = self._current_servers()
+        dedicated = [s.address for s in current if s.dedicated and s.address not in lost]
+        colocated = [s.address for s in current if not s.dedicated]
+        standby = self._agree.standby(len(lost))
+        dedicated += standby
+        decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
+                    "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip
+        counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
+        decision["actions"] = {str(k): v for k, v in decide(counts).items()}
+        if dedicated or colocated:  # else colocated servers are started and keys spread by `owner`
+            servers = server_weights(colocated, dedicated, self._agree.placement)
+            moved = {int(k): v[2] for r in reports for k, v in r.items()}
+            loads: dict[str, int] = {}
+            with self._lock:
+                for key, (server, nbytes) in self._agree.own_keys(True).items():
+                    if key not in moved:
+                        epoch, index = self._route(key, server, nbytes)
+                        address = self._epochs[epoch].servers[index].address
+                        loads[address] = loads.get(address, 0) + nbytes
+            decision["owners"] = {str(k): i for k, i in place_moved(moved, loads, servers).items()}
+            total = sum(loads.values()) + sum(moved.values())
+            for k, i in decision["owners"].items():
+                loads[servers[i].address] = loads.get(servers[i].address, 0) + moved[int(k)]
+            decision["shares"] = {s.address: round(loads.get(s.address, 0) / max(total, 1), 3) for s in servers}
+        return decision
 
     def _recovery_done(self, error: BaseException | None) -> None:
         if error is not None:
