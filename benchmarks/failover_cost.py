@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import sys
@@ -75,21 +76,24 @@ def overhead(repeats: int, mb: float, steps: int) -> list[dict]:
     from tests.helpers import ServerProcess, _free_port
 
     rows = []
+    os.environ.setdefault("BPS_POOL_CREDENTIAL", secrets.token_urlsafe(32))  # servers and ranks share it
     servers = [ServerProcess(), ServerProcess()]
     try:
         for _ in range(repeats):
             for failover in ("1", "0"):
                 env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0",
                        "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER": failover}  # fmt: skip
+                # Rank 0's output only: two ranks' RESULT lines would interleave.
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                       "127.0.0.1", "--master-port", str(_free_port()), "-m",
+                       "127.0.0.1", "--master-port", str(_free_port()), "--tee", "1", "--local-ranks-filter", "0", "-m",
                        "benchmarks.cluster.workers.failover_steps", "--mb", str(mb), "--steps", str(steps)]  # fmt: skip
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 if done.returncode != 0:
-                    raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
-                result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+                    raise RuntimeError(done.stdout[-3000:] + done.stderr[-6000:])
+                line = next(line for line in done.stdout.splitlines() if "RESULT " in line)  # "[default0]:RESULT"
+                result = json.loads(line.split("RESULT ", 1)[1])
                 cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
                 rows.append({"failover": failover == "1", "median_step_s": statistics.median(result["seconds"][3:]),
                              "cpu_s_per_step": cpu / steps})  # fmt: skip
