@@ -189,17 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = _serve_metrics(server, args.metrics_host or args.host, args.metrics_port)
+        if metrics is None:
+            return 1
     if args.trace:
         server.trace(args.trace, args.trace_events)
     # Tests and launchers read this line to learn the port and incarnation.
     print(
         f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True
     )
-    metrics = None
-    if args.metrics_port is not None:
-        metrics = _serve_metrics(server, args.metrics_host or args.host, args.metrics_port)
-        if metrics is None:
-            server.stop()
+    if metrics is not None:
+        print(f"bps-server metrics at http://{metrics.host}:{metrics.port}/metrics", flush=True)
     if args.register:
         advertise = args.advertise or (args.host if args.host not in ("0.0.0.0", "") else socket.getfqdn())
         try:
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_metrics(server: SummationServer, host: str, port: int) -> MetricsEndpoint | None:
-    """Start the /metrics endpoint and print its address; None (said on stderr) if it cannot listen."""
+    """Start the /metrics endpoint; None (said on stderr) if it cannot listen."""
     try:
         metrics = MetricsEndpoint(
             host, port, lambda: server.on_loop(lambda: exposition(server.counters(), server.job_counters()))
@@ -223,7 +225,6 @@ def _serve_metrics(server: SummationServer, host: str, port: int) -> MetricsEndp
         print(f"bps-server: cannot serve metrics on {host}:{port}: {e}", file=sys.stderr)
         return None
     metrics.start()
-    print(f"bps-server metrics at http://{host}:{metrics.port}/metrics", flush=True)
     return metrics
 
 

@@ -108,7 +108,7 @@ class MetricsEndpoint:
                 pass
 
         self._http = http.server.HTTPServer((host, port), Handler)
-        self.port = self._http.server_address[1]
+        self.host, self.port = host, self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, name="bps-metrics", daemon=True)
 
     def start(self) -> None:
