@@ -335,6 +335,16 @@ PYBIND11_MODULE(_C, m) {
       .def("bytes_received", [](PyClient& c) { return c.get().bytesReceived(); }, release())
       .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
       .def("post", &PyClient::post, py::arg("fn"))
+      .def(
+          "trace",
+          [](PyClient& c, size_t capacity) {
+            uint64_t dropped = 0;
+            at::Tensor events = c.get().trace().take(capacity, &dropped);
+            return std::make_tuple(events, dropped);
+          },
+          "(events [n, 8] int64, dropped) recorded since the last call; record up to `capacity` more (0: stop). "
+          "See cpp_ext/trace.h.",
+          py::arg("capacity"), release())
       .def("close", [](PyClient& c) { c.get().close(); }, release());
 
   // The summation server's native core and its rounds (cpp_ext/server_*.{h,cpp}), bound in server_bindings.cpp.

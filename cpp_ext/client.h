@@ -29,6 +29,7 @@
 #include "credit_queue.h"
 #include "errors.h"
 #include "server_link.h"
+#include "trace.h"
 #include "wire.h"
 
 namespace bps {
@@ -155,6 +156,8 @@ class Client {
   std::vector<uint64_t> bytesSent() const;
   std::vector<uint64_t> bytesReceived() const;
   size_t completionThreads() { return pool_.threadCount(); }
+  // The timeline of the partitions' steps (BPS_TRACE), recorded by the IO thread while on.
+  TraceBuffer& trace() { return trace_; }
   // Run `task` on a completion thread.
   void post(CompletionPool::Task task) { pool_.post(std::move(task)); }
 
@@ -310,6 +313,7 @@ class Client {
   std::atomic<int64_t> peakServerPushBytesInFlight_{0};
   uint64_t nextRequestId_ = 1;
   bool stopping_ = false;
+  TraceBuffer trace_;
 };
 
 }  // namespace bps

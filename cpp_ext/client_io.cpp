@@ -86,6 +86,7 @@ void Client::takeSubmissions() {
     abandonDone_.notify_all();
   }
   for (auto& op : ops) {
+    if (op->kind == kPush) trace_.mark(kTraceQueued, traceId(op.get()), op->key, 0, op->src.nbytes(), op->server);
     if (op->batch) {
       credit_.push(op->server, static_cast<int64_t>(op->src.nbytes()), op->priority, op);
     } else {
@@ -167,6 +168,7 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
                        zmq_strerror(zmq_errno()), describe(*op).c_str())});
     return false;
   }
+  if (command == kPush) trace_.mark(kTraceSent, traceId(op.get()), op->key, op->round, op->src.nbytes(), op->server);
   if (command == kPush && op->batch) {
     op->pushInFlight = true;
     int64_t inFlight = pushBytesInFlight_ += static_cast<int64_t>(op->src.nbytes());
@@ -216,6 +218,7 @@ void Client::onReply(size_t server, Message& message) {
     return;
   }
   if (command == kPush) {
+    trace_.mark(kTraceAcked, traceId(op.get()), op->key, op->round, op->src.nbytes(), server);
     if (op->batch) ++partsAcknowledged_;
     pushEnded(op);
   }
@@ -245,6 +248,7 @@ void Client::onReply(size_t server, Message& message) {
     }
     // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
     if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload.data(), expected);
+    if (command == kPull) trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
     if (options_.failover && whole) op->result = std::move(message.payload);  // the result itself, no copy
   }
   if (op->requests.empty()) finishOp(op);
@@ -362,6 +366,7 @@ void Client::forget(uint64_t requestId) {
 
 void Client::failOp(const OpPtr& op, ErrorInfo error) {
   if (op->done) return;
+  if (op->kind == kPush) trace_.mark(kTraceFailed, traceId(op.get()), op->key, op->round, 0, op->server);
   for (uint64_t id : op->requests) forget(id);
   op->requests.clear();
   op->error = std::move(error);

@@ -177,12 +177,38 @@ void bindServerCore(py::module_& m) {
            py::arg("reason"))
       .def("forget_job", &ServerCore::forgetJob, py::arg("job_id"), py::arg("message"))
       .def("take_touched", &ServerCore::takeTouched)
-      .def("counters", [](const ServerCore& core) {
-        const bps::CoreCounters& c = core.counters();
-        return py::dict(py::arg("pushes") = c.pushes, py::arg("pulls") = c.pulls, py::arg("bytes_in") = c.bytesIn,
-                        py::arg("bytes_out") = c.bytesOut, py::arg("bytes_summed") = c.sums.bytesSummed,
-                        py::arg("sum_ns") = c.sums.sumNs, py::arg("errors") = c.errors);
-      });
+      .def("counters",
+           [](const ServerCore& core) {
+             const bps::CoreCounters& c = core.counters();
+             return py::dict(py::arg("pushes") = c.pushes, py::arg("pulls") = c.pulls, py::arg("bytes_in") = c.bytesIn,
+                             py::arg("bytes_out") = c.bytesOut, py::arg("bytes_summed") = c.sums.bytesSummed,
+                             py::arg("sum_ns") = c.sums.sumNs, py::arg("errors") = c.errors,
+                             py::arg("sums") = c.sumCount, py::arg("requests") = c.requests,
+                             py::arg("wakeups") = c.wakeups, py::arg("keys_waiting") = core.keysWaiting());
+           })
+      .def(
+          "job_counters",
+          [](const ServerCore& core) {
+            py::dict out;
+            for (const auto& [jobId, c] : core.jobCounters()) {
+              out[py::int_(jobId)] = py::dict(
+                  py::arg("pushes") = c.pushes, py::arg("pulls") = c.pulls, py::arg("bytes_in") = c.bytesIn,
+                  py::arg("bytes_out") = c.bytesOut, py::arg("bytes_summed") = c.bytesSummed,
+                  py::arg("sum_ns") = c.sumNs, py::arg("errors") = c.errors, py::arg("sums") = c.sums);
+            }
+            return out;
+          },
+          "{job id: its counters} for every job registered here.")
+      .def(
+          "trace",
+          [](ServerCore& core, size_t capacity) {
+            uint64_t dropped = 0;
+            at::Tensor events = core.trace().take(capacity, &dropped);
+            return std::make_tuple(events, dropped);
+          },
+          "(events [n, 8] int64, dropped) recorded since the last call; record up to `capacity` more (0: stop). "
+          "See cpp_ext/trace.h.",
+          py::arg("capacity"));
 
   using bps::KeyRoundsProbe;
   py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")

@@ -105,7 +105,15 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         if (items[0].revents & ZMQ_POLLIN) drainMonitor(control);
         if (count == 3 && (items[2].revents & ZMQ_POLLIN)) serveZap(control);
         if (items[1].revents & ZMQ_POLLIN) {
-          for (int i = 0; i < kBatch && receive(frames); ++i) handle(frames, control);
+          int64_t woke = trace_.on() ? realtimeNs() : 0;
+          int read = 0;
+          for (; read < kBatch && receive(frames); ++read) handle(frames, control);
+          ++counters_.wakeups;
+          counters_.requests += read;
+          if (trace_.on()) {
+            trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, static_cast<uint64_t>(read), 0,
+                                     kTraceWake});
+          }
         }
       }
       now = monotonicSeconds();
@@ -188,15 +196,35 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
   j.lastSeen[h.worker] = now;
   touched_.insert(h.jobId);
   std::string peer(reinterpret_cast<const char*>(frames[0].data()), frames[0].size());
+  // The job's share of what this request adds to the server's counters (errors: countError).
+  JobCounters& mine = j.counters;
+  uint64_t outBefore = counters_.bytesOut;
   try {
     if (push) {
       ++counters_.pushes;
+      ++mine.pushes;
       counters_.bytesIn += h.length;
+      mine.bytesIn += h.length;
+      uint64_t summedBefore = counters_.sums.bytesSummed, nsBefore = counters_.sums.sumNs;
+      int64_t start = trace_.on() ? realtimeNs() : 0;
       std::vector<Answer> ready = key.rounds.push(h.worker, h.round, std::move(frames[2]), h.offset);
+      uint64_t summed = counters_.sums.bytesSummed - summedBefore, ns = counters_.sums.sumNs - nsBefore;
+      if (summed != 0) {
+        ++counters_.sumCount;
+        ++mine.sums;
+        mine.bytesSummed += summed;
+        mine.sumNs += ns;
+      }
+      if (trace_.on()) {
+        int64_t took = summed != 0 ? static_cast<int64_t>(ns) : realtimeNs() - start;
+        trace_.record(TraceEvent{start, took, h.jobId, h.key, h.round, h.length, h.worker,
+                                 summed != 0 ? kTraceSum : kTraceStore});
+      }
       sendReply(peer, replyTo(h, kOk), nullptr);
       answer(ready);
     } else {
       ++counters_.pulls;
+      ++mine.pulls;
       double deadline = h.waitMs ? now + h.waitMs / 1000.0 : std::numeric_limits<double>::infinity();
       Answer result;
       if (key.rounds.pull(Pull{peer, h}, deadline, &result)) answerOne(result);
@@ -206,6 +234,7 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
   } catch (const std::exception& e) {  // a bug: answer it, keep serving everyone else
     replyError(peer, h, kInternal, std::string("native server core: ") + e.what());
   }
+  mine.bytesOut += counters_.bytesOut - outBefore;  // this job's pulls answered, by this push or at once
   track(key.rounds);
   return true;
 }
@@ -228,7 +257,7 @@ void ServerCore::toControlPlane(std::vector<Message>& frames, ControlPlane& cont
     uint16_t status = detail::load<uint16_t>(out[1].data(), 8);
     uint16_t command = detail::load<uint16_t>(out[1].data(), 6);
     if (status != kOk) {
-      ++counters_.errors;
+      countError(detail::load<uint64_t>(out[1].data(), 40));  // the reply's job_id
     } else if (command == (kPull | kReplyFlag)) {
       counters_.bytesOut += out[2].size();
     }
@@ -313,7 +342,7 @@ void ServerCore::replyError(const std::string& peer, const Header& h, uint16_t s
 void ServerCore::sendReply(const std::string& peer, const Header& reply, Message* payload) {
   if (payload) {
     if (reply.status != kOk) {
-      ++counters_.errors;
+      countError(reply.jobId);
     } else {
       counters_.bytesOut += payload->size();  // only PULL results carry a payload with status OK here
     }
@@ -325,6 +354,19 @@ void ServerCore::sendReply(const std::string& peer, const Header& reply, Message
   zmq_msg_send(identity.get(), router_, ZMQ_SNDMORE | ZMQ_DONTWAIT);
   zmq_msg_send(head.get(), router_, (payload ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);
   if (payload) zmq_msg_send(payload->get(), router_, ZMQ_DONTWAIT);
+}
+
+void ServerCore::countError(uint64_t jobId) {
+  ++counters_.errors;
+  auto job = jobs_.find(jobId);  // errors are rare: the lookup stays off the hot path
+  if (job != jobs_.end()) ++job->second->counters.errors;
+}
+
+std::vector<std::pair<uint64_t, JobCounters>> ServerCore::jobCounters() const {
+  std::vector<std::pair<uint64_t, JobCounters>> out;
+  out.reserve(jobs_.size());
+  for (const auto& [jobId, job] : jobs_) out.emplace_back(jobId, job->counters);
+  return out;
 }
 
 void ServerCore::hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, const std::string& peer,

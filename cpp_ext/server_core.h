@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "server_rounds.h"
+#include "trace.h"
 
 namespace bps {
 
@@ -53,6 +54,9 @@ class ControlPlane {
 struct CoreCounters {
   uint64_t pushes = 0, pulls = 0, bytesIn = 0, bytesOut = 0, errors = 0;
   SumCounters sums;
+  uint64_t sumCount = 0;  // pushes added into a round (the first push of a round is kept, not added)
+  // Messages read, and the loop's wake-ups that read them: requests / wakeups is the queue it finds on waking.
+  uint64_t requests = 0, wakeups = 0;
 };
 
 class ServerCore {
@@ -88,6 +92,12 @@ class ServerCore {
   // (job, monotonic seconds of its last request handled natively) for every job with one since the last call.
   std::vector<std::pair<uint64_t, double>> takeTouched();
   const CoreCounters& counters() const { return counters_; }
+  // (job, its counters) for every job registered here.
+  std::vector<std::pair<uint64_t, JobCounters>> jobCounters() const;
+  // Keys with pulls waiting for their round to close.
+  size_t keysWaiting() const { return waiting_.size(); }
+  // The timeline of sums and wake-ups (bps-server --trace), recorded by the loop while on.
+  TraceBuffer& trace() { return trace_; }
 
  private:
   struct KeyState {
@@ -115,6 +125,7 @@ class ServerCore {
   void track(KeyRounds& rounds);  // keep waiting_ up to date after rounds changed
   void replyError(const std::string& peer, const Header& h, uint16_t status, const std::string& message);
   void sendReply(const std::string& peer, const Header& reply, Message* payload);
+  void countError(uint64_t jobId);
   void close();
 
   uint64_t incarnation_;
@@ -127,6 +138,7 @@ class ServerCore {
   std::unordered_set<KeyRounds*> waiting_;  // keys with pulls waiting, for expireWaiting
   std::unordered_set<uint64_t> touched_;
   CoreCounters counters_;
+  TraceBuffer trace_;
 };
 
 }  // namespace bps

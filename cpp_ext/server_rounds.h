@@ -78,6 +78,11 @@ struct Answer {
   Message data;
 };
 
+// One job's share of the server's traffic (bps-server --metrics-port), counted by the core's loop.
+struct JobCounters {
+  uint64_t pushes = 0, pulls = 0, bytesIn = 0, bytesOut = 0, errors = 0, sums = 0, bytesSummed = 0, sumNs = 0;
+};
+
 // What a server knows of one job's workers (the hot path's copy; the control plane keeps its own).
 struct Job {
   uint32_t numWorkers = 0;
@@ -86,6 +91,7 @@ struct Job {
   std::unordered_map<uint32_t, double> lastSeen;  // worker -> monotonic seconds of its last request
   std::vector<std::pair<uint32_t, std::string>> lost;  // (worker, how it was lost), in the order lost
   double lastRequest = 0;  // monotonic seconds of the job's last request handled natively
+  JobCounters counters;
 
   // Name a worker the way an operator finds it: index, address, when it was last heard from.
   std::string describe(uint32_t worker, double now) const;

@@ -21,7 +21,7 @@ constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
 constexpr uint16_t kVersion = 2;
 constexpr size_t kHeaderSize = 96;
 constexpr uint16_t kReplyFlag = 0x80;
-constexpr size_t kStatsCounters = 7;  // pushes, pulls, bytes_in, bytes_out, bytes_summed, sum_ns, errors
+constexpr size_t kStatsCounters = 14;  // torch_bps.wire.STATS_FIELDS
 
 enum Command : uint16_t { kHello = 1, kInit = 2, kPush = 3, kPull = 4, kStats = 5 };
 

@@ -368,6 +368,11 @@ class Client:
         # Counters are u64 on the wire; they stay far below 2**63, so int64 reads them unchanged.
         return dict(zip(STATS_FIELDS, future.wait().tolist(), strict=True))
 
+    def trace(self, capacity: int) -> tuple[torch.Tensor, int]:
+        """Return (events, dropped) the IO thread recorded since the last call and record up to `capacity` more
+        (0: stop): the partitions' steps, for torch_bps.timeline (cpp_ext/trace.h has the columns)."""
+        return self._impl.trace(capacity)
+
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn()` on one of the client's completion threads (where push_pull completions run)."""
         self._impl.post(fn)

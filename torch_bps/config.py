@@ -83,6 +83,9 @@ class Config:
     # needed to use dedicated servers with auth on. Embedded servers need none: their job's secret comes
     # from the rendezvous store.
     pool_credential: str = field(default="", repr=False, metadata={"env": "BPS_POOL_CREDENTIAL", "parse": str})
+    # "DIR" or "DIR,START:END": a timeline of collectives START..END-1 (default 0..49) into DIR, one Chrome-trace
+    # file per worker and per embedded server (torch_bps/timeline/recorder.py). Empty: none.
+    trace: str = field(default="", metadata={"env": "BPS_TRACE", "parse": str})
 
     # A lost dedicated server is failed over (torch_bps/failover.py): its keys move to a standby server, else to
     # the servers that remain, else to fresh colocated ones, and training goes on. Off: it fails the collective.

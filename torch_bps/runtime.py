@@ -10,7 +10,7 @@ process that started it dies.
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine.
+May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine, timeline.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, Transpor
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
+from torch_bps.timeline.recorder import Recorder, TraceSpec
 from torch_bps.topology import Topology
 
 log = logging.getLogger("torch_bps")
@@ -74,6 +75,7 @@ class Runtime:
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._fallback_colocated: list[str] = []  # and their addresses
+        self._timeline = Recorder.create(config.trace, client, int(os.environ.get("RANK", self.rank)), name)
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -234,7 +236,7 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run(tensors, finish, priority=priority)
+        self._engine.run(tensors, self._timeline.wrap(tensors, finish), priority=priority)
 
     def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
         """Sum `tensor` (1-D, contiguous, CPU) in place over every rank of the group; the future holds it."""
@@ -300,6 +302,7 @@ class Runtime:
         self._engine.close()
         if self._engine.router is not None:
             self._engine.router.close()
+        self._timeline.close()
         self._client.close()
         for channel in self._local or ():
             channel.close()
@@ -390,6 +393,8 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}
     cmd += ["--auth", config.auth]
+    if config.trace:
+        cmd += ["--trace", TraceSpec.parse(config.trace).directory]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)

@@ -74,8 +74,9 @@ DTYPES: dict[int, torch.dtype] = {
 }
 DTYPE_CODES: dict[torch.dtype, int] = {dt: code for code, dt in DTYPES.items()}
 
-# STATS payload: this many little-endian uint64 counters, in this order.
-STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum_ns", "errors")
+# STATS payload: this many little-endian uint64 counters, in this order (docs/protocol.md says what each counts).
+STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum_ns", "errors", "sums", "requests",
+                "wakeups", "keys_waiting", "jobs", "memory_charged", "resident_bytes")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 from torch_bps.security import JOB_SECRET_ENV
 from torch_bps.server.auth import ServerSecurity
 from torch_bps.server.limits import Limits
+from torch_bps.server.metrics import MetricsEndpoint, exposition, format_stats, query_stats
 from torch_bps.server.server import SummationServer
 
 
@@ -73,6 +74,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="file holding the pool credential (default: env BPS_POOL_CREDENTIAL); give jobs the same one",
     )
+    see = p.add_argument_group("timeline and counters (see torch_bps/server/timeline.py and metrics.py)")
+    see.add_argument("--trace", metavar="DIR", default=os.environ.get("BPS_SERVER_TRACE"),
+                     help="record sums and queue depth into DIR/server-HOST-PORT.json (Chrome-trace JSON; merge with "
+                     "the workers' files: python -m torch_bps.timeline DIR); env BPS_SERVER_TRACE")  # fmt: skip
+    _option(see, "--trace-events", "BPS_SERVER_TRACE_EVENTS", int, 500_000, "events recorded at most")
+    see.add_argument("--metrics-port", type=int, default=None,
+                     help="serve the counters in Prometheus text format at http://METRICS_HOST:PORT/metrics (0: a free "
+                     "port, printed); not authenticated: it shows job ids and their byte counts")  # fmt: skip
+    see.add_argument("--metrics-host", default=None, help="address the metrics port listens on (default: --host)")
+    see.add_argument("--stats", metavar="HOST:PORT",
+                     help="print the counters of the running server at HOST:PORT (STATS) and exit; with --auth and the "
+                     "pool credential it was started with")  # fmt: skip
     limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
     _option(limits, "--max-frame-bytes", "BPS_SERVER_MAX_FRAME_BYTES", int, Limits.max_frame_bytes,
             "largest frame read from a peer; a bigger one drops its connection unread; must cover the workers' "
@@ -86,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _option(limits, "--lost-job-lease", "BPS_SERVER_LOST_JOB_LEASE", float, Limits.lost_job_seconds,
             "seconds without a request after which a job whose workers are all lost is forgotten")  # fmt: skip
     args = p.parse_args(argv)
+    if args.stats:
+        return args
     if not args.host:
         p.error("give the address to listen on: --host ADDRESS (0.0.0.0 for every interface) or BPS_SERVER_HOST")
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
@@ -113,13 +128,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
         return None
     if job_secret:
         return ServerSecurity.for_job(job_secret, args.auth)
-    if args.credential_file:
-        with open(args.credential_file) as f:
-            credential = f.read().strip()
-        if not credential:
-            raise ValueError(f"--credential-file {args.credential_file} is empty")
-    else:
-        credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
+    credential = _credential(args)
     if not credential:
         raise ValueError(
             "authentication is on and no credential was given: set BPS_POOL_CREDENTIAL (or --credential-file) to "
@@ -127,6 +136,28 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
             "on a trusted network"
         )
     return ServerSecurity.for_pool(credential, args.auth)
+
+
+def _credential(args: argparse.Namespace) -> str:
+    """The pool credential: --credential-file's, else BPS_POOL_CREDENTIAL's, else ""."""
+    if not args.credential_file:
+        return os.environ.get("BPS_POOL_CREDENTIAL", "")
+    with open(args.credential_file) as f:
+        credential = f.read().strip()
+    if not credential:
+        raise ValueError(f"--credential-file {args.credential_file} is empty")
+    return credential
+
+
+def _print_stats(args: argparse.Namespace) -> int:
+    """`bps-server --stats HOST:PORT`: print a running server's counters."""
+    try:
+        stats = query_stats(args.stats, credential=_credential(args), mechanism=args.auth)
+    except (OSError, ValueError, RuntimeError) as e:  # TimeoutError is an OSError
+        print(f"bps-server --stats {args.stats}: {e}", file=sys.stderr)
+        return 1
+    print(format_stats(args.stats, stats), flush=True)
+    return 0
 
 
 def _option(group, flag: str, env: str, kind, default, text: str) -> None:
@@ -139,6 +170,8 @@ def _option(group, flag: str, env: str, kind, default, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s bps-server %(levelname)s %(message)s")
+    if args.stats:
+        return _print_stats(args)
     # fp16 and bf16 are summed by torch's kernels on the loop thread: one thread, no pool to wake per add.
     torch.set_num_threads(1)
     _keep_freed_memory()
@@ -156,10 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = _serve_metrics(server, args.metrics_host or args.host, args.metrics_port)
+        if metrics is None:
+            return 1
+    if args.trace:
+        server.trace(args.trace, args.trace_events)
     # Tests and launchers read this line to learn the port and incarnation.
     print(
         f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True
     )
+    if metrics is not None:
+        print(f"bps-server metrics at http://{metrics.host}:{metrics.port}/metrics", flush=True)
     if args.register:
         advertise = args.advertise or (args.host if args.host not in ("0.0.0.0", "") else socket.getfqdn())
         try:
@@ -168,7 +210,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bps-server: cannot register in the store at {args.register}: {e}", file=sys.stderr)
             server.stop()
     server.serve_forever(parent_pid=os.getppid() if args.exit_with_parent else None)
+    if metrics is not None:
+        metrics.stop()
     return 0
+
+
+def _serve_metrics(server: SummationServer, host: str, port: int) -> MetricsEndpoint | None:
+    """Start the /metrics endpoint; None (said on stderr) if it cannot listen."""
+    try:
+        metrics = MetricsEndpoint(
+            host, port, lambda: server.on_loop(lambda: exposition(server.counters(), server.job_counters()))
+        )
+    except OSError as e:
+        print(f"bps-server: cannot serve metrics on {host}:{port}: {e}", file=sys.stderr)
+        return None
+    metrics.start()
+    return metrics
 
 
 def _keep_freed_memory() -> None:

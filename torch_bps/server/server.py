@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import socket
 import struct
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import zmq
 
@@ -36,7 +40,9 @@ from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
+from torch_bps.server.metrics import resident_bytes
 from torch_bps.server.rounds import Job
+from torch_bps.server.timeline import ServerTimeline
 from torch_bps.wire import REPLY, STATS_FIELDS, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
@@ -90,6 +96,8 @@ class SummationServer:
         self._keys: dict[tuple[int, int], KeyInfo] = {}
         self._parent_pid: int | None = None
         self._stop = threading.Event()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # on_loop's, run by _tick
+        self._timeline: ServerTimeline | None = None
 
     @property
     def address(self) -> str:
@@ -107,9 +115,62 @@ class SummationServer:
         """
         self._parent_pid = parent_pid
         zap = self.zap.answer if self.zap is not None else _no_zap
-        self._core.run(self._on_request, self._on_disconnect, zap, self._tick, _TICK_S)
+        try:
+            self._core.run(self._on_request, self._on_disconnect, zap, self._tick, _TICK_S)
+        finally:
+            if self._timeline is not None:
+                self._timeline.close()
+
+    def trace(self, directory: str, max_events: int = 500_000) -> str:
+        """Record a timeline of sums and queue depth into DIRECTORY/server-HOST-PORT.json (see timeline.py);
+        before serve_forever. Return the file's path."""
+        host = self.host if self.host not in ("0.0.0.0", "*", "") else socket.gethostname()
+        path = os.path.join(directory, f"server-{host}-{self.port}.json")
+        self._timeline = ServerTimeline(self._core, path, f"server {self.host}:{self.port}", max_events)
+        return path
+
+    def on_loop(self, fn: Callable[[], object], timeout: float = 5.0) -> object:
+        """Run fn() on the loop thread at its next tick (at most _TICK_S away) and return its result; from any
+        other thread. Raise TimeoutError if the loop did not run it within `timeout` seconds."""
+        done, box = threading.Event(), {}
+
+        def call() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            done.set()
+
+        self._calls.put(call)
+        if not done.wait(timeout):
+            raise TimeoutError(f"the loop of server {self.address} did not take a request within {timeout:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def counters(self) -> dict[str, int]:
+        """The server's totals: STATS_FIELDS and memory_bound. On the loop thread only."""
+        return {**self._core.counters(), "jobs": len(self._jobs), "memory_charged": self._book.total,
+                "memory_bound": self.limits.max_memory_bytes, "resident_bytes": resident_bytes()}  # fmt: skip
+
+    def job_counters(self) -> dict[int, dict[str, int]]:
+        """Each job's share of the counters, its memory charge, workers and keys. On the loop thread only."""
+        keys = Counter(job_id for job_id, _ in self._keys)
+        jobs = self._core.job_counters()
+        for job_id, counters in jobs.items():
+            job = self._jobs.get(job_id)
+            counters.update(memory_charged=self._book.charged(job_id), workers=job.num_workers if job else 0,
+                            keys=keys[job_id])  # fmt: skip
+        return jobs
 
     def _tick(self) -> bool:
+        while True:  # what other threads asked of the loop (a metrics scrape)
+            try:
+                self._calls.get_nowait()()
+            except queue.Empty:
+                break
+        if self._timeline is not None:
+            self._timeline.flush()
         if self._stop.is_set():
             return False
         if self._parent_pid is not None and os.getppid() != self._parent_pid:
@@ -270,5 +331,5 @@ class SummationServer:
         self._book.release(job_id)
 
     def _stats(self) -> bytes:
-        counters = self._core.counters()
+        counters = self.counters()
         return struct.pack(f"<{len(STATS_FIELDS)}Q", *(counters[f] for f in STATS_FIELDS))
