@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--kill", default="", help="PID:STEP:WHEN (rank 0 SIGKILLs PID); several, comma-separated")
     p.add_argument("--hook", action="store_true", help="gradient buckets through torch_bps.bps_hook on gloo")
     p.add_argument("--rebalance", default="", help="STEP:FILE: at that step boundary, once FILE exists, rebalance")
+    p.add_argument(
+        "--die", default="", help="RANK:STEP: that rank SIGKILLs itself before that step, first attempt only"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     dist.init_process_group("gloo" if args.hook else "byteps")
@@ -55,7 +58,12 @@ def main() -> None:
     model[0].weight.register_hook(lambda grad: kill_now() or grad)  # the last gradient of the backward pass
     data = torch.Generator().manual_seed(1000 + rank)
     rebalance = args.rebalance.split(":") if args.rebalance else None
+    die = [int(v) for v in args.die.split(":")] if args.die else None
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(args.steps):
+        if die and first_attempt and (rank, step) == tuple(die):
+            print(f"rank {rank} dying at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if rebalance and int(rebalance[0]) == step:
             deadline = time.monotonic() + 60
             while not os.path.exists(rebalance[1]) and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from tests.helpers import REPO, RawPeer, ServerProcess, _free_port
 from torch_bps.client import Client
 from torch_bps.engine.placement import server_weights
 from torch_bps.failover import RECOVERY_BIT, Agreement, Router
+from torch_bps.server.metrics import query_stats
 from torch_bps.wire import DTYPE_CODES as PROTOCOL_CODES
 from torch_bps.wire import Command, Mode
 
@@ -33,11 +34,13 @@ SCRIPT = os.path.join(REPO, "tests", "failover_train.py")
 STEPS = 10
 
 
-def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None, hook: bool = False, name="run"):
-    """Run tests/failover_train.py on 2 workers; return (final parameters, failover records, output)."""
+def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None, hook: bool = False, name="run",
+          workers: int = 2):  # fmt: skip
+    """Run tests/failover_train.py on `workers` workers; return (final parameters, failover records, output)."""
     out = str(tmp_path / name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS), "--kill", kill]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS),
+           "--kill", kill]  # fmt: skip
     if hook:
         cmd.append("--hook")
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
@@ -80,6 +83,22 @@ def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
     assert records[0]["servers"] == [servers[1].address]
     assert "failover 1: lost" in output
+
+
+def test_three_workers_end_within_summation_order_of_an_uninterrupted_run(tmp_path):
+    """With three workers a server may add in another order (an uninterrupted run's sums vary too): the kill
+    costs no step and moves the parameters no further than summation order does."""
+    servers = [ServerProcess(), ServerProcess()]
+    try:
+        addresses = [s.address for s in servers]
+        reference, _, _ = train(tmp_path, addresses, workers=3, name="reference")
+        params, records, output = train(tmp_path, addresses, f"{servers[0].proc.pid}:4:backward", workers=3)
+    finally:
+        for s in servers:
+            s.stop()
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+    for name, value in params.items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{name} moved too far")
 
 
 def test_stopped_server_is_failed_over_after_the_heartbeat_timeout(tmp_path, baseline):
@@ -385,3 +404,37 @@ def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, basel
     assert_identical(torch.load(out + ".pt"), baseline)
     assert records[0]["lost"] == [servers[0].address]
     assert records[1]["rebalance"] == 1 and sorted(records[1]["servers"]) == sorted(s.address for s in servers)
+
+
+def test_torchrun_restart_starts_clean_on_the_same_servers(tmp_path, baseline):
+    """torchrun --max-restarts 1, rank 1 SIGKILLed at step 4 of the first attempt: the second attempt is a new job
+    on the same dedicated servers, trains from the start to the uninterrupted run's parameters, and afterwards the
+    servers hold what they held before the job: no job, no memory (the old attempt's state was released)."""
+    servers = [ServerProcess(extra_args=("--lost-job-lease", "1")) for _ in range(2)]
+    credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
+
+    def held(s):
+        stats = query_stats(s.address, credential=credential, mechanism=os.environ.get("BPS_AUTH", "token"))
+        return stats["jobs"], stats["memory_charged"]
+
+    out = str(tmp_path / "run")
+    try:
+        before = [held(s) for s in servers]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--out", out,
+               "--steps", str(STEPS), "--die", "1:4"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0",
+               "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_TIMEOUT": "30"}  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-6000:]
+        assert "rank 1 dying at step 4" in output
+        deadline = time.monotonic() + 20
+        while (after := [held(s) for s in servers]) != before and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for s in servers:
+            s.stop()
+    assert before == [(0, 0), (0, 0)]
+    assert after == before, f"the servers still hold (jobs, bytes) {after}"
+    assert_identical(torch.load(out + ".pt"), baseline)

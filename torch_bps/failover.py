@@ -8,10 +8,12 @@ part whose server is lost is held, not failed, and the workers agree through the
     lost/<rank>    the lost servers this rank saw -> rank 0 writes `lost`, their union; every rank abandons them
     counts/<rank>  per key on them, the rounds this rank completed and what it kept -> rank 0 writes `decision`:
                    the servers that remain (with claimed standbys; with none left, fresh colocated ones), the
-                   new job id, and per key whose round closed on a lost server, who supplies its result
+                   new job id, each moved key's new owner (`place_moved`), and per key whose round closed on a
+                   lost server, who supplies its result (`decide`)
 
 Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
 and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
+`Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary, on the servers answering then.
 
 May import: the standard library, torch, torch_bps.client, errors, wire, engine.placement.
 """

@@ -11,6 +11,7 @@ May import: torch, torch_bps.futures, torch_bps.pg.
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -28,7 +29,10 @@ class GlooSide:
     """The gloo group beside one "byteps" group: created collectively, by every rank of the group."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, size, timeout)
+        # torchrun restarts reuse the store: each attempt's gloo meets under keys of its own, never the last
+        # attempt's addresses.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}/{attempt}", store), rank, size, timeout)
         self._timeout = timeout.total_seconds()
 
     def set_timeout(self, timeout: timedelta) -> None:
