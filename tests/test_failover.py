@@ -227,6 +227,21 @@ def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
     return client, router
 
 
+@pytest.fixture
+def rank0():
+    """`router_rank0`, closing what it made when the test ends."""
+    made = []
+
+    def make(*args):
+        made.append(router_rank0(*args))
+        return made[-1]
+
+    yield make
+    for client, router in made:
+        router.close()
+        client.close()
+
+
 def submit(router, parts) -> torch.futures.Future:
     fut = torch.futures.Future()
     router.submit(parts, 0, lambda error: fut.set_exception(error) if error else fut.set_result(None))
@@ -234,7 +249,7 @@ def submit(router, parts) -> torch.futures.Future:
 
 
 @pytest.mark.parametrize("pull", ["whole", "shard"])
-def test_open_round_is_finished_by_the_rank_that_completed_it(pull):
+def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
     """Rank 0 pulled round 0 of a key, rank 1 did not; the server dies. Whole pull: rank 0 broadcasts the result
     it kept. Shard pull (a reduce-scatter): rank 0 pushes again the copy of its input it kept. Either way rank 1
     gets round 0's sum from the new owner, and round 1 completes there."""
@@ -242,11 +257,10 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     job = 0x5EED0001
     key = 0x7 << 24  # on server 0 (the test gives the placement)
-    client = router = None
     try:
         # A store client of its own: a TCPStore client serves one wait at a time, and rank 0's failover waits too.
         hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
-        client, router = router_rank0(store, servers, job, {key: 0})
+        client, router = rank0(store, servers, job, {key: 0})
         a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.5)
         t = a0.clone()
         out = t if pull == "whole" else t[: N // 2]
@@ -279,10 +293,6 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull):
         new.close()
         hand.peer.close()
     finally:
-        if router is not None:
-            router.close()
-        if client is not None:
-            client.close()
         for s in servers:
             s.stop()
 
@@ -306,7 +316,11 @@ class FreezableProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is gone: so is this connection
+                client.close()
+                continue
             self.socks += [client, server]
             threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
@@ -330,17 +344,16 @@ class FreezableProxy:
             s.close()
 
 
-def test_open_round_is_finished_for_the_rank_that_had_not_completed_it():
+def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
     """Rank 1 pulled round 0 of a key, rank 0's reply is lost with the server (frozen in a proxy, then cut): rank 0
     holds its part; rank 1 broadcasts the result it kept and rank 0's held part receives it from the new owner."""
     servers = [ServerProcess(), ServerProcess()]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     proxy = FreezableProxy(servers[0].address)
     job, key = 0x5EED0002, 0x9 << 24
-    client = router = None
     try:
         hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
-        client, router = router_rank0(store, [proxy, servers[1]], job, {key: 0})
+        client, router = rank0(store, [proxy, servers[1]], job, {key: 0})
         a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.25)
         t = a0.clone()
         f0 = submit(router, [(t, key, 0, t, Mode.SUM, N, 0, 0)])
@@ -366,10 +379,6 @@ def test_open_round_is_finished_for_the_rank_that_had_not_completed_it():
         hand.peer.close()
     finally:
         proxy.cut()
-        if router is not None:
-            router.close()
-        if client is not None:
-            client.close()
         for s in servers:
             s.stop()
 
