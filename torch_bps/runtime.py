@@ -178,14 +178,14 @@ class Runtime:
                            _client_keys(config, self._secret, servers), failover=True,
                            on_link_down=on_link_down)  # fmt: skip
 
+        def registry():
+            return connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
+
         def standby(count: int) -> list[str]:
             used = {s.address for s in weights}
             free = [a for a in config.standby_servers if a not in used][:count]
             if len(free) < count and config.num_servers:
-                registry = (
-                    connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
-                )
-                free += claim_standby(registry, config.num_servers, used | set(free), count - len(free),
+                free += claim_standby(registry(), config.num_servers, used | set(free), count - len(free),
                                       config.standby_wait, f"{job_id:#x}")  # fmt: skip
             return free
 
@@ -202,10 +202,7 @@ class Runtime:
             standby, registered) that answers HELLO now."""
             dedicated = list(dict.fromkeys([*self._dedicated, *config.standby_servers]))
             if config.num_servers:
-                registry = (
-                    connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
-                )
-                dedicated += [a for a in registered(registry) if a not in dedicated]
+                dedicated += [a for a in registered(registry()) if a not in dedicated]
             dedicated = [a for a in dedicated if self._answers(a)]
             # Colocated servers a failover started stand in for dedicated ones only while none answers.
             return self._colocated or ([] if dedicated else self._fallback_colocated), dedicated
@@ -262,7 +259,8 @@ class Runtime:
         """A client of a one-worker job of its own on one of this group's servers, with this job's credentials:
         it measures the path to that server alone (torch_bps.doctor). Close it after use."""
         config = self.config
-        held = config.pool_credential if address in self._dedicated else self._secret
+        embedded = address in self._colocated or address in self._fallback_colocated
+        held = self._secret if embedded else config.pool_credential  # dedicated: started with, standby, registered
         auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
         return _client(config, [address], int.from_bytes(os.urandom(8), "little"), 0, 1, auth, connect_timeout)
 
