@@ -10,7 +10,8 @@ process that started it dies.
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine, timeline.
+May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine, timeline,
+failover.
 """
 
 from __future__ import annotations
