@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_bps.engine.partition import MIN_PARTITION_BYTES, KeyBook, cut
+from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES
+from torch_bps.engine.partition import KeyBook, cut
 from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
 from torch_bps.local.comm import split_range
 
@@ -87,8 +88,10 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)])
     assert book.partition_size(1 << 30) == 4 << 20  # big tensors: the configured maximum
     assert book.partition_size(64 << 20) == 512 << 10  # 64 partitions per server
-    assert book.partition_size(1 << 20) == MIN_PARTITION_BYTES  # floor: per-message overhead stays small
-    assert book.partition_size(1000) == MIN_PARTITION_BYTES
+    assert book.partition_size(1 << 20) == DEFAULT_MIN_PARTITION_BYTES  # floor: per-message overhead stays small
+    assert book.partition_size(1000) == DEFAULT_MIN_PARTITION_BYTES
+    finer = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)], min_partition_bytes=64 << 10)
+    assert finer.partition_size(8 << 20) == 64 << 10  # BPS_MIN_PARTITION_BYTES lowers the floor
     parts = book.plan((64 << 20) // 4, torch.float32)[0]
     assert len(parts) == 128 and [p.server for p in parts].count(0) == 64
     mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])

@@ -19,6 +19,8 @@ from torch_bps.errors import ConfigError
 # overtake less. The number of servers does not change it: they all share the one uplink. The README's
 # cluster results show why 2 MiB (smaller and larger both measured slower).
 DEFAULT_CREDIT_BYTES = 2 << 20
+# The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen).
+DEFAULT_MIN_PARTITION_BYTES = 192 << 10
 
 
 def _parse_servers(value: str) -> tuple[str, ...]:
@@ -62,6 +64,11 @@ class Config:
     # "optimal" (the paper's split between dedicated and colocated servers), "dedicated" or "colocated".
     placement: str = field(default="optimal", metadata={"env": "BPS_PLACEMENT", "parse": str})
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
+    # Tensors are cut finer than partition_bytes so every server gets many partitions (the pipeline fills
+    # and drains sooner), but never below this: each message costs CPU (torch_bps.engine.partition).
+    min_partition_bytes: int = field(
+        default=DEFAULT_MIN_PARTITION_BYTES, metadata={"env": "BPS_MIN_PARTITION_BYTES", "parse": int}
+    )
     # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: the default,
     # DEFAULT_CREDIT_BYTES (2 MiB).
     credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
@@ -140,8 +147,10 @@ class Config:
             raise ConfigError(
                 f"heartbeat_interval={self.heartbeat_interval} must be below heartbeat_timeout={self.heartbeat_timeout}"
             )
-        if self.partition_bytes < 64:
-            raise ConfigError(f"partition_bytes={self.partition_bytes} is below 64")
+        if self.partition_bytes < 64 or self.min_partition_bytes < 64:
+            raise ConfigError(
+                f"partition_bytes={self.partition_bytes}, min_partition_bytes={self.min_partition_bytes}: at least 64"
+            )
         if self.credit_bytes < 0:
             raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: the default)")
         if self.server_credit_bytes < 0 or not 0 <= self.socket_buffer_bytes < 1 << 31:

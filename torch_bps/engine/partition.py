@@ -10,7 +10,7 @@ reuses the first slot's keys, and the client sends a key's next round only after
 back, so rounds of one key never overlap.
 
 Key layout (u64): tensor id << 24 | local slice << 16 | partition index.
-May import: the standard library, torch and torch_bps.engine.placement.
+May import: the standard library, torch, torch_bps.config and torch_bps.engine.placement.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES
 from torch_bps.engine.placement import Placement
 
 MAX_PARTS = 1 << 16
 PARTS_PER_SERVER = 64
-MIN_PARTITION_BYTES = 192 << 10
 MAX_SLICES = 1 << 8
 
 
@@ -50,13 +50,20 @@ class KeyBook:
         partition_bytes: the largest partition.
         slices: function numel -> list of (start, end) element ranges, one per local rank.
         slots: concurrent collectives of the same (numel, dtype) that get distinct keys.
+        min_partition_bytes: the floor of partition_size (Config.min_partition_bytes).
     """
 
     def __init__(
-        self, placement: Placement, partition_bytes: int, slices: Callable[[int], list[tuple[int, int]]], slots: int = 4
+        self,
+        placement: Placement,
+        partition_bytes: int,
+        slices: Callable[[int], list[tuple[int, int]]],
+        slots: int = 4,
+        min_partition_bytes: int = DEFAULT_MIN_PARTITION_BYTES,
     ):
         self.placement = placement
         self.partition_bytes = partition_bytes
+        self.min_partition_bytes = min_partition_bytes
         self.slices = slices
         self.slots = slots
         self._calls: dict[tuple[int, torch.dtype, int], int] = {}
@@ -89,7 +96,7 @@ class KeyBook:
     def partition_size(self, nbytes: int) -> int:
         """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough that
         even the server with the smallest share gets PARTS_PER_SERVER partitions of it, down to
-        MIN_PARTITION_BYTES (each message costs the Python server ~0.1 ms of CPU).
+        min_partition_bytes (each message costs the Python server ~0.1 ms of CPU).
 
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P
@@ -102,7 +109,7 @@ class KeyBook:
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)
         fair = int(-(-nbytes * smallest // PARTS_PER_SERVER))
-        return max(min(self.partition_bytes, MIN_PARTITION_BYTES), min(self.partition_bytes, fair))
+        return max(min(self.partition_bytes, self.min_partition_bytes), min(self.partition_bytes, fair))
 
     def _new_plan(self, tensor_id: int, numel: int, dtype: torch.dtype) -> list[list[Part]]:
         itemsize = dtype.itemsize

@@ -50,7 +50,7 @@ def library_partitions(numel: int, n: int, k: int, servers: list[str], partition
     return [s.address for s in weighted], parts
 
 
-def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int):
+def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int, min_partition_bytes: int):
     """The library's pipeline over `client` (which holds the credit), whose servers are in library_partitions'
     order."""
     from torch_bps.engine.partition import KeyBook
@@ -58,7 +58,9 @@ def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: 
     from torch_bps.engine.placement import Placement, server_weights
 
     weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
-    keys = KeyBook(Placement(weighted), partition_bytes, lambda numel: [(0, numel)])
+    keys = KeyBook(
+        Placement(weighted), partition_bytes, lambda numel: [(0, numel)], min_partition_bytes=min_partition_bytes
+    )
     return PushPullEngine(client, keys)
 
 
@@ -95,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = None
     credit = args.credit_bytes or DEFAULT_CREDIT_BYTES
-    config = Config.resolve()  # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, as the library resolves them
+    config = Config.resolve()  # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
                 credit_bytes=credit, server_credit_bytes=config.server_credit_bytes,
                 socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
         if args.placement == "engine":
-            engine = library_engine(client, n, k, servers, args.partition_bytes)
+            engine = library_engine(client, n, k, servers, args.partition_bytes, config.min_partition_bytes)
 
         def step() -> None:
             if engine is not None:
