@@ -22,10 +22,13 @@ import json
 from benchmarks.cluster import theory
 
 GOODPUT = 0.95  # TCP over tbf at MTU 1500 (the calibration stream: 0.93-0.96)
-SERVER_US_PER_MESSAGE = 200.0  # Python server, CPU beyond the floor per PUSH or PULL (116-279 us measured)
-SERVER_NS_PER_BYTE = 0.33  # floor: add 3/4 of the bytes (~10 GB/s), copy in and out (8.8 GB/s)
-WORKER_US_PER_PARTITION = 300.0  # engine + client per partition (148-318 us measured)
-WORKER_NS_PER_BYTE = 1.2  # engine CPU per byte pushed (1.24-2.43 s/GiB measured, partition cost included)
+# The native server core beyond the add + copy floor: 30, 73, 139, 403 us per message at 64 KiB, 256 KiB, 1 MiB,
+# 4 MiB (README "Server CPU per byte and per message"): ~25 us plus ~0.09 ns per byte of kernel work.
+SERVER_US_PER_MESSAGE = 25.0
+SERVER_NS_PER_BYTE = 0.42  # the floor (add 3/4 of the bytes at ~10 GB/s, copy in and out at 8.8 GB/s) + 0.09
+# The worker (engine + client, benchmarks/engine_cpu.py on loopback): 148 us per 64 KiB partition, 304 per 1 MiB.
+WORKER_US_PER_PARTITION = 138.0
+WORKER_NS_PER_BYTE = 0.16
 MIN_PARTITION, MAX_PARTITION, PARTS_PER_SERVER = 192 << 10, 4_096_000, 64
 
 
