@@ -96,7 +96,7 @@ class KeyBook:
     def partition_size(self, nbytes: int) -> int:
         """Return the partition size for a tensor of nbytes: at most partition_bytes, and small enough that
         even the server with the smallest share gets PARTS_PER_SERVER partitions of it, down to
-        min_partition_bytes (each message costs the Python server ~0.1 ms of CPU).
+        min_partition_bytes (every message costs CPU on both ends).
 
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P
@@ -104,7 +104,8 @@ class KeyBook:
         1.26-1.56 x t_opt; 16 per server 1.23 x at k = 0; 64 per server 1.11-1.16 x for k = 0..4.
         The floor is a CPU trade-off on the 2-core test machine (k = 1..3 are at the floor, medians of 3):
         256 KiB gave 1.15 x at k = 1, 2, 3; 192 KiB 1.13-1.14 x with the machine 73-85% busy; 128 KiB made
-        it CPU-bound (88-94% busy, 1.39 x at k = 3).
+        it CPU-bound (88-94% busy, 1.39 x at k = 3). Again with the native server core at n = 8 (README, "The
+        partition floor"): 192 and 256 KiB alike, 128 KiB and below CPU-bound, 384 KiB slower to fill and drain.
         """
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)
