@@ -15,8 +15,8 @@ stress: install
 	$(PYTEST) -q tests -m slow
 
 demo: install
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 30
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 30 --backend gloo
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 100
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 100 --backend gloo
 
 bench: install
 	$(PY) benchmarks/pushpull.py --quick
