@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--socket-buffer-bytes",
         type=int,
         default=-1,
-        help="byteps workers' BPS_SOCKET_BUFFER_BYTES (default -1: sized from the links' queue so that every "
-        "connection's bytes in flight fit in it; 0: the kernel's autotuned buffers, as before issue 17)",
+        help="byteps workers' BPS_SOCKET_BUFFER_BYTES, push/pull, DDP and FSDP (default -1: sized from the links' "
+        "queue so that every connection's bytes in flight fit in it; 0: the kernel's autotuned buffers, as before "
+        "issue 17)",
     )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
@@ -109,6 +110,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ddp=None if args.no_ddp else model,
         ddp_k=args.ddp_k if args.ddp_k is not None else n,
         fsdp=dataclasses.replace(model, wrap="fsdp") if args.fsdp else None,
+        socket_buffer_bytes=args.socket_buffer_bytes,
     )
 
 

@@ -84,10 +84,14 @@ def run_ddp(
     return out
 
 
-def run_ddp_byteps(cluster: Cluster, spec: DdpSpec, store_port: int, k: int, server_port: int = 9500) -> dict:
+def run_ddp_byteps(
+    cluster: Cluster, spec: DdpSpec, store_port: int, k: int, server_port: int = 9500, socket_buffer_bytes: int = -1
+) -> dict:
     """Run `run_ddp` with the "byteps" backend, servers on the first `k` server hosts (BPS_SERVERS).
 
     At k = 0 BPS_SERVERS is empty and the backend starts an embedded server on every worker host.
+    `socket_buffer_bytes` is the ranks' BPS_SOCKET_BUFFER_BYTES, -1: sized to the links' queue as for push/pull
+    (`byteps.socket_buffer_for`, over the k dedicated servers plus, at k < n, the n colocated ones).
     """
     reason = byteps.probe("backend")
     if reason:
@@ -95,6 +99,8 @@ def run_ddp_byteps(cluster: Cluster, spec: DdpSpec, store_port: int, k: int, ser
     hosts = cluster.servers[:k]
     server_procs, addresses = byteps.start_servers(cluster, hosts, server_port)
     n = len(cluster.workers)
+    if socket_buffer_bytes < 0:
+        socket_buffer_bytes = byteps.socket_buffer_for(cluster.shaping.limit_bytes, k + (n if k < n else 0))
 
     def env_of(rank: int, host: Host) -> dict:
         # One rank per emulated machine. Without torchrun's variables torch_bps takes all ranks for one
@@ -103,6 +109,7 @@ def run_ddp_byteps(cluster: Cluster, spec: DdpSpec, store_port: int, k: int, ser
         return {
             "BPS_SERVERS": ",".join(addresses),
             "BPS_HOST": host.ip,
+            "BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes),
             "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1",
             "GROUP_RANK": str(rank),

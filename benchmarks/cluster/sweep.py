@@ -42,6 +42,7 @@ class Plan:
     ddp: DdpSpec | None = field(default_factory=DdpSpec)
     ddp_k: int = 4  # server hosts of the byteps DDP run
     fsdp: DdpSpec | None = None  # the same MLP sharded with fully_shard: gloo once, byteps at every k of `ks`
+    socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: sized to the queue)
 
     @property
     def rate_bps(self) -> float:
@@ -184,7 +185,11 @@ def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
     try:
         k = min(plan.ddp_k, len(cluster.servers))
         bps = _counting_drops(
-            cluster, lambda: _median_run(plan.repeats, lambda: run_ddp_byteps(cluster, spec, 29700, k))
+            cluster,
+            lambda: _median_run(
+                plan.repeats,
+                lambda: run_ddp_byteps(cluster, spec, 29700, k, socket_buffer_bytes=plan.socket_buffer_bytes),
+            ),
         )
         say(
             f"DDP byteps (k={k}): {bps['samples_per_s']:.1f} samples/s "
@@ -232,7 +237,10 @@ def _fsdp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
             bps = _counting_drops(
                 cluster,
                 lambda k=k: _median_run(
-                    plan.repeats, lambda: run_ddp_byteps(cluster, spec, 29810 + k, k, server_port=9600 + k)
+                    plan.repeats,
+                    lambda: run_ddp_byteps(
+                        cluster, spec, 29810 + k, k, server_port=9600 + k, socket_buffer_bytes=plan.socket_buffer_bytes
+                    ),
                 ),
             )
         except BackendUnavailable as e:
