@@ -1,5 +1,6 @@
 // The client's IO thread (see client.h): it owns every socket and all request state. Other threads only
 // touch the submission queue and the HELLO results, each under its mutex.
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,8 @@
 namespace bps {
 
 void Client::ioLoop() {
+  // Named so that top -H, perf and /proc tell it from the completion threads and Python's.
+  pthread_setname_np(pthread_self(), "bps-client-io");
   size_t n = links_.size();
   // Poll order: the wake-up eventfd, then per server its DEALER and its monitor.
   std::vector<zmq_pollitem_t> items(1 + 2 * n);

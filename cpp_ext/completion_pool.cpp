@@ -1,6 +1,8 @@
 // See completion_pool.h.
 #include "completion_pool.h"
 
+#include <pthread.h>
+
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -58,6 +60,7 @@ bool CompletionPool::grow(const std::shared_ptr<State>& state) {
 }
 
 void CompletionPool::run(std::shared_ptr<State> state) {
+  pthread_setname_np(pthread_self(), "bps-completion");
   State& s = *state;
   std::unique_lock<std::mutex> lock(s.mutex);
   for (;;) {

@@ -455,6 +455,30 @@ def test_dropping_a_client_joins_its_threads(server, job_id):
     assert not thread_ids() - before
 
 
+def thread_names(ids: set[str]) -> list[str]:
+    names = []
+    for tid in ids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # gone meanwhile
+            pass
+    return names
+
+
+def test_client_threads_are_named_for_profilers(server, job_id):
+    """top -H, perf and /proc/<pid>/task tell the client's IO and completion threads from Python's own."""
+    before = thread_ids()
+    c = Client([server.address], job_id, 0, 1)
+    try:
+        c.push_pull(torch.ones(3), 0).wait()  # its completion ran on a completion thread
+        names = thread_names(thread_ids() - before)
+        assert names.count("bps-client-io") == 1, names
+        assert "bps-completion" in names, names
+    finally:
+        c.close()
+
+
 def test_pushed_future_completes_on_the_acknowledgement_before_the_sum(server, job_id):
     """`pushed` fires when the server has the push, while the sum still waits for the other worker."""
     a = Client([server.address], job_id, 0, 2, timeout=20)
