@@ -14,8 +14,16 @@ all alike) and reported as min / median / max over the repeats; each ratio is ta
     thread's in-place `torch add_` of S bytes, what summing alone would cost. `server_add_kernel` is the
     server's own counter (bytes added / time inside add_): kernel time only, in the JSON.
 
-Usage: python benchmarks/pushpull.py [--quick] [--json out.json]
-May import: the standard library, torch and torch_bps.
+With `--like-for-like`, only the figures that compare with ps-lite's `test_benchmark` (mode 1: per iteration a
+push and a pull of each of 40 keys of S bytes, all in flight, then a wait for all; benchmarks/pslite.py):
+  - engine, 40 keys: 40 x S / t of one iteration that issues 40 collectives of one S-byte tensor each through the
+    engine back to back, then waits for all 40. That is what DDP does with the "byteps" backend or the hook: one
+    all_reduce per gradient bucket, launched as the bucket is ready, all waited at the end of backward.
+  - ps-lite (with `--pslite DIR`, a built ps-lite checkout): its own goodput at S, run in the same repeat right
+    after ours (a scheduler, a server and a worker process), and the ratio of the two.
+
+Usage: python benchmarks/pushpull.py [--quick] [--json out.json] [--like-for-like [--pslite DIR]]
+May import: the standard library, torch and torch_bps (and benchmarks.pslite).
 """
 
 from __future__ import annotations
@@ -32,18 +40,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.pslite import KEYS as PSLITE_KEYS  # noqa: E402
+from benchmarks.pslite import PsLite  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
 from torch_bps.security import new_secret  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
 QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB, 64 * MB]
+LIKE_FOR_LIKE_SIZES = [64 * KB, 256 * KB, 1 * MB, 4 * MB]  # issue 15's targets are at 64 KB and 4 MB
 SERVER_BYTES_IN_FLIGHT = 32 * MB  # per worker in the server run: enough keys that the server never waits
 
 # An echo: per request a 16-byte (length, chunk) header, then the bytes. chunk 0: receive all, then send all
@@ -229,7 +241,6 @@ def start_server(max_frame: int, auth: str = "") -> tuple[subprocess.Popen, str]
 
 
 def measure(sizes: list[int], budget: float, repeats: int) -> list[dict]:
-    torch.set_num_threads(1)  # the add_ baseline is one thread, as the server sums on one thread
     server, address = start_server(max(sizes))  # authentication on, as by default
     echo = Echo(max(sizes))
     rows = []
@@ -243,14 +254,62 @@ def measure(sizes: list[int], budget: float, repeats: int) -> list[dict]:
                 runs = [measure_once(size, budget, client, engine, echo, server, address, f"{os.getpid()}-{size}-{i}")
                         for i in range(repeats)]  # fmt: skip
                 row = {"size": size, "partition": runs[0]["partition"], "repeats": repeats}
-                for name in FIGURES:
-                    values = sorted(r[name] for r in runs)
-                    row[name] = dict(min=values[0], median=statistics.median(values), max=values[-1], all=values)
+                row.update(spreads(runs, FIGURES))
                 rows.append(row)
                 print_row(row)
             engine.close()
     finally:
         echo.close()
+        stop(server)
+    return rows
+
+
+def spreads(runs: list[dict], names: Sequence[str]) -> dict:
+    """Per figure present in the runs: min, median, max and every repeat's value (sorted)."""
+    out = {}
+    for name in names:
+        values = sorted(r[name] for r in runs if name in r)
+        if values:
+            out[name] = dict(min=values[0], median=statistics.median(values), max=values[-1], all=values)
+    return out
+
+
+def engine_keys(engine, tensors: list[torch.Tensor]) -> None:
+    """One iteration as ps-lite's test_benchmark makes it: one collective per tensor, issued back to back as DDP
+    issues its buckets' all_reduces, then a wait for all of them."""
+    futures = [engine.push_pull(t) for t in tensors]
+    for f in futures:
+        f.wait()
+
+
+LIKE_FIGURES = ("engine_40_keys", "pslite", "engine_40_keys_vs_pslite", "load")
+
+
+def measure_like_for_like(sizes: list[int], budget: float, repeats: int, pslite: PsLite | None) -> list[dict]:
+    """Per size and repeat: the engine's goodput with 40 keys in flight, then (with `pslite`) ps-lite's."""
+    server, address = start_server(max(sizes))  # authentication on, as by default
+    rows = []
+    try:
+        with Client([address], job_id_from_name(f"bench-keys-{os.getpid()}"), 0, 1, timeout=120) as client:
+            engine = library_engine(client, address)
+            for size in sizes:
+                tensors = [torch.ones(size // 4) for _ in range(PSLITE_KEYS)]
+                runs = []
+                for _ in range(repeats):
+                    r = {"load": os.getloadavg()[0]}  # 1-minute load average as the repeat starts
+                    r["engine_40_keys"] = PSLITE_KEYS * size / timed(lambda t=tensors: engine_keys(engine, t), budget)
+                    if pslite is not None:
+                        r["pslite"] = pslite.goodput(size, budget)
+                        r["engine_40_keys_vs_pslite"] = r["engine_40_keys"] / r["pslite"]
+                    runs.append(r)
+                row = {"size": size, "partition": engine.keys.partition_size(size), "keys": PSLITE_KEYS}
+                row.update(repeats=repeats, **spreads(runs, LIKE_FIGURES))
+                rows.append(row)
+                cells = [spread(row[name], name.endswith("_pslite") or name == "load") for name in LIKE_FIGURES
+                         if name in row]  # fmt: skip
+                print(f"{size_name(size)} | " + " | ".join(cells), flush=True)
+            engine.close()
+    finally:
         stop(server)
     return rows
 
@@ -266,15 +325,15 @@ def size_name(size: int) -> str:
     return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
 
 
-def spread(stat: dict, rate: bool) -> str:
+def spread(stat: dict, bare: bool) -> str:
     """median (min-max), rates in B/s and ratios bare."""
-    if rate:
+    if not bare:
         return f"{human(stat['median'])}/s ({human(stat['min'])}-{human(stat['max'])})"
     return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
 
 
 def print_row(row: dict) -> None:
-    cells = [spread(row[name], not name.endswith(("_vs_tcp", "_vs_pipelined_tcp", "_vs_torch_add", "_cpu")))
+    cells = [spread(row[name], name.endswith(("_vs_tcp", "_vs_pipelined_tcp", "_vs_torch_add", "_cpu")))
              for name in FIGURES[:-1]]  # fmt: skip
     print(f"{size_name(row['size'])} | " + " | ".join(cells), flush=True)
 
@@ -283,26 +342,45 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a reduced sweep (4 sizes, 3 repeats)")
     p.add_argument("--json", metavar="PATH", help="write the per-size rows (every repeat) and the summary here")
-    p.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4 KB to 256 MB by 4x)")
-    p.add_argument("--budget", type=float, help="seconds per figure per repeat (default 0.4, quick 0.2)")
+    p.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4 KB to 256 MB by 4x; "
+                                   "--like-for-like: 64 KB to 4 MB by 4x)")  # fmt: skip
+    p.add_argument(
+        "--budget", type=float, help="seconds per figure per repeat (default 0.4, quick 0.2, like-for-like 2)"
+    )
     p.add_argument("--repeats", type=int, help="repeats of every figure (default 5, quick 3)")
+    p.add_argument("--like-for-like", action="store_true", help="only the figures to compare with ps-lite's benchmark")
+    p.add_argument("--pslite", metavar="DIR", help="with --like-for-like: a built ps-lite checkout; its "
+                                                   "test_benchmark runs in every repeat, right after ours")  # fmt: skip
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
-    budget = args.budget or (0.2 if args.quick else 0.4)
+    if args.pslite and not args.like_for_like:
+        p.error("--pslite goes with --like-for-like")
+    default_sizes = LIKE_FOR_LIKE_SIZES if args.like_for_like else QUICK_SIZES if args.quick else FULL_SIZES
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes
+    budget = args.budget or (2.0 if args.like_for_like else 0.2 if args.quick else 0.4)
     repeats = args.repeats or (3 if args.quick else 5)
+    torch.set_num_threads(1)  # the add_ baseline is one thread, as the server sums on one thread
+    command = " ".join(["python", "benchmarks/pushpull.py", *(argv or [])])
 
-    print(f"1 worker and 1 server subprocess on loopback (server: 2 workers); torch {torch.__version__}; "
-          f"median (min-max) of {repeats} repeats")  # fmt: skip
-    print("size | " + " | ".join(FIGURES[:-1]))
-    rows = measure(sizes, budget, repeats)
-    largest = max(rows, key=lambda r: r["size"])
-    summary = {name: largest[name]["median"] for name in FIGURES if "_vs_" in name}
-    summary.update(largest_size=largest["size"], command=" ".join(["python", "benchmarks/pushpull.py", *(argv or [])]))
-    print(f"largest size {size_name(largest['size'])}, medians: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in summary.items() if "_vs_" in k))  # fmt: skip
+    if args.like_for_like:
+        pslite = PsLite(args.pslite) if args.pslite else None
+        print(f"1 worker and 1 server subprocess on loopback, {PSLITE_KEYS} keys per iteration; torch "
+              f"{torch.__version__}; median (min-max) of {repeats} repeats")  # fmt: skip
+        print("size | " + " | ".join(n for n in LIKE_FIGURES if pslite or "pslite" not in n))
+        rows = measure_like_for_like(sizes, budget, repeats, pslite)
+        summary = {f"engine_40_keys_vs_pslite_{r['size']}": r["engine_40_keys_vs_pslite"]["median"]
+                   for r in rows if "engine_40_keys_vs_pslite" in r}  # fmt: skip
+    else:
+        print(f"1 worker and 1 server subprocess on loopback (server: 2 workers); torch {torch.__version__}; "
+              f"median (min-max) of {repeats} repeats")  # fmt: skip
+        print("size | " + " | ".join(FIGURES[:-1]))
+        rows = measure(sizes, budget, repeats)
+        largest = max(rows, key=lambda r: r["size"])
+        summary = {name: largest[name]["median"] for name in FIGURES if "_vs_" in name}
+        summary["largest_size"] = largest["size"]
+    print("medians: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items() if "_vs_" in k))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**summary, "rows": rows}, f, indent=2)
+            json.dump({**summary, "command": command, "rows": rows}, f, indent=2)
     return 0
 
 

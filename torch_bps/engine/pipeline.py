@@ -49,9 +49,10 @@ class _Op:
     plans: list[list[Part]]  # this rank's partitions of each tensor
     priority: int
     done: Done
+    # Several local ranks only (made per collective, an Event costs more than the rest of `run` on one rank):
+    net_done: threading.Event | None = None  # set when the network stage ended, for the all-gather thread
     slices: list[torch.Tensor] = field(default_factory=list)  # this rank's slices after the local reduce-scatter
     error: BaseException | None = None
-    net_done: threading.Event = field(default_factory=threading.Event)
 
 
 class PushPullEngine:
@@ -127,11 +128,10 @@ class PushPullEngine:
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
-            op = _Op(items, plans, priority, done)
             if self.local is None:
-                self._schedule(op)
+                self._schedule(_Op(items, plans, priority, done))
             else:
-                self._rs_queue.put(op)
+                self._rs_queue.put(_Op(items, plans, priority, done, threading.Event()))
 
     def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
@@ -213,14 +213,18 @@ class PushPullEngine:
         base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
         ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
         pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
+        whole = (0, t.numel())
         parts = []
         for part in plan:
             lo = base + part.start
             hi = lo + part.numel
             src, dst = intersect(pushed, lo, hi), intersect(pulled, lo, hi)
+            # A slice makes a tensor per call: a partition that is the whole tensor goes as it is, and one pulled
+            # over the range it pushed (any all-reduce's) uses one tensor for both.
+            pushing = t if src == whole else t[src[0] : src[1]]
+            out = pushing if dst == src else t[dst[0] : dst[1]]
             # (tensor, key, server, out, mode, key_numel, offset, out_offset): push_pull's arguments
-            parts.append((t[src[0] : src[1]], part.key, part.server, t[dst[0] : dst[1]], x.mode, part.numel,
-                          src[0] - lo, dst[0] - lo))  # fmt: skip
+            parts.append((pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
