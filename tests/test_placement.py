@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES
+from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES, Config
 from torch_bps.engine.partition import KeyBook, cut
 from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
+from torch_bps.errors import ConfigError
 from torch_bps.local.comm import split_range
 
 
@@ -97,6 +98,13 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])
     # x = 1/3: a colocated server's share is 1/6, and it still gets 64 partitions of a 384 MB tensor.
     assert mixed.partition_size(384 << 20) == 1 << 20
+
+
+def test_the_partition_floor_is_a_setting(monkeypatch):
+    monkeypatch.setenv("BPS_MIN_PARTITION_BYTES", "65536")
+    assert Config.resolve().min_partition_bytes == 65536
+    with pytest.raises(ConfigError, match="min_partition_bytes=10"):
+        Config.resolve(min_partition_bytes=10)
 
 
 # What the engine places in a DDP step: the first 1 MiB bucket, 25 MiB buckets, a ragged last bucket, half-precision
