@@ -241,11 +241,7 @@ at::Tensor Client::keptBytes(uint64_t key) {
   std::lock_guard<std::mutex> lock(keptMutex_);
   auto it = kept_.find(key);
   if (it == kept_.end()) return at::empty({0}, at::kByte);
-  Kept& k = it->second;
-  if (!k.round.whole) return k.pushed.defined() ? k.pushed.clone() : at::empty({0}, at::kByte);
-  at::Tensor out = at::empty({static_cast<int64_t>(k.result.size())}, at::kByte);
-  if (k.result.size() > 0) std::memcpy(out.data_ptr(), k.result.data(), k.result.size());
-  return out;
+  return it->second.bytes.defined() ? it->second.bytes.clone() : at::empty({0}, at::kByte);
 }
 
 void Client::abandon(size_t server, const std::string& why) {

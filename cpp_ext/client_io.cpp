@@ -243,16 +243,16 @@ void Client::onReply(size_t server, Message& message) {
                          describe(*op).c_str())});
       return;
     }
-    bool whole = command == kPull && op->pullOffset == 0 && expected == op->nbytes;
-    if (options_.failover && command == kPull && !whole) {
-      // What this round may still owe the others: its pushed bytes (the pull below may overwrite them).
-      op->pushed = at::empty({static_cast<int64_t>(op->src.nbytes())}, at::kByte);
-      if (op->src.nbytes() > 0) std::memcpy(op->pushed.data_ptr(), op->src.data_ptr(), op->src.nbytes());
+    if (options_.failover && command == kPull && op->holdsKey) {
+      // The round is complete for this worker: the server acknowledged its PUSH before it could answer the
+      // PULL (one connection, in order). Keep what it may still owe the others: its whole result, else its
+      // pushed bytes, taken before the copy below may overwrite them.
+      bool whole = op->pullOffset == 0 && expected == op->nbytes;
+      keepRound(*op, whole ? message.payload.data() : op->src.data_ptr(), whole ? expected : op->src.nbytes(), whole);
     }
     // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
     if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload.data(), expected);
     if (command == kPull) trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
-    if (options_.failover && whole) op->result = std::move(message.payload);  // the result itself, no copy
   }
   if (op->requests.empty()) finishOp(op);
 }
@@ -396,14 +396,16 @@ void Client::pushEnded(const OpPtr& op) {
   }
 }
 
-void Client::keepRound(const OpPtr& op) {
+void Client::keepRound(const Op& op, const void* bytes, size_t nbytes, bool whole) {
   std::lock_guard<std::mutex> lock(keptMutex_);
-  Kept& kept = kept_[op->key];
+  Kept& kept = kept_[op.key];
   ++kept.round.completed;
-  kept.round.whole = !op->pushed.defined();
-  kept.round.pushOffset = op->pushOffset;
-  kept.result = std::move(op->result);  // the previous round's result is released here
-  kept.pushed = std::move(op->pushed);
+  kept.round.whole = whole;
+  kept.round.pushOffset = op.pushOffset;
+  if (!kept.bytes.defined() || static_cast<size_t>(kept.bytes.numel()) != nbytes) {
+    kept.bytes = at::empty({static_cast<int64_t>(nbytes)}, at::kByte);
+  }
+  if (nbytes > 0) std::memcpy(kept.bytes.data_ptr(), bytes, nbytes);
 }
 
 void Client::endPart(const OpPtr& op) {
@@ -437,7 +439,6 @@ void Client::finishOp(const OpPtr& op) {
     return;
   }
   if (op->holdsKey) {
-    if (options_.failover && op->error.ok()) keepRound(op);
     KeyState& key = keys_[op->key];
     key.busy = false;
     if (!stopping_ && !key.waiting.empty()) {
