@@ -72,6 +72,7 @@ def run_ddp(
         "seconds_per_step": seconds / spec.steps,
         "params": results[0]["params"],
         "cpu": {h.name: r["cpu"] for h, r in zip(cluster.workers, results, strict=True)},
+        "minor_faults_per_step": sum(r["minor_faults"] for r in results) / spec.steps,
         # Per worker link and direction, IP and TCP headers included; servers colocated on a worker count in.
         "link_bytes_per_step": {
             h.name: {d: b / spec.steps for d, b in r["link_bytes"].items()}
