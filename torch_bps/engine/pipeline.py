@@ -150,21 +150,22 @@ class PushPullEngine:
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
             try:
-                with stage(lambda: _span_name("local_reduce_scatter", op.items)):
-                    for x in op.items:
-                        t = x.tensor
-                        lo, hi = self.local[0].slice_range(t.numel())
-                        if x.mode == Mode.COPY:
-                            self._share_local_ranges(x)
-                            op.slices.append(t[lo:hi])
-                        else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
-                            op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
-            except BaseException as e:  # noqa: BLE001 - the op fails, the loop serves the next one
-                op.error = e
-                op.net_done.set()
-            else:
+                self._local_reduce_scatter(op)
                 self._schedule(op)
-            self._ag_queue.put(op)
+            except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails, the loop serves the next one
+                op.error = op.error or e
+            self._ag_queue.put(op)  # always: the all-gather thread is the one that completes it
+
+    def _local_reduce_scatter(self, op: _Op) -> None:
+        with stage(lambda: _span_name("local_reduce_scatter", op.items)):
+            for x in op.items:
+                t = x.tensor
+                lo, hi = self.local[0].slice_range(t.numel())
+                if x.mode == Mode.COPY:
+                    self._share_local_ranges(x)
+                    op.slices.append(t[lo:hi])
+                else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
+                    op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
 
     def _share_local_ranges(self, x: Exchange) -> None:
         """Give every local rank the other local ranks' COPY ranges, so the machine pushes them once.
@@ -237,19 +238,31 @@ class PushPullEngine:
     # -- stage: local all-gather (several local ranks only)
     def _all_gather_loop(self) -> None:
         while (op := self._ag_queue.get()) is not None:
-            if not op.net_done.wait(self.timeout + 30):
-                op.error = op.error or BpsTimeoutError(
-                    f"local rank {self.local_rank}: network stage of a collective of {len(op.items)} tensor(s) "
-                    f"did not finish within {self.timeout + 30}s"
-                )
-            if op.error is None:
-                try:
-                    with stage(lambda: _span_name("local_all_gather", op.items)):
-                        for slice_, x in zip(op.slices, op.items, strict=True):
-                            self.local[1].all_gather(slice_, x.tensor)
-                except BaseException as e:  # noqa: BLE001
-                    op.error = e
+            # Whatever raises, the op completes with it and the thread lives: a dead stage thread leaves this
+            # collective and every later one unfinished, and the caller's Future.wait() has no timeout.
+            try:
+                self._local_all_gather(op)
+            except BaseException as e:  # noqa: BLE001
+                op.error = op.error or e
             self.client.post(lambda op=op: op.done(op.error))
+
+    def _local_all_gather(self, op: _Op) -> None:
+        if op.error is not None:  # failed before or in the network stage: nothing to gather
+            return
+        # Longer than the client's own limit (its timeout, plus up to a tenth for a pull), so that its error,
+        # naming server, key and round, is the one that surfaces; in proportion, so a short timeout stays short.
+        wait = self.timeout + max(5.0, self.timeout / 5)
+        if not op.net_done.wait(wait):
+            keys = [p.key for plan in op.plans for p in plan]
+            which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
+            raise BpsTimeoutError(
+                f"local rank {self.local_rank}: local all-gather: the network stage of a collective of "
+                f"{_size(op.items)} ({which}) did not end within {wait:.1f} s"
+            )
+        if op.error is None:
+            with stage(lambda: _span_name("local_all_gather", op.items)):
+                for slice_, x in zip(op.slices, op.items, strict=True):
+                    self.local[1].all_gather(slice_, x.tensor)
 
     def close(self) -> None:
         if self.local is not None:
@@ -260,8 +273,11 @@ class PushPullEngine:
 
 
 def _span_name(what: str, items: Sequence[Exchange]) -> str:
-    nbytes = sum(x.tensor.numel() * x.tensor.element_size() for x in items)
-    return f"torch_bps::{what} {describe(nbytes, len(items))}"
+    return f"torch_bps::{what} {_size(items)}"
+
+
+def _size(items: Sequence[Exchange]) -> str:
+    return describe(sum(x.tensor.numel() * x.tensor.element_size() for x in items), len(items))
 
 
 def _modes(items: Sequence[Exchange]) -> str:
