@@ -51,15 +51,19 @@ def _wait_all(futures, clients, stall: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_bytes_in_flight_never_exceed_the_credit(servers, job_id):
-    """Two workers, three servers, six concurrent collectives of 64 KiB partitions under a 256 KiB credit."""
+@pytest.mark.parametrize("middle_factor", [1, 3])
+def test_bytes_in_flight_never_exceed_the_credit(servers, job_id, middle_factor):
+    """Two workers, three servers, six concurrent collectives of 64 KiB partitions under a 256 KiB credit (with
+    middle_factor 3, each tensor's middle in partitions of up to 192 KiB between 64 KiB ends)."""
     addresses = [s.address for s in servers]
     weights = server_weights(addresses[:2], addresses[2:])  # two machines' colocated servers + one dedicated
+    book = lambda: KeyBook(Placement(weights), PARTITION * middle_factor, lambda n: [(0, n)],  # noqa: E731
+                           min_partition_bytes=PARTITION, middle_factor=middle_factor)  # fmt: skip
     engines, clients = [], []
     try:
         for w in range(2):
             clients.append(Client(addresses, job_id, w, 2, timeout=60, credit_bytes=CREDIT))
-            keys = KeyBook(Placement(weights), PARTITION, lambda n: [(0, n)])
+            keys = book()
             engines.append(PushPullEngine(clients[w], keys, timeout=60))
         for step in range(3):
             tensors = [[_data(w, step, n, dt) for n, dt, _ in COLLECTIVES] for w in range(2)]
@@ -68,7 +72,7 @@ def test_bytes_in_flight_never_exceed_the_credit(servers, job_id):
             _wait_all(futures, clients)
             for f, (n, dt, _) in zip(futures, COLLECTIVES * 2, strict=True):
                 assert torch.equal(f.value(), _data(0, step, n, dt) + _data(1, step, n, dt)), (n, dt, step)
-        fresh = KeyBook(Placement(weights), PARTITION, lambda n: [(0, n)])
+        fresh = book()
         parts = 3 * sum(len(fresh.plan(n, dt)[0]) for n, dt, _ in COLLECTIVES)
         for c in clients:
             s = c.scheduler_stats()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES, Config
-from torch_bps.engine.partition import KeyBook, cut
+from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_MIN_PARTITION_BYTES, Config, default_credit_bytes
+from torch_bps.engine.partition import KeyBook, cut, cut_mixed
 from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
 from torch_bps.errors import ConfigError
 from torch_bps.local.comm import split_range
@@ -71,6 +73,35 @@ def test_cut_covers_exactly():
     assert cut(0, 4, 16) == []
 
 
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(0, 5000), itemsize=st.sampled_from([1, 2, 4, 8]), end=st.integers(1, 64),
+       factor=st.integers(1, 6), ends=st.integers(1, 9))  # fmt: skip
+def test_cut_mixed_covers_exactly_with_normal_ends(numel, itemsize, end, factor, ends):
+    pieces = cut_mixed(numel, itemsize, end * itemsize, end * itemsize * factor, ends)
+    assert [s for s, _ in pieces] == list(itertools.accumulate((n for _, n in pieces), initial=0))[:-1]  # abut
+    assert sum(n for _, n in pieces) == numel and all(n >= 1 for _, n in pieces)
+    assert all(n <= end * factor for _, n in pieces)
+    if factor > 1 and numel - 2 * ends * end > end:  # a middle: the ends exactly end-sized, the middle no smaller
+        assert all(n == end for _, n in pieces[:ends] + pieces[-ends:])
+        assert all(n >= end for _, n in pieces[ends:-ends])
+    else:
+        assert pieces == cut(numel, itemsize, end * itemsize)
+    assert len(pieces) <= len(cut(numel, itemsize, end * itemsize))  # never more messages than the plain cut
+
+
+def test_keybook_cuts_the_middle_bigger():
+    servers = server_weights(["a:1", "b:1", "c:1"], [])
+    book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)], middle_factor=4)
+    plain = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)]).plan((64 << 20) // 4, torch.float32)[0]
+    parts = book.plan((64 << 20) // 4, torch.float32)[0]
+    size, sizes = plain[0].numel * 4, [p.numel * 4 for p in parts]
+    assert sizes[:3] == sizes[-3:] == [size] * 3  # one partition of today's size per server at each end
+    assert all(3 * size < s <= 4 * size for s in sizes[3:-3]) and len(parts) <= 6 + len(plain) // 4
+    capped = KeyBook(Placement(servers), 1 << 20, lambda n: [(0, n)], middle_factor=4)
+    middle = [p.numel * 4 for p in capped.plan((64 << 20) // 4, torch.float32)[0]][3:-3]
+    assert 2 * size < min(middle) <= max(middle) <= 1 << 20  # partition_bytes caps the middle
+
+
 def test_keybook_slots_and_agreement():
     servers = server_weights(["a:1", "b:1"], [])
     books = [KeyBook(Placement(servers), 64, lambda n: [(0, n // 2), (n // 2, n)], slots=2) for _ in range(2)]
@@ -107,6 +138,16 @@ def test_the_partition_floor_is_a_setting(monkeypatch):
         Config.resolve(min_partition_bytes=10)
 
 
+def test_the_middle_factor_is_a_setting_and_the_credit_grows_with_it(monkeypatch):
+    assert Config.resolve().middle_partition_factor == 1 and Config.resolve().credit() == DEFAULT_CREDIT_BYTES
+    monkeypatch.setenv("BPS_MIDDLE_PARTITION_FACTOR", "4")
+    assert Config.resolve().middle_partition_factor == 4
+    assert Config.resolve().credit() == default_credit_bytes(4) > DEFAULT_CREDIT_BYTES
+    assert Config.resolve(credit_bytes=1 << 20).credit() == 1 << 20  # an explicit credit wins
+    with pytest.raises(ConfigError, match="middle_partition_factor=0"):
+        Config.resolve(middle_partition_factor=0)
+
+
 # What the engine places in a DDP step: the first 1 MiB bucket, 25 MiB buckets, a ragged last bucket, half-precision
 # buckets, and the small collectives around them (buffers, metrics): about 270 partitions at the engine's sizes.
 MIXED_TENSORS = [(1 << 20, torch.float32), (25 << 20, torch.float32), (13_107_200, torch.float16),
@@ -117,13 +158,16 @@ MIXED_TENSORS = [(1 << 20, torch.float32), (25 << 20, torch.float32), (13_107_20
 
 @pytest.mark.parametrize("n,k", [(2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (4, 3), (8, 1), (8, 4), (8, 7)])
 @pytest.mark.parametrize("local_size", [1, 2])
-def test_engine_places_bytes_by_the_papers_split(n, k, local_size):
+@pytest.mark.parametrize("middle_factor", [1, 2, 3, 4])
+def test_engine_places_bytes_by_the_papers_split(n, k, local_size, middle_factor):
     """Each server receives its share of the paper's split: x / k per dedicated server, (1 - x) / n per colocated
-    one, within 2% of that share (or one partition, where a partition is more than 2% of the share)."""
+    one, within 2% of that share (or one partition, where a partition is more than 2% of the share). Bigger middle
+    partitions do not loosen it: the bound stays one partition of the ends' size, because every tensor ends in
+    len(servers) of those, which byte balancing gives to the servers furthest behind."""
     colocated, dedicated = [f"c{i}:1" for i in range(n)], [f"d{i}:1" for i in range(k)]
     servers = server_weights(colocated, dedicated)
     slices = lambda numel: [split_range(numel, local_size, i) for i in range(local_size)]  # noqa: E731
-    book = KeyBook(Placement(servers), 4_096_000, slices)
+    book = KeyBook(Placement(servers), 4_096_000, slices, middle_factor=middle_factor)
     received = [0] * len(servers)
     sizes = []
     for nbytes, dtype in MIXED_TENSORS:
@@ -131,9 +175,10 @@ def test_engine_places_bytes_by_the_papers_split(n, k, local_size):
             for p in parts:
                 received[p.server] += p.numel * dtype.itemsize
                 sizes.append(p.numel * dtype.itemsize)
-    total, biggest = sum(received), max(sizes)
-    assert total == sum(nbytes for nbytes, _ in MIXED_TENSORS) and len(sizes) >= 200
+    total, end = sum(received), max(book.partition_size(nbytes) for nbytes, _ in MIXED_TENSORS)
+    assert total == sum(nbytes for nbytes, _ in MIXED_TENSORS) and len(sizes) >= 200 // middle_factor
+    assert max(sizes) > (middle_factor - 1) * end  # the middles were cut bigger
     x = dedicated_fraction(n, k)
     for s, got in zip(servers, received, strict=True):
         target = (x / k if s.dedicated else (1 - x) / n) * total  # the paper's split, not the weights under test
-        assert abs(got - target) <= max(0.02 * target, biggest), (s, got / total, target / total)
+        assert abs(got - target) <= max(0.02 * target, end), (s, got / total, target / total)

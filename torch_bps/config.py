@@ -23,6 +23,15 @@ DEFAULT_CREDIT_BYTES = 2 << 20
 DEFAULT_MIN_PARTITION_BYTES = 192 << 10
 
 
+def default_credit_bytes(middle_partition_factor: int) -> int:
+    """Return the credit when BPS_CREDIT_BYTES is not set: DEFAULT_CREDIT_BYTES times the middle factor.
+
+    Why: the credit is counted in bytes but buys whole partitions in flight; F times bigger middle partitions
+    in the same 2 MiB leave each server with F times fewer pushes queued, and it idles between them.
+    """
+    return DEFAULT_CREDIT_BYTES * middle_partition_factor
+
+
 def _parse_servers(value: str) -> tuple[str, ...]:
     servers = tuple(s.strip() for s in value.split(",") if s.strip())
     for s in servers:
@@ -69,8 +78,11 @@ class Config:
     min_partition_bytes: int = field(
         default=DEFAULT_MIN_PARTITION_BYTES, metadata={"env": "BPS_MIN_PARTITION_BYTES", "parse": int}
     )
+    # A tensor's middle partitions are this many times the size of its first and last ones (up to
+    # partition_bytes): fewer messages, the same fill and drain (torch_bps.engine.partition). 1: all one size.
+    middle_partition_factor: int = field(default=1, metadata={"env": "BPS_MIDDLE_PARTITION_FACTOR", "parse": int})
     # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: the default,
-    # DEFAULT_CREDIT_BYTES (2 MiB).
+    # default_credit_bytes(middle_partition_factor); see `credit()`.
     credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
     # Bytes of pushes in flight toward any one server; 0: no limit but credit_bytes.
     server_credit_bytes: int = field(default=0, metadata={"env": "BPS_SERVER_CREDIT_BYTES", "parse": int})
@@ -105,6 +117,10 @@ class Config:
     )
     # How long a failover waits for a standby server to register when none is free (0: take what remains).
     standby_wait: float = field(default=0.0, metadata={"env": "BPS_STANDBY_WAIT", "parse": float})
+
+    def credit(self) -> int:
+        """Return the credit of bytes in flight per worker: credit_bytes, else the default for this cut."""
+        return self.credit_bytes or default_credit_bytes(self.middle_partition_factor)
 
     @classmethod
     def resolve(cls, **keywords) -> Config:
@@ -151,6 +167,8 @@ class Config:
             raise ConfigError(
                 f"partition_bytes={self.partition_bytes}, min_partition_bytes={self.min_partition_bytes}: at least 64"
             )
+        if self.middle_partition_factor < 1:
+            raise ConfigError(f"middle_partition_factor={self.middle_partition_factor}: at least 1 (1: one size)")
         if self.credit_bytes < 0:
             raise ConfigError(f"credit_bytes={self.credit_bytes} must be positive (or 0: the default)")
         if self.server_credit_bytes < 0 or not 0 <= self.socket_buffer_bytes < 1 << 31:

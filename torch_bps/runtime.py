@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torch_bps.config import DEFAULT_CREDIT_BYTES, Config
+from torch_bps.config import Config
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights, t_opt
@@ -155,6 +155,7 @@ class Runtime:
             config.partition_bytes,
             (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
             min_partition_bytes=config.min_partition_bytes,
+            middle_factor=config.middle_partition_factor,
         )
         engine = PushPullEngine(client, keys, local=local, local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1)  # fmt: skip
@@ -324,7 +325,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
     return Client(addresses, job_id, worker, num_workers, timeout=config.timeout,
                   connect_timeout=connect_timeout or config.connect_timeout,
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
-                  credit_bytes=config.credit_bytes or DEFAULT_CREDIT_BYTES,
+                  credit_bytes=config.credit(),
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, **failover)  # fmt: skip
 

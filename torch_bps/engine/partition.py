@@ -42,6 +42,24 @@ def cut(numel: int, itemsize: int, partition_bytes: int) -> list[tuple[int, int]
     return [(s, min(per, numel - s)) for s in range(0, numel, per)]
 
 
+def cut_mixed(numel: int, itemsize: int, end_bytes: int, middle_bytes: int, ends: int) -> list[tuple[int, int]]:
+    """Return (start, numel) pieces covering [0, numel): `ends` pieces of end_bytes first and last, and the middle
+    in equal pieces of at most middle_bytes. A tensor too short for a middle is cut in end_bytes pieces.
+
+    Example: cut_mixed(10, 1, 2, 4, 1) == [(0, 2), (2, 3), (5, 3), (8, 2)].
+    """
+    per = max(1, end_bytes // itemsize)
+    middle = numel - 2 * ends * per
+    if middle_bytes <= end_bytes or middle <= per:
+        return cut(numel, itemsize, end_bytes)
+    # Equal middle pieces: a ragged last one would be a whole message for a few bytes.
+    pieces = -(-middle // max(1, middle_bytes // itemsize))
+    bounds = [ends * per + i * middle // pieces for i in range(pieces + 1)]
+    head = [(s, per) for s in range(0, ends * per, per)]
+    tail = [(numel - (ends - i) * per, per) for i in range(ends)]
+    return head + [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)] + tail
+
+
 class KeyBook:
     """Hands out partition plans: for a collective on (numel, dtype), the parts of every local slice.
 
@@ -51,6 +69,8 @@ class KeyBook:
         slices: function numel -> list of (start, end) element ranges, one per local rank.
         slots: concurrent collectives of the same (numel, dtype) that get distinct keys.
         min_partition_bytes: the floor of partition_size (Config.min_partition_bytes).
+        middle_factor: a tensor's middle partitions are this many times partition_size, up to partition_bytes
+            (Config.middle_partition_factor); its first and last len(servers) partitions stay at partition_size.
     """
 
     def __init__(
@@ -60,10 +80,12 @@ class KeyBook:
         slices: Callable[[int], list[tuple[int, int]]],
         slots: int = 4,
         min_partition_bytes: int = DEFAULT_MIN_PARTITION_BYTES,
+        middle_factor: int = 1,
     ):
         self.placement = placement
         self.partition_bytes = partition_bytes
         self.min_partition_bytes = min_partition_bytes
+        self.middle_factor = middle_factor
         self.slices = slices
         self.slots = slots
         self._calls: dict[tuple[int, torch.dtype, int], int] = {}
@@ -115,9 +137,12 @@ class KeyBook:
     def _new_plan(self, tensor_id: int, numel: int, dtype: torch.dtype) -> list[list[Part]]:
         itemsize = dtype.itemsize
         size = self.partition_size(numel * itemsize)
+        # Only the first partitions' pushes (fill) and the last ones' pulls (drain) wait unhidden; one per server
+        # at each end keeps those short, and fewer, bigger partitions between them save CPU per message.
+        middle = min(self.partition_bytes, size * self.middle_factor)
         plan = []
         for index, (lo, hi) in enumerate(self.slices(numel)):
-            pieces = cut(hi - lo, itemsize, size)
+            pieces = cut_mixed(hi - lo, itemsize, size, middle, len(self.placement.servers))
             if len(pieces) > MAX_PARTS or index >= MAX_SLICES:
                 raise ValueError(f"tensor of {numel} elements needs {len(pieces)} partitions; raise partition_bytes")
             parts = []

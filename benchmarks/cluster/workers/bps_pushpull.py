@@ -50,16 +50,20 @@ def library_partitions(numel: int, n: int, k: int, servers: list[str], partition
     return [s.address for s in weighted], parts
 
 
-def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int, min_partition_bytes: int):
+def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: int, config):
     """The library's pipeline over `client` (which holds the credit), whose servers are in library_partitions'
-    order."""
+    order, cut as `config` says (BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR)."""
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
     from torch_bps.engine.placement import Placement, server_weights
 
     weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
     keys = KeyBook(
-        Placement(weighted), partition_bytes, lambda numel: [(0, numel)], min_partition_bytes=min_partition_bytes
+        Placement(weighted),
+        partition_bytes,
+        lambda numel: [(0, numel)],
+        min_partition_bytes=config.min_partition_bytes,
+        middle_factor=config.middle_partition_factor,
     )
     return PushPullEngine(client, keys)
 
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from torch_bps.client import Client
-    from torch_bps.config import DEFAULT_CREDIT_BYTES, Config
+    from torch_bps.config import Config
 
     torch.set_num_threads(1)
     n, k = args.num_workers, args.k
@@ -96,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     slices = [(server, key, tensor[start : start + length]) for server, key, start, length in parts]
 
     engine = None
-    credit = args.credit_bytes or DEFAULT_CREDIT_BYTES
-    config = Config.resolve()  # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES
+    # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR
+    config = Config.resolve()
+    credit = args.credit_bytes or config.credit()
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
                 credit_bytes=credit, server_credit_bytes=config.server_credit_bytes,
                 socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
         if args.placement == "engine":
-            engine = library_engine(client, n, k, servers, args.partition_bytes, config.min_partition_bytes)
+            engine = library_engine(client, n, k, servers, args.partition_bytes, config)
 
         def step() -> None:
             if engine is not None:
