@@ -3,6 +3,7 @@ spawned ranks with a torch.distributed default group (`run_ranks`)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -165,6 +167,57 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class TcpRelay:
+    """A TCP relay on loopback to a server: real sockets and the real protocol, with the faults a test needs of the
+    network between: `rate` (bytes/s each way per connection: a slow link), `frozen` (set: the server's bytes toward
+    the clients are held, never delivered) and `cut()` (every connection dropped, as a dying link would).
+
+    Example: `relay = TcpRelay(server.address, rate=256 << 10); Client([relay.address], ...)`.
+    """
+
+    def __init__(self, target: str, rate: float | None = None):
+        host, _, port = target.rpartition(":")
+        self.target, self.rate = (host, int(port)), rate
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="tcp-relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # cut
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:  # the server is gone: so is this connection
+                client.close()
+                continue
+            self.socks += [client, server]
+            for src, dst, to_client in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, to_client), name="tcp-relay", daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
+        try:
+            while data := src.recv(16 << 10 if self.rate else 1 << 16):
+                if to_client and self.frozen.is_set():
+                    continue  # held: never delivered
+                if self.rate:
+                    time.sleep(len(data) / self.rate)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
 
 # A job of spawned ranks with a "byteps" (or gloo) default group and a gloo group beside it.

@@ -5,14 +5,11 @@ workers' sums cannot differ in order). See torch_bps/failover.py and docs/protoc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -20,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import REPO, RawPeer, ServerProcess, _free_port
+from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port
 from torch_bps.client import Client
 from torch_bps.engine.placement import server_weights
 from torch_bps.failover import RECOVERY_BIT, Agreement, Router
@@ -290,6 +287,7 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
         f1.wait()
         assert torch.equal(t1, a1 + b1)
         assert router.failovers[0]["held_parts"] == 1
+        assert router.clients()[0] is client and len(router.clients()) == 2  # the engine's stall check reads both
         new.close()
         hand.peer.close()
     finally:
@@ -297,59 +295,12 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
             s.stop()
 
 
-class FreezableProxy:
-    """A TCP forwarder on loopback to `target`: rank 0 reaches a server through it, and the test can freeze the
-    server -> rank 0 direction (replies wait in the proxy) and then cut the connection, as a dying link would."""
-
-    def __init__(self, target: str):
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.frozen = threading.Event()
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:  # the server is gone: so is this connection
-                client.close()
-                continue
-            self.socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, to_client: bool) -> None:
-        held = b""
-        try:
-            while data := src.recv(1 << 16):
-                if to_client and self.frozen.is_set():
-                    held += data  # never delivered
-                    continue
-                dst.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-
 def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
     """Rank 1 pulled round 0 of a key, rank 0's reply is lost with the server (frozen in a proxy, then cut): rank 0
     holds its part; rank 1 broadcasts the result it kept and rank 0's held part receives it from the new owner."""
     servers = [ServerProcess(), ServerProcess()]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    proxy = FreezableProxy(servers[0].address)
+    proxy = TcpRelay(servers[0].address)
     job, key = 0x5EED0002, 0x9 << 24
     try:
         hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import TcpRelay
 from torch_bps.client import Client
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
@@ -30,7 +31,7 @@ from torch_bps.engine.placement import Placement, server_weights
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.local import LocalComm, shm
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
 
 TIMEOUT = 3.0  # the engine's, the client's and the LocalComms' (Config.timeout, as the runtime passes it)
 HUNG = 12.0  # a collective not complete by then is hung: past every bound the engine sets (TIMEOUT + 5 s)
@@ -41,12 +42,12 @@ def _data(local_rank: int, step: int, numel: int, dtype: torch.dtype) -> torch.T
     return ((torch.arange(numel) % 11) * (local_rank + 1) + step).to(dtype)  # small integers: exact sums
 
 
-def _finish(future: torch.futures.Future) -> torch.Tensor:
+def _finish(future: torch.futures.Future, hung: float = HUNG) -> torch.Tensor:
     """Future.wait() with a bound: it has none of its own."""
-    deadline = time.monotonic() + HUNG
+    deadline = time.monotonic() + hung
     while not future.done():
         if time.monotonic() > deadline:
-            raise AssertionError(f"collective not complete after {HUNG} s (timeout {TIMEOUT} s): a stage hangs")
+            raise AssertionError(f"collective not complete after {hung} s (timeout {TIMEOUT} s): a stage hangs")
         time.sleep(0.005)
     return future.wait()
 
@@ -79,17 +80,51 @@ def _all_gather_never_met(engine: PushPullEngine, local_rank: int):
     return outcomes
 
 
-SCENARIOS = {"sums": _sums, "all_gather_never_met": _all_gather_never_met}
+# A slow but healthy network (tests.helpers.TcpRelay): each rank's half of SLOW_NUMEL floats crosses it in ~10 s,
+# past the TIMEOUT + 5 s the engine once allowed a whole network stage, while a credit of two partitions keeps
+# every request's answer well within TIMEOUT.
+SLOW_RATE = 256 << 10
+SLOW_NUMEL = 5 << 18
+SLOW_CLIENT = {"credit_bytes": 2 * PARTITION}
 
 
-def _rank(local_rank, port, server, job_id, node, scenario, results):
+def _slow_network(engine: PushPullEngine, local_rank: int):
+    started = time.monotonic()
+    try:
+        got = _finish(engine.push_pull(_data(local_rank, 0, SLOW_NUMEL, torch.float32)), hung=40.0)
+        exact = torch.equal(got, _data(0, 0, SLOW_NUMEL, torch.float32) + _data(1, 0, SLOW_NUMEL, torch.float32))
+        return "ok", exact, time.monotonic() - started
+    except Exception as e:  # noqa: BLE001 - reported to the test process, which decides
+        return type(e).__name__, str(e), time.monotonic() - started
+
+
+def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
+    """A client that swallows the batch (a planted bug): nothing is ever sent, and the collective must still fail."""
+    engine.client.push_pull_batch = lambda *args, **kwargs: None
+    started = time.monotonic()
+    try:
+        _finish(engine.push_pull(torch.ones(100_000)))
+        return "ok", "", time.monotonic() - started
+    except Exception as e:  # noqa: BLE001 - reported to the test process, which decides
+        return type(e).__name__, str(e), time.monotonic() - started
+
+
+SCENARIOS = {
+    "sums": _sums,
+    "all_gather_never_met": _all_gather_never_met,
+    "slow_network": _slow_network,
+    "network_stage_stopped": _network_stage_stopped,
+}
+
+
+def _rank(local_rank, port, server, job_id, node, scenario, results, client_kwargs):
     """A local rank: wired as Runtime.create wires one of a machine's ranks; runs `scenario`, reports."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     local, client, engine = (), None, None
     try:
         local = tuple(LocalComm(store, local_rank, 2, f"{node}-{stage}", timeout=TIMEOUT) for stage in ("rs", "ag"))
-        client = Client([server], job_id, 0, 1, timeout=TIMEOUT)
+        client = Client([server], job_id, 0, 1, timeout=TIMEOUT, **client_kwargs)
         slices = lambda n: [local[0].slice_range(n, r) for r in range(2)]  # noqa: E731
         keys = KeyBook(Placement(server_weights([], [server])), PARTITION, slices)
         engine = PushPullEngine(client, keys, local=local, local_rank=local_rank, timeout=TIMEOUT)
@@ -102,24 +137,32 @@ def _rank(local_rank, port, server, job_id, node, scenario, results):
                 closing.close()
 
 
-def run(scenario: str, server, job_id: int, reporting: tuple[int, ...] = (0, 1)) -> dict[int, object]:
-    """Run `scenario` on two local ranks; return each reporting rank's result. Kills what is left at the end."""
+def run(
+    scenario: str,
+    server,
+    job_id: int,
+    reporting: tuple[int, ...] = (0, 1),
+    address: str | None = None,
+    client_kwargs: dict | None = None,
+) -> dict[int, object]:
+    """Run `scenario` on two local ranks, their clients connected to `address` (default: the server's); return
+    each reporting rank's result. Kills what is left at the end."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])  # no effect if another test module started the forkserver first
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     node, results = f"e{uuid.uuid4().hex[:8]}", ctx.Queue()
-    args = (store.port, server.address, job_id, node, scenario, results)
+    args = (store.port, address or server.address, job_id, node, scenario, results, client_kwargs or {})
     procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     out = {}
     try:
         while set(reporting) - out.keys():
-            rank, status, payload = results.get(timeout=HUNG + 30)
+            rank, status, payload = results.get(timeout=HUNG + 60)
             assert status == "ok" and rank in reporting, f"local rank {rank}: {status}: {payload}"
             out[rank] = payload
     except queue.Empty:
-        raise AssertionError(f"{scenario}: no report within {HUNG + 30} s; so far {out}") from None
+        raise AssertionError(f"{scenario}: no report within {HUNG + 60} s; so far {out}") from None
     finally:
         for p in procs:
             if p.is_alive():
@@ -144,3 +187,30 @@ def test_a_local_rank_that_never_reaches_the_all_gather_fails_the_collective_in_
     kind, message, elapsed = scatter
     assert kind == BpsTimeoutError.__name__ and "local rank 0: reduce_scatter call #2" in message, message
     assert elapsed < TIMEOUT + 3, elapsed
+
+
+def test_a_slow_network_stage_completes_when_every_request_answers_in_time(server, job_id):
+    """The timeout bounds each request, not a collective: over a slow link a big collective's network stage outlasts
+    TIMEOUT + 5 s, every request answering in time, and it must complete with the exact sum (not fail at the
+    engine's bound while its partitions keep landing in the tensor afterwards)."""
+    relay = TcpRelay(server.address, rate=SLOW_RATE)
+    try:
+        out = run("slow_network", server, job_id, address=relay.address, client_kwargs=SLOW_CLIENT)
+    finally:
+        relay.cut()
+    for rank, (kind, detail, elapsed) in out.items():
+        assert kind == "ok" and detail is True, (rank, kind, detail, elapsed)
+        assert elapsed > TIMEOUT + 5, f"rank {rank}: {elapsed:.1f} s: too fast to outlast the old bound: slow the link"
+
+
+def test_a_network_stage_that_stopped_fails_the_collective_in_time(server, job_id):
+    """Nothing sent or acknowledged for longer than any request may take: the collective fails, naming its size and
+    keys, within one such wait (TIMEOUT + 5 s), on both ranks."""
+    for rank, (kind, message, elapsed) in run("network_stage_stopped", server, job_id).items():
+        assert kind == BpsTimeoutError.__name__, (rank, kind, message)
+        assert (
+            f"local rank {rank}: local all-gather: the network stage of a collective of 400.0 kB in 1 tensor (keys 0x"
+            in message
+        ), message
+        assert "no partition was sent or acknowledged in the last 8.0 s" in message, message
+        assert TIMEOUT + 5 <= elapsed < TIMEOUT + 5 + 3, (rank, elapsed)

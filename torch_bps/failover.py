@@ -178,6 +178,11 @@ class Router:
             if s.dedicated:
                 self._notice(s.address)
 
+    def clients(self) -> list:
+        """Every epoch's client: the ones parts may be under way on."""
+        with self._lock:
+            return [e.client for e in self._epochs]
+
     def submit(self, parts: list[tuple], priority: int, done: Done) -> None:
         """Run a collective's parts (push_pull_batch tuples, servers indexed as at epoch 0); call `done` once,
         when all are back, wherever they went."""

@@ -249,20 +249,32 @@ class PushPullEngine:
     def _local_all_gather(self, op: _Op) -> None:
         if op.error is not None:  # failed before or in the network stage: nothing to gather
             return
-        # Longer than the client's own limit (its timeout, plus up to a tenth for a pull), so that its error,
-        # naming server, key and round, is the one that surfaces; in proportion, so a short timeout stays short.
+        # The client bounds each request (its timeout, plus up to a tenth for a pull) and its error, naming server,
+        # key and round, ends the network stage. The timeout bounds requests, not collectives: a big one over a
+        # slow link takes as long as it needs while its partitions move. This wait only catches a stage that
+        # stopped: nothing sent or acknowledged for longer than any request may take (so every one sent has
+        # ended); in proportion, so a short timeout stays short.
         wait = self.timeout + max(5.0, self.timeout / 5)
-        if not op.net_done.wait(wait):
-            keys = [p.key for plan in op.plans for p in plan]
-            which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
-            raise BpsTimeoutError(
-                f"local rank {self.local_rank}: local all-gather: the network stage of a collective of "
-                f"{_size(op.items)} ({which}) did not end within {wait:.1f} s"
-            )
+        progress = self._progress()
+        while not op.net_done.wait(wait):
+            before, progress = progress, self._progress()
+            if progress == before:
+                keys = [p.key for plan in op.plans for p in plan]
+                which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
+                raise BpsTimeoutError(
+                    f"local rank {self.local_rank}: local all-gather: the network stage of a collective of "
+                    f"{_size(op.items)} ({which}) has not ended and no partition was sent or acknowledged in "
+                    f"the last {wait:.1f} s"
+                )
         if op.error is None:
             with stage(lambda: _span_name("local_all_gather", op.items)):
                 for slice_, x in zip(op.slices, op.items, strict=True):
                     self.local[1].all_gather(slice_, x.tensor)
+
+    def _progress(self) -> list[tuple[int, int]]:
+        """What moves while network stages work: batch parts sent and acknowledged, by every client in use."""
+        clients = self.router.clients() if self.router is not None else [self.client]
+        return [(s["parts_sent"], s["parts_acknowledged"]) for s in (c.scheduler_stats() for c in clients)]
 
     def close(self) -> None:
         if self.local is not None:
