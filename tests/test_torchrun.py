@@ -34,3 +34,10 @@ def test_bps_hook_on_a_gloo_group():
     done = run(["--steps", "6", "--backend", "gloo", "--hook", *SMALL])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "backend=gloo hook=True" in done.stdout
+
+
+def test_no_comm_bound_runs():
+    """`--no-comm` (the step with free communication, the demo's bound) trains with a hook that sends nothing."""
+    done = run(["--steps", "4", "--backend", "gloo", "--no-comm", *SMALL])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend=gloo hook=False no_comm=True" in done.stdout and "steps/s" in done.stdout
