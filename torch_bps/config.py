@@ -29,8 +29,8 @@ def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
 
     Why: the credit is counted in bytes but buys whole partitions in flight; F times bigger middle partitions
     in the same 2 MiB leave each dedicated server with F times fewer pushes queued, and it idles between them.
-    With colocated servers only, the bigger credit bought nothing and was slower in most measured runs, F = 2 at
-    2 MiB was as fast as F = 1 (README, "Bigger middle partitions"; why is not measured).
+    With colocated servers only, the bigger credit bought nothing at n = 4 (README, "Bigger middle partitions";
+    at n = 8, k = 0 F = 2 was slower with either credit).
 
     Example: default_credit_bytes(2, dedicated=True) == 4 << 20; default_credit_bytes(2, dedicated=False) == 2 << 20
     """
