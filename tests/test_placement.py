@@ -138,12 +138,20 @@ def test_the_partition_floor_is_a_setting(monkeypatch):
         Config.resolve(min_partition_bytes=10)
 
 
-def test_the_middle_factor_is_a_setting_and_the_credit_grows_with_it(monkeypatch):
-    assert Config.resolve().middle_partition_factor == 1 and Config.resolve().credit() == DEFAULT_CREDIT_BYTES
+def test_the_middle_factor_is_a_setting_and_the_credit_grows_with_it_with_dedicated_servers(monkeypatch):
+    """The default credit is 2 MiB x F when bytes go to dedicated servers, 2 MiB with colocated ones only."""
+    config = Config.resolve()
+    assert config.middle_partition_factor == 1
+    assert config.credit(dedicated=True) == config.credit(dedicated=False) == DEFAULT_CREDIT_BYTES
     monkeypatch.setenv("BPS_MIDDLE_PARTITION_FACTOR", "4")
-    assert Config.resolve().middle_partition_factor == 4
-    assert Config.resolve().credit() == default_credit_bytes(4) > DEFAULT_CREDIT_BYTES
-    assert Config.resolve(credit_bytes=1 << 20).credit() == 1 << 20  # an explicit credit wins
+    config = Config.resolve()
+    assert config.middle_partition_factor == 4
+    assert config.credit(dedicated=True) == default_credit_bytes(4, dedicated=True) == 4 * DEFAULT_CREDIT_BYTES
+    assert config.credit(dedicated=False) == default_credit_bytes(4, dedicated=False) == DEFAULT_CREDIT_BYTES
+    for dedicated in (True, False):  # an explicit credit wins either way
+        assert Config.resolve(credit_bytes=1 << 20).credit(dedicated=dedicated) == 1 << 20
+    monkeypatch.setenv("BPS_CREDIT_BYTES", str(3 << 20))
+    assert Config.resolve().credit(dedicated=False) == Config.resolve().credit(dedicated=True) == 3 << 20
     with pytest.raises(ConfigError, match="middle_partition_factor=0"):
         Config.resolve(middle_partition_factor=0)
 

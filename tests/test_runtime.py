@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import ServerProcess
+from torch_bps.config import DEFAULT_CREDIT_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,6 +59,7 @@ def _worker(rank, world, port, env, scenario, results):
                 for (i, numel, step_), f in futs:
                     check_sum(f.wait(), world, DTYPES[i], numel, step_)
             out["addresses"] = rt.addresses
+            out["credit"] = rt._client.scheduler_stats()["credit_bytes"]
         elif scenario == "bytes_per_machine":
             numel, steps = 300_000, 3  # 1.2 MB of fp32: 1 partition of 4 MB per local slice
             before = sum(rt._client.bytes_sent())
@@ -128,19 +130,23 @@ def check_sum(got, world, dtype, numel, step):
 
 def test_embedded_servers_one_machine_tiny_partitions():
     """No servers configured: the job starts its own; 3 KB partitions make many keys per tensor."""
-    env = lambda r: {"BPS_PARTITION_BYTES": "3000", "BPS_CREDIT_BYTES": "20000", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
+    env = lambda r: {"BPS_PARTITION_BYTES": "3000", "BPS_CREDIT_BYTES": "20000", "BPS_LOCAL_REDUCE": "0",  # noqa: E731
+                     "BPS_MIDDLE_PARTITION_FACTOR": "2"}  # fmt: skip
     out = run(2, env)
     assert [len(o["addresses"]) for o in out.values()] == [1, 1]  # one machine: one colocated server
     assert out[0]["addresses"] == out[1]["addresses"]
+    assert [o["credit"] for o in out.values()] == [20000, 20000]  # an explicit credit wins
 
 
 def test_dedicated_servers_from_env():
     servers = [ServerProcess(), ServerProcess()]
     try:
         addrs = ",".join(s.address for s in servers)
-        env = lambda r: {"BPS_SERVERS": addrs, "BPS_PARTITION_BYTES": "65536", "BPS_LOCAL_REDUCE": "0"}  # noqa: E731
+        env = lambda r: {"BPS_SERVERS": addrs, "BPS_PARTITION_BYTES": "65536", "BPS_LOCAL_REDUCE": "0",  # noqa: E731
+                         "BPS_MIDDLE_PARTITION_FACTOR": "2"}  # fmt: skip
         out = run(3, env)
         assert [o["addresses"] for o in out.values()] == [[s.address for s in servers]] * 3
+        assert [o["credit"] for o in out.values()] == [2 * DEFAULT_CREDIT_BYTES] * 3  # dedicated: 2 MiB x F
     finally:
         for s in servers:
             s.stop()
@@ -148,9 +154,11 @@ def test_dedicated_servers_from_env():
 
 def test_emulated_machines_each_start_a_colocated_server():
     """2 machines x 1 rank, told apart by torchrun's variables: two embedded servers, all-reduce traffic."""
-    env = lambda r: {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": "2"}  # noqa: E731
+    env = lambda r: {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": "2",  # noqa: E731
+                     "BPS_MIDDLE_PARTITION_FACTOR": "2"}  # fmt: skip
     out = run(2, env)
     assert [len(o["addresses"]) for o in out.values()] == [2, 2] and out[0]["addresses"] == out[1]["addresses"]
+    assert [o["credit"] for o in out.values()] == [DEFAULT_CREDIT_BYTES] * 2  # colocated only: 2 MiB at any F
 
 
 def test_killed_server_fails_the_collective_not_hangs():

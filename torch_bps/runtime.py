@@ -73,6 +73,9 @@ class Runtime:
         self._local = local
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
+        # Bytes go to dedicated servers, which sets the default credit (Config.credit); set by create(). Chosen
+        # once: clients a failover makes keep it.
+        self._with_dedicated = False
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._fallback_colocated: list[str] = []  # and their addresses
@@ -125,10 +128,11 @@ class Runtime:
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
         worker, num_workers = (topology.node_rank, topology.num_nodes) if hierarchical else (rank, world_size)
-        failover = config.failover and num_workers > 1 and any(s.dedicated for s in weights)
+        with_dedicated = any(s.dedicated for s in weights)
+        failover = config.failover and num_workers > 1 and with_dedicated
         router_box: list = []  # the client's link-down handler reaches the router made after it
         client = _client(config, addresses, job_id, worker, num_workers, _client_keys(config, secret, weights),
-                         connect_timeout=timeout, failover=failover,
+                         connect_timeout=timeout, dedicated=with_dedicated, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
         local = None
@@ -160,7 +164,7 @@ class Runtime:
         engine = PushPullEngine(client, keys, local=local, local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
-        rt._secret = secret
+        rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:
             engine.router = rt._router(weights, worker, num_workers, _store_host(store), job_id)
             router_box.append(engine.router)
@@ -178,7 +182,7 @@ class Runtime:
 
         def make_client(servers, new_job_id, on_link_down):
             return _client(config, [s.address for s in servers], new_job_id, worker, num_workers,
-                           _client_keys(config, self._secret, servers), failover=True,
+                           _client_keys(config, self._secret, servers), dedicated=self._with_dedicated, failover=True,
                            on_link_down=on_link_down)  # fmt: skip
 
         def registry():
@@ -265,7 +269,8 @@ class Runtime:
         embedded = address in self._colocated or address in self._fallback_colocated
         held = self._secret if embedded else config.pool_credential  # dedicated: started with, standby, registered
         auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
-        return _client(config, [address], int.from_bytes(os.urandom(8), "little"), 0, 1, auth, connect_timeout)
+        job_id = int.from_bytes(os.urandom(8), "little")
+        return _client(config, [address], job_id, 0, 1, auth, connect_timeout, dedicated=self._with_dedicated)
 
     def _explain(self, error: BaseException) -> None:
         """Say, in the error, which ranks a server's "worker i" is, and whose process an embedded server was."""
@@ -318,14 +323,15 @@ class Runtime:
 
 
 def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_workers: int, auth,
-            connect_timeout: float | None = None, **failover):  # fmt: skip
-    """A Client with this config's timeouts, credit and socket buffers: the one place they are passed on."""
+            connect_timeout: float | None = None, *, dedicated: bool, **failover):  # fmt: skip
+    """A Client with this config's timeouts, credit and socket buffers: the one place they are passed on.
+    `dedicated`: the job's bytes go to dedicated servers (its default credit depends on it)."""
     from torch_bps.client import Client  # the C++ extension: imported when first needed
 
     return Client(addresses, job_id, worker, num_workers, timeout=config.timeout,
                   connect_timeout=connect_timeout or config.connect_timeout,
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
-                  credit_bytes=config.credit(),
+                  credit_bytes=config.credit(dedicated=dedicated),
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, **failover)  # fmt: skip
 

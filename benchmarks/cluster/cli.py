@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--credit-bytes",
         type=int,
         default=0,
-        help="byteps bytes in flight per worker (default 0: the library default, 2 MiB)",
+        help="byteps bytes in flight per worker (default 0: the library default, Config.credit)",
     )
     p.add_argument(
         "--socket-buffer-bytes",

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = None
     # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR
     config = Config.resolve()
-    credit = args.credit_bytes or config.credit()
+    credit = args.credit_bytes or config.credit(dedicated=k > 0)
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
                 credit_bytes=credit, server_credit_bytes=config.server_credit_bytes,
                 socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
