@@ -1,0 +1,102 @@
+// One end of a stream connection (docs/protocol.md, "The stream transport"): whole messages in, whole
+// messages out, on a non-blocking TCP socket, without ZeroMQ's I/O thread in between. Used by the client's
+// I/O thread (one per server) and by the server's loop thread (one per accepted stream), and only by that
+// thread: nothing here locks.
+//
+// Buffer lifetime: a queued frame is a Message, so a payload shared by reference count (a round's result,
+// a tensor wrapped without a copy) stays alive until its last byte went into the kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "message.h"
+
+namespace bps {
+
+constexpr uint64_t kStreamMore = uint64_t{1} << 63;  // a frame's length word: another frame follows
+constexpr size_t kStreamMaxFrames = 4;
+constexpr const char* kStreamGreeting = "BPS-STREAM-1";
+
+class StreamConn {
+ public:
+  // Own `fd` (connected or connecting, made non-blocking here, TCP_NODELAY set): frames longer than
+  // maxFrameBytes close the connection as soon as their length word is read, before any allocation.
+  StreamConn(int fd, uint64_t maxFrameBytes);
+  ~StreamConn();
+  StreamConn(const StreamConn&) = delete;
+  StreamConn& operator=(const StreamConn&) = delete;
+
+  int fd() const { return fd_; }
+  bool closed() const { return fd_ < 0; }
+  // Why it closed ("" while open).
+  const std::string& why() const { return why_; }
+
+  // Read what the socket has and append each complete message (its frames) to `out`, at most maxMessages
+  // of them per call. Returns false once the connection is closed (the peer closed it, an error, or a
+  // framing violation): why() says which; messages completed before that are still in `out`.
+  bool read(std::vector<std::vector<Message>>& out, size_t maxMessages);
+
+  // Bytes read from the socket but not yet taken into a message: after read() stopped at maxMessages, the
+  // caller must call it again without waiting for the socket (poll will not report these).
+  bool hasBuffered() const { return inEnd_ > inBegin_; }
+
+  // Queue one message; nothing is written before flush(). Small frames are copied in with their length word,
+  // bigger ones queued as they are (shared, not copied).
+  void queue(std::vector<Message>& frames);
+  // Write what the kernel takes now. Returns false once the connection is closed (why() says why).
+  bool flush();
+  bool wantsWrite() const { return !out_.empty(); }
+  uint64_t queuedBytes() const { return queuedBytes_; }
+
+  // Close the socket (idempotent); `why` is kept if none was yet.
+  void close(const std::string& why);
+
+  uint64_t bytesRead() const { return bytesRead_; }
+  uint64_t bytesWritten() const { return bytesWritten_; }
+
+ private:
+  bool fail(const std::string& why);
+  bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (EAGAIN)
+  bool takeFrameBytes();
+
+  struct Piece {
+    Message msg;
+    size_t offset = 0;  // bytes of msg already written
+  };
+
+  int fd_ = -1;
+  uint64_t maxFrameBytes_;
+  std::string why_;
+  bool wouldBlock_ = false;  // the last fill() found nothing to read
+
+  // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight
+  // into the frame.
+  std::vector<uint8_t> in_;
+  size_t inBegin_ = 0, inEnd_ = 0;
+  bool haveLength_ = false;
+  bool more_ = false;
+  Message frame_;
+  size_t frameFilled_ = 0;
+  std::vector<Message> frames_;  // the message being read
+
+  std::deque<Piece> out_;
+  uint64_t queuedBytes_ = 0;
+  uint64_t bytesRead_ = 0, bytesWritten_ = 0;
+};
+
+// Listen on host:port (port 0: any free one) for streams; returns the listening fd (non-blocking) and sets
+// *boundPort. Throws Error(kTransport) naming the address.
+int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort);
+
+// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); socketBufferBytes > 0 sets
+// SO_SNDBUF and SO_RCVBUF first. Returns the fd, connected or still connecting (poll it for writing, then
+// check connectResult); -1 with *why set if it failed at once.
+int connectStream(const std::string& host, uint16_t port, int socketBufferBytes, std::string* why);
+// After a connecting fd polled writable: "" if connected, else why not.
+std::string connectResult(int fd);
+
+}  // namespace bps
