@@ -39,7 +39,7 @@ void setNoDelay(int fd) {
 
 Message sized(size_t n) {
   Message m;
-  if (zmq_msg_init_size(m.get(), n) != 0) throw Error(ErrorKind::kInternal, "out of memory for a stream frame");
+  if (zmq_msg_init_size(m.get(), n) != 0) throw Error(ErrorKind::kTransport, "out of memory for a stream frame");
   return m;
 }
 

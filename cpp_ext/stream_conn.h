@@ -41,8 +41,10 @@ class StreamConn {
   bool read(std::vector<std::vector<Message>>& out, size_t maxMessages);
 
   // Bytes read from the socket but not yet taken into a message: after read() stopped at maxMessages, the
-  // caller must call it again without waiting for the socket (poll will not report these).
-  bool hasBuffered() const { return inEnd_ > inBegin_; }
+  // caller must call it again without waiting for the socket (poll will not report these). Not after read()
+  // stopped because the socket had nothing more: what is left then is part of a message, poll reports the rest
+  // (else a caller polling with timeout 0 while this holds would spin until the message's rest arrives).
+  bool hasBuffered() const { return inEnd_ > inBegin_ && !wouldBlock_; }
 
   // Queue one message; nothing is written before flush(). Small frames are copied in with their length word,
   // bigger ones queued as they are (shared, not copied).
