@@ -1,0 +1,285 @@
+"""The client's stream transport (docs/protocol.md, "The stream transport").
+
+First against a small protocol peer written here (a pyzmq ROUTER and a plain TCP listener in one thread, that
+answers one worker: a round's result is its push), which can misbehave on purpose: refuse AUTH, never answer,
+answer from another incarnation, drop the stream mid-round. Then end to end against real summation servers.
+Real sockets throughout, nothing mocked.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from torch_bps.client import Client
+from torch_bps.errors import TransportError
+from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header
+
+pytestmark = pytest.mark.timeout(120)
+
+MORE = 1 << 63
+GREETING = b"BPS-STREAM-1"
+INCARNATION = 0x1234_5678_9ABC_DEF0
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_message(conn: socket.socket) -> list[bytes] | None:
+    """One message of the stream framing (8-byte little-endian length word, bit 63: MORE); None once closed."""
+    frames = []
+    while True:
+        word = _read_exactly(conn, 8)
+        if word is None:
+            return None
+        (value,) = struct.unpack("<Q", word)
+        data = _read_exactly(conn, value & ~MORE)
+        if data is None:
+            return None
+        frames.append(data)
+        if not value & MORE:
+            return frames
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def write_message(conn: socket.socket, frames: list[bytes]) -> None:
+    out = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
+    conn.sendall(out)
+
+
+class FakeServer:
+    """A server for one worker on loopback: ZeroMQ (no auth) and, if `offer`, a stream listener.
+
+    offer: the stream port the HELLO reply offers: True (its listener), False (none) or a port number.
+    on_auth: "accept", "close" (refused) or "silent" (never answers).
+    stream_incarnation: what the stream's HELLO reply says (default: the server's).
+    drop_at_pull: close the stream instead of answering a PULL of this round (once).
+    """
+
+    def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None):
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.stream_port = self.listener.getsockname()[1]
+        self.offer = self.stream_port if offer is True else int(offer)
+        self.on_auth, self.stream_incarnation, self.drop_at_pull = on_auth, stream_incarnation, drop_at_pull
+        self.requests = {"zmq": collections.Counter(), "stream": collections.Counter()}
+        self.auths: list[list[bytes]] = []
+        self.streams_accepted = 0
+        self.keys: dict[tuple[int, int], bytearray] = {}
+        self.conns: dict[int, tuple[socket.socket, list[str]]] = {}  # fd -> (an open stream, [its state])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for conn, _ in self.conns.values():
+            conn.close()
+        self.listener.close()
+        self.router.close()
+        self.ctx.term()
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def answer(self, frames: list[bytes], via: str) -> list[bytes] | None:
+        h = Header.unpack(frames[0])
+        self.requests[via][Command(h.command).name] += 1
+        if h.command == Command.HELLO:
+            incarnation = INCARNATION if via == "zmq" else self.stream_incarnation
+            return [h.reply(incarnation=incarnation, length=self.offer if via == "zmq" else 0).pack()]
+        if h.command == Command.PUSH:
+            self.keys.setdefault((h.key, h.round), bytearray(h.nbytes))[h.offset : h.offset + h.length] = frames[1]
+        if h.command == Command.PULL:
+            if via == "stream" and h.round == self.drop_at_pull:
+                self.drop_at_pull = None
+                return None  # the caller closes the stream
+            data = bytes(self.keys[(h.key, h.round)][h.offset : h.offset + h.length])
+            return [h.reply().pack(), data]
+        if h.command == Command.STATS:
+            return [h.reply().pack(), bytes(8 * len(STATS_FIELDS))]
+        return [h.reply().pack()]
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.listener, zmq.POLLIN)
+        while not self._stop.is_set():
+            for item, _ in poller.poll(50):
+                if item is self.router:
+                    peer, *frames = self.router.recv_multipart()
+                    self.router.send_multipart([peer, *self.answer(frames, "zmq")])
+                elif item == self.listener.fileno():
+                    conn, _ = self.listener.accept()
+                    self.streams_accepted += 1
+                    self.conns[conn.fileno()] = (conn, ["auth"])
+                    poller.register(conn, zmq.POLLIN)
+                else:
+                    conn, state = self.conns[item]  # pyzmq's poller names a plain socket by its fd
+                    if not self._serve(conn, state):
+                        poller.unregister(conn)
+                        del self.conns[item]
+                        conn.close()
+
+    def _serve(self, conn: socket.socket, state: list[str]) -> bool:
+        """Read and answer one message of a stream; False: close it."""
+        frames = read_message(conn)
+        if frames is None:
+            return False
+        if state[0] == "auth":
+            self.auths.append(frames)
+            if self.on_auth == "close":
+                return False
+            if self.on_auth == "accept":
+                write_message(conn, [GREETING, b"200"])
+                state[0] = "open"
+            return True
+        if state[0] != "open":
+            return True
+        reply = self.answer(frames, "stream")
+        if reply is None:
+            return False
+        write_message(conn, reply)
+        return True
+
+
+def sums(client: Client, rounds: int, n: int = 1000, key: int = 7) -> None:
+    for rnd in range(rounds):
+        t = torch.arange(n, dtype=torch.float32) + rnd
+        assert torch.equal(client.push_pull(t.clone(), key).wait(), t)
+
+
+# ---- against the protocol peer above ----
+
+
+def test_requests_go_on_a_ready_stream_and_sums_come_back():
+    with FakeServer() as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True, timeout=10) as c:
+        assert c.stream_ready(0)  # hello() waited for it
+        assert srv.auths == [[GREETING, b"NULL"]]
+        sent0, received0 = c.bytes_sent()[0], c.bytes_received()[0]
+        stream0 = c.stream_bytes()[0]
+        sums(c, 3, n=1000)
+        big = torch.randn(3 << 20)  # 12 MiB: many partial writes and reads
+        assert torch.equal(c.push_pull(big.clone(), 9).wait(), big)
+        assert c.server_stats(0) == dict.fromkeys(STATS_FIELDS, 0)
+        # Every request went on the stream (ZeroMQ carried the HELLO only), counted in the totals too.
+        assert srv.requests["zmq"] == {"HELLO": 1}
+        assert srv.requests["stream"] == {"HELLO": 1, "INIT": 2, "PUSH": 4, "PULL": 4, "STATS": 1}
+        payload = 3 * 4000 + 4 * big.numel()
+        sent = c.bytes_sent()[0] - sent0
+        assert sent == c.stream_bytes()[0][0] - stream0[0] == 2 * HEADER_SIZE + 9 * HEADER_SIZE + payload
+        received = c.bytes_received()[0] - received0
+        assert received == c.stream_bytes()[0][1] - stream0[1] == 11 * HEADER_SIZE + payload + 8 * len(STATS_FIELDS)
+
+
+def test_zmq_transport_opens_no_stream():
+    with FakeServer() as srv, Client([srv.address], 1, 0, 1, auth=False, stream=False) as c:
+        sums(c, 2)
+        assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
+        assert srv.streams_accepted == 0 and srv.requests["stream"] == {}
+
+
+def test_a_server_offering_no_stream_is_used_over_zmq():
+    with FakeServer(offer=False) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True) as c:
+        sums(c, 2)
+        assert not c.stream_ready(0) and srv.streams_accepted == 0
+        assert srv.requests["zmq"]["PUSH"] == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"offer": unused_port()}, "cannot connect"),
+        ({"on_auth": "close"}, "during AUTH"),
+        ({"stream_incarnation": 99}, "incarnation 0x0000000000000063"),
+    ],
+    ids=["connect-refused", "auth-refused", "other-incarnation"],
+)
+def test_a_stream_that_fails_to_open_leaves_the_server_on_zmq(settings, said, capfd):
+    with FakeServer(**settings) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True, timeout=10) as c:
+        sums(c, 2)
+        assert not c.stream_ready(0)
+        assert srv.requests["zmq"]["PUSH"] == 2 and srv.requests["stream"]["PUSH"] == 0
+    lines = [line for line in capfd.readouterr().err.splitlines() if "no stream to server" in line]
+    assert len(lines) == 1 and srv.address in lines[0] and said in lines[0], lines
+
+
+def test_a_stream_never_admitted_times_out_and_zmq_carries_on(capfd):
+    with FakeServer(on_auth="silent") as srv:
+        t0 = time.monotonic()
+        with Client([srv.address], 1, 0, 1, auth=False, stream=True, timeout=10) as c:
+            assert 9 < time.monotonic() - t0 < 20  # hello() waited for the stream's 10 s, no longer
+            sums(c, 1)
+            assert not c.stream_ready(0) and srv.requests["zmq"]["PUSH"] == 1
+    assert "not ready within 10 s" in capfd.readouterr().err
+
+
+def test_a_dropped_stream_fails_the_round_at_once_then_a_new_stream_opens():
+    with FakeServer(drop_at_pull=1) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True, timeout=30) as c:
+        sums(c, 1, n=10)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=rf"lost the stream connection to server {srv.address}"):
+            c.push_pull(torch.ones(10), 7).wait()
+        assert time.monotonic() - t0 < 5
+        # Re-HELLO on ZeroMQ (same incarnation), then a new stream; requests meanwhile fail or go on ZeroMQ.
+        deadline = time.monotonic() + 10
+        while not c.stream_ready(0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.stream_ready(0) and srv.streams_accepted == 2
+        assert srv.requests["zmq"]["HELLO"] == 2
+        pushes = srv.requests["stream"]["PUSH"]
+        t = torch.arange(10.0)
+        assert torch.equal(c.push_pull(t.clone(), 7).wait(), t)
+        assert srv.requests["stream"]["PUSH"] == pushes + 1
+
+
+def test_close_with_a_stream_opening_never_hangs():
+    with FakeServer(on_auth="silent") as srv:
+        c = Client.__new__(Client)  # hello() would wait 10 s for the stream: close from another thread meanwhile
+        done = threading.Event()
+
+        def connect():
+            try:
+                Client.__init__(c, [srv.address], 1, 0, 1, auth=False, stream=True)
+            except Exception:
+                pass
+            done.set()
+
+        threading.Thread(target=connect, daemon=True).start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        c._impl.close()
+        assert done.wait(5) and time.monotonic() - t0 < 5
