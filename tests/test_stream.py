@@ -62,8 +62,13 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def write_message(conn: socket.socket, frames: list[bytes]) -> None:
+def write_message(conn: socket.socket, frames: list[bytes], pause: float = 0.0) -> None:
+    """Write one message; pause > 0: its first 4 bytes (half a length word), then the rest that much later."""
     out = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
+    if pause > 0:
+        conn.sendall(out[:4])
+        time.sleep(pause)
+        out = out[4:]
     conn.sendall(out)
 
 
@@ -74,9 +79,11 @@ class FakeServer:
     on_auth: "accept", "close" (refused) or "silent" (never answers).
     stream_incarnation: what the stream's HELLO reply says (default: the server's).
     drop_at_pull: close the stream instead of answering a PULL of this round (once).
+    pause_in_replies: seconds to wait on the stream between the first 4 bytes of each PULL reply and the rest.
     """
 
-    def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None):
+    def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None,
+                 pause_in_replies=0.0):  # fmt: skip
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -87,6 +94,7 @@ class FakeServer:
         self.stream_port = self.listener.getsockname()[1]
         self.offer = self.stream_port if offer is True else int(offer)
         self.on_auth, self.stream_incarnation, self.drop_at_pull = on_auth, stream_incarnation, drop_at_pull
+        self.pause_in_replies = pause_in_replies
         self.requests = {"zmq": collections.Counter(), "stream": collections.Counter()}
         self.auths: list[list[bytes]] = []
         self.streams_accepted = 0
@@ -172,7 +180,7 @@ class FakeServer:
         reply = self.answer(frames, "stream")
         if reply is None:
             return False
-        write_message(conn, reply)
+        write_message(conn, reply, self.pause_in_replies if len(reply) > 1 else 0.0)
         return True
 
 
@@ -264,6 +272,17 @@ def test_a_dropped_stream_fails_the_round_at_once_then_a_new_stream_opens():
         t = torch.arange(10.0)
         assert torch.equal(c.push_pull(t.clone(), 7).wait(), t)
         assert srv.requests["stream"]["PUSH"] == pushes + 1
+
+
+def test_a_message_arriving_in_pieces_does_not_spin_the_io_thread():
+    """Half a length word waits in the stream's buffer for a second: the IO thread sleeps in poll meanwhile
+    (StreamConn::hasBuffered() is false then), it does not poll with timeout 0 until the rest arrives."""
+    with FakeServer(pause_in_replies=1.0) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True) as c:
+        t = torch.arange(100.0)
+        cpu = time.process_time()  # every thread of this process: the client's IO thread and the peer's
+        assert torch.equal(c.push_pull(t.clone(), 3).wait(), t)
+        assert time.process_time() - cpu < 0.4
+        assert srv.requests["stream"]["PULL"] == 1
 
 
 def test_close_with_a_stream_opening_never_hangs():
