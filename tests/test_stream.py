@@ -20,6 +20,7 @@ import zmq
 
 from torch_bps.client import Client
 from torch_bps.errors import TransportError
+from torch_bps.security import ClientKeys, derive, new_secret
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,13 +81,23 @@ class FakeServer:
     stream_incarnation: what the stream's HELLO reply says (default: the server's).
     drop_at_pull: close the stream instead of answering a PULL of this round (once).
     pause_in_replies: seconds to wait on the stream between the first 4 bytes of each PULL reply and the rest.
+    mechanism: ZeroMQ's: "off", "token" (PLAIN) or "curve" (with the server keys of `secret`); its ZAP handler
+    admits everyone: the stream's AUTH is recorded, not checked.
     """
 
     def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None,
-                 pause_in_replies=0.0):  # fmt: skip
+                 pause_in_replies=0.0, mechanism="off", secret=""):  # fmt: skip
         self.ctx = zmq.Context()
+        self.zap = self.ctx.socket(zmq.REP)  # RFC 27: libzmq asks it about every PLAIN or CURVE connection
+        self.zap.bind("inproc://zeromq.zap.01")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        if mechanism == "token":
+            self.router.plain_server = True
+        elif mechanism == "curve":
+            keys = derive(secret, "server")
+            self.router.curve_server = True
+            self.router.curve_secretkey, self.router.curve_publickey = keys.secret, keys.public
         self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -115,6 +126,7 @@ class FakeServer:
             conn.close()
         self.listener.close()
         self.router.close()
+        self.zap.close()
         self.ctx.term()
 
     def __enter__(self) -> FakeServer:
@@ -145,9 +157,13 @@ class FakeServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.listener, zmq.POLLIN)
+        poller.register(self.zap, zmq.POLLIN)
         while not self._stop.is_set():
             for item, _ in poller.poll(50):
-                if item is self.router:
+                if item is self.zap:
+                    _version, request_id, *_ = self.zap.recv_multipart()
+                    self.zap.send_multipart([b"1.0", request_id, b"200", b"OK", b"anyone", b""])
+                elif item is self.router:
                     peer, *frames = self.router.recv_multipart()
                     self.router.send_multipart([peer, *self.answer(frames, "zmq")])
                 elif item == self.listener.fileno():
@@ -211,6 +227,29 @@ def test_requests_go_on_a_ready_stream_and_sums_come_back():
         assert sent == c.stream_bytes()[0][0] - stream0[0] == 2 * HEADER_SIZE + 9 * HEADER_SIZE + payload
         received = c.bytes_received()[0] - received0
         assert received == c.stream_bytes()[0][1] - stream0[1] == 11 * HEADER_SIZE + payload + 8 * len(STATS_FIELDS)
+
+
+def test_token_auth_sends_the_dealers_identity_and_token_in_auth():
+    secret = new_secret()
+    keys = ClientKeys.for_servers(secret, [secret], "token")
+    with FakeServer(mechanism="token") as srv, Client([srv.address], 1, 0, 1, auth=keys, stream=True) as c:
+        assert c.stream_ready(0)
+        assert srv.auths == [[GREETING, b"PLAIN", keys.client.public, keys.tokens[0]]]
+        sums(c, 1)
+        assert srv.requests["stream"]["PUSH"] == 1
+
+
+def test_curve_never_opens_a_stream_even_if_offered():
+    """A stream is not encrypted: under CURVE the client keeps to ZeroMQ, whatever the server offers."""
+    secret = new_secret()
+    keys = ClientKeys.for_servers(secret, [secret], "curve")
+    with (
+        FakeServer(mechanism="curve", secret=secret) as srv,
+        Client([srv.address], 1, 0, 1, auth=keys, stream=True) as c,
+    ):
+        sums(c, 2)
+        assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
+        assert srv.streams_accepted == 0 and srv.requests["zmq"]["PUSH"] == 2
 
 
 def test_zmq_transport_opens_no_stream():
