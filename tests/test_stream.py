@@ -9,6 +9,7 @@ Real sockets throughout, nothing mocked.
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import struct
 import threading
@@ -18,7 +19,8 @@ import pytest
 import torch
 import zmq
 
-from torch_bps.client import Client
+from tests.helpers import ServerProcess
+from torch_bps.client import Client, job_id_from_name
 from torch_bps.errors import TransportError
 from torch_bps.security import ClientKeys, derive, new_secret
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header
@@ -324,6 +326,28 @@ def test_a_message_arriving_in_pieces_does_not_spin_the_io_thread():
         assert srv.requests["stream"]["PULL"] == 1
 
 
+def wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_abandon_and_close_close_the_stream():
+    with FakeServer() as srv:
+        with Client([srv.address], 1, 0, 1, auth=False, stream=True, failover=True) as c:
+            assert c.stream_ready(0) and wait_for(lambda: len(srv.conns) == 1)
+            c.abandon(0, "failed over by a test")
+            assert not c.stream_ready(0)
+            assert wait_for(lambda: not srv.conns)  # the peer saw it close
+            with pytest.raises(TransportError, match="failed over by a test"):
+                c.push_pull(torch.ones(4), 1).wait()
+            assert srv.streams_accepted == 1  # and no new one
+        with Client([srv.address], 2, 0, 1, auth=False, stream=True) as c:
+            assert c.stream_ready(0) and wait_for(lambda: len(srv.conns) == 1)
+        assert wait_for(lambda: not srv.conns)
+
+
 def test_close_with_a_stream_opening_never_hangs():
     with FakeServer(on_auth="silent") as srv:
         c = Client.__new__(Client)  # hello() would wait 10 s for the stream: close from another thread meanwhile
@@ -341,3 +365,99 @@ def test_close_with_a_stream_opening_never_hangs():
         t0 = time.monotonic()
         c._impl.close()
         assert done.wait(5) and time.monotonic() - t0 < 5
+
+
+# ---- end to end: real summation servers (bps-server processes) ----
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
+
+
+def worker_data(worker: int, rnd: int, key: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * worker + 10 * rnd + key)
+    n = 5000 + 997 * key
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(0, 50, (n,), generator=g).to(dtype)
+
+
+def run_job(address: str, job_id: int, stream: bool, auth, num_workers: int = 2, rounds: int = 3):
+    """num_workers clients (threads, each its own sockets) push_pull every dtype's key for `rounds` rounds.
+    Returns (per worker {(key, round): result}, per worker ZeroMQ bytes sent during the job, per worker stream
+    bytes sent during the job)."""
+    clients = [Client([address], job_id, w, num_workers, auth=auth, stream=stream, timeout=30)
+               for w in range(num_workers)]  # fmt: skip
+    try:
+        before = [(c.bytes_sent()[0], c.stream_bytes()[0][0]) for c in clients]
+        results: list[dict] = [{} for _ in clients]
+        for rnd in range(rounds):
+            futures = []
+            for w, c in enumerate(clients):
+                for key, dtype in enumerate(DTYPES):
+                    futures.append((w, key, c.push_pull(worker_data(w, rnd, key, dtype), key)))
+            for w, key, f in futures:
+                results[w][(key, rnd)] = f.wait()
+        ready = [c.stream_ready(0) for c in clients]
+        after = [(c.bytes_sent()[0], c.stream_bytes()[0][0]) for c in clients]
+    finally:
+        for c in clients:
+            c.close()
+    zmq_bytes = [(a[0] - a[1]) - (b[0] - b[1]) for a, b in zip(after, before, strict=True)]
+    stream_bytes = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    return results, zmq_bytes, stream_bytes, ready
+
+
+@pytest.mark.parametrize("auth", [True, False], ids=["token", "off"])
+def test_sums_over_streams_are_those_over_zmq(auth):
+    server = ServerProcess(auth=auth)
+    try:
+        keys = None if auth else False  # None: the pool credential of the suite (BPS_AUTH=token)
+        by_zmq, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"zmq-{auth}"), False, keys)
+        assert not any(ready) and stream_bytes == [0, 0] and all(b > 0 for b in zmq_bytes)
+        by_stream, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"st-{auth}"), True, keys)
+        # Every request of the job went on the streams: ZeroMQ carried nothing after HELLO.
+        assert all(ready) and zmq_bytes == [0, 0] and all(b > 3 * 5000 for b in stream_bytes)
+        for w in range(2):
+            for (key, rnd), got in by_stream[w].items():
+                want = worker_data(0, rnd, key, DTYPES[key]) + worker_data(1, rnd, key, DTYPES[key])
+                assert torch.equal(got, by_zmq[w][(key, rnd)]) and torch.equal(got, want), (w, key, rnd)
+    finally:
+        server.stop()
+
+
+def test_curve_server_offers_no_stream_and_zmq_carries_the_job():
+    server = ServerProcess(extra_args=("--auth", "curve"))
+    try:
+        keys = ClientKeys.for_pool(os.environ["BPS_POOL_CREDENTIAL"], 5, 1, "curve")
+        with Client([server.address], 5, 0, 1, auth=keys, stream=True) as c:
+            sums(c, 2)
+            assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
+    finally:
+        server.stop()
+
+
+def test_a_server_with_streams_off_is_used_over_zmq():
+    server = ServerProcess(extra_args=("--stream", "off"))
+    try:
+        with Client([server.address], 6, 0, 1, stream=True) as c:
+            sums(c, 2)
+            assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
+    finally:
+        server.stop()
+
+
+def test_a_killed_server_fails_the_rounds_on_its_stream_at_once():
+    server = ServerProcess()
+    try:
+        with Client([server.address], 7, 0, 2, stream=True, timeout=60) as c:
+            assert c.stream_ready(0)
+            waiting = [c.push_pull(torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            server.kill()
+            for f in waiting:
+                with pytest.raises(TransportError, match=server.address):
+                    f.wait()
+            assert time.monotonic() - t0 < 5
+            assert not c.stream_ready(0)
+    finally:
+        server.kill()
