@@ -21,7 +21,8 @@ import zmq
 
 from tests.helpers import ServerProcess
 from torch_bps.client import Client, job_id_from_name
-from torch_bps.errors import TransportError
+from torch_bps.config import Config
+from torch_bps.errors import ConfigError, TransportError
 from torch_bps.security import ClientKeys, derive, new_secret
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header
 
@@ -461,3 +462,19 @@ def test_a_killed_server_fails_the_rounds_on_its_stream_at_once():
             assert not c.stream_ready(0)
     finally:
         server.kill()
+
+
+def test_transport_setting(monkeypatch):
+    monkeypatch.delenv("BPS_TRANSPORT", raising=False)
+    assert Config.resolve().transport == "zmq"
+    assert Config.resolve(transport="stream").transport == "stream"
+    monkeypatch.setenv("BPS_TRANSPORT", "stream")
+    assert Config.resolve().transport == "stream"
+    monkeypatch.setenv("BPS_TRANSPORT", "tcp")
+    with pytest.raises(ConfigError, match=r"BPS_TRANSPORT='tcp'.*zmq.*stream"):
+        Config.resolve()
+    with pytest.raises(ConfigError, match="'tcp'"):
+        Client(["127.0.0.1:1"], 1, 0, 1)  # the Client's default comes from BPS_TRANSPORT too
+    monkeypatch.delenv("BPS_TRANSPORT")
+    with pytest.raises(ConfigError, match="'udp'"):
+        Config.resolve(transport="udp")
