@@ -6,6 +6,9 @@
 // PUSH and PULL of the key's next round, all sent without waiting. A key's next push_pull is held back
 // until the previous round's PULL reply arrived (the protocol keeps at most two rounds alive per key).
 // Every wire request carries the operation's deadline, counted from when it was sent.
+//
+// With ClientOptions::stream, a server's operations go on its stream (StreamLink, client_stream.cpp) when it
+// was ready as the operation started, else on the DEALER; HELLO always goes on the DEALER.
 #pragma once
 
 #include <ATen/core/Tensor.h>
