@@ -229,7 +229,7 @@ class StreamPeer(RawPeer):
     def recv_any(self) -> tuple[Header, list[bytes]]:
         try:
             frames = self.recv_frames()
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError(f"no reply within {self.timeout} s") from None
         assert len(frames[0]) == HEADER_SIZE
         return Header.unpack(frames[0]), frames[1:]
@@ -241,7 +241,7 @@ class StreamPeer(RawPeer):
             while self.sock.recv(65536):
                 pass
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
         except OSError:
             return True
