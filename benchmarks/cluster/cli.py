@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         # What the runs inherited (BPS_TRANSPORT, BPS_MIDDLE_PARTITION_FACTOR...), never a secret.
         environment={
             k: v for k, v in os.environ.items() if k.startswith("BPS_") and "CREDENTIAL" not in k and "SECRET" not in k
-        },  # fmt: skip
+        },
     )
     print(report.format_table(result), flush=True)
     if args.json:
