@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 
 #include "errors.h"
 
@@ -39,7 +40,7 @@ void setNoDelay(int fd) {
 
 Message sized(size_t n) {
   Message m;
-  if (zmq_msg_init_size(m.get(), n) != 0) throw Error(ErrorKind::kTransport, "out of memory for a stream frame");
+  if (zmq_msg_init_size(m.get(), n) != 0) throw std::bad_alloc();
   return m;
 }
 
@@ -156,7 +157,9 @@ bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages
       }
       if (frames_.size() >= kStreamMaxFrames) return fail(formatText("a message of over %zu frames", kStreamMaxFrames));
       more_ = (word & kStreamMore) != 0;
-      frame_ = sized(static_cast<size_t>(length));
+      if (zmq_msg_init_size(frame_.get(), static_cast<size_t>(length)) != 0) {  // frame_ was moved out: empty
+        return fail(formatText("out of memory for a frame of %llu bytes", static_cast<unsigned long long>(length)));
+      }
       frameFilled_ = 0;
       haveLength_ = true;
     }

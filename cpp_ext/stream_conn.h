@@ -31,6 +31,7 @@ class StreamConn {
   StreamConn& operator=(const StreamConn&) = delete;
 
   int fd() const { return fd_; }
+  void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
   bool closed() const { return fd_ < 0; }
   // Why it closed ("" while open).
   const std::string& why() const { return why_; }
