@@ -436,12 +436,13 @@ def test_curve_server_offers_no_stream_and_zmq_carries_the_job():
         server.stop()
 
 
-def test_a_server_with_streams_off_is_used_over_zmq():
+def test_a_server_with_streams_off_is_used_over_zmq(capfd):
     server = ServerProcess(extra_args=("--stream", "off"))
     try:
         with Client([server.address], 6, 0, 1, stream=True) as c:
             sums(c, 2)
             assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
+        assert "no stream" not in capfd.readouterr().err  # none offered: none tried
     finally:
         server.stop()
 
