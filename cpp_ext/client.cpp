@@ -70,7 +70,13 @@ Client::Client(ClientOptions options, CompletionHandler onComplete, LinkDownHand
     ::close(wakeFd_);
     throw;
   }
-  for (size_t i = 0; i < n; ++i) streams_.push_back(std::make_unique<StreamLink>(options_.servers[i]));
+  for (size_t i = 0; i < n; ++i) {
+    streams_.push_back(std::make_unique<StreamLink>(options_.servers[i]));
+    streams_[i]->setPlacement([this, i](const Message& head, uint64_t length, Message& into) {
+      return placePull(i, head, length, into);
+    });
+  }
+  placingRequest_.assign(n, 0);
   streamForHello_.assign(n, false);
   incarnations_.assign(n, 0);
   ioIncarnations_.assign(n, 0);

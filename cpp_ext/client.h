@@ -273,6 +273,11 @@ class Client {
   void closeStream(size_t server, const std::string& why);
   void streamSettled(size_t server);
   bool sendOnStream(const OpPtr& op, const Header& h, uint16_t command);
+  // A ready stream dropped: the server's connection did (down, its requests fail, a re-HELLO goes out).
+  void streamLost(size_t server, const std::string& why);
+  // The stream's Placement: a PULL reply's payload goes straight into its op's destination tensor.
+  bool placePull(size_t server, const Message& head, uint64_t length, Message& into);
+  void stopPlacing(const Op& op);
   bool failIfDown(const OpPtr& op);
   // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
   // first is usually the cause (its rank fails, and takes its own embedded server with it).
@@ -294,7 +299,8 @@ class Client {
   Clock::duration timeout_;
   void* context_ = nullptr;
   std::vector<std::unique_ptr<ServerLink>> links_;
-  std::vector<std::unique_ptr<StreamLink>> streams_;  // one per server, active only while a stream is open
+  std::vector<std::unique_ptr<StreamLink>> streams_;
+  std::vector<uint64_t> placingRequest_;  // per server: the request whose reply placePull placed last  // one per server, active only while a stream is open
   int wakeFd_ = -1;
   std::thread ioThread_;
   CompletionPool pool_;

@@ -284,8 +284,9 @@ void Client::onReply(size_t server, const ReplyView& message) {
       bool whole = op->pullOffset == 0 && expected == op->nbytes;
       keepRound(*op, whole ? message.payload : op->src.data_ptr(), whole ? expected : op->src.nbytes(), whole);
     }
-    // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
-    if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload, expected);
+    // The one copy on the receive side: the received buffer -> the destination tensor (none when a stream read
+    // the payload straight into it: Client::placePull).
+    if (expected > 0 && message.payload != op->dst.data_ptr()) std::memcpy(op->dst.data_ptr(), message.payload, expected);
     if (command == kPull) trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
   }
   if (op->requests.empty()) finishOp(op);
@@ -415,6 +416,10 @@ void Client::forget(uint64_t requestId) {
 
 void Client::failOp(const OpPtr& op, ErrorInfo error) {
   if (op->done) return;
+  if (op->kind == kPush) {
+    stopPlacing(*op);  // may fail the server's ops, this one among them
+    if (op->done) return;
+  }
   if (op->kind == kPush) trace_.mark(kTraceFailed, traceId(op.get()), op->key, op->round, 0, op->server);
   for (uint64_t id : op->requests) forget(id);
   op->requests.clear();

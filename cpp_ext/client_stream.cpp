@@ -73,11 +73,47 @@ void Client::stepStream(size_t server, short revents) {
                  step.why.c_str());
     return;
   }
-  markDown(server, "lost the stream connection (" + step.why + ")");
-  failServer(server, "lost the stream connection to server " + address + " (" + step.why + ")");
+  streamLost(server, step.why);
+}
+
+void Client::streamLost(size_t server, const std::string& why) {
+  markDown(server, "lost the stream connection (" + why + ")");
+  failServer(server, "lost the stream connection to server " + links_[server]->address() + " (" + why + ")");
   // Ask at once whether it is still there (onReconnect acts on a link that is down, as this one now is): if its
   // ZeroMQ connection stayed up, nothing else would ever bring it back.
   onReconnect(server);
+}
+
+bool Client::placePull(size_t server, const Message& head, uint64_t length, Message& into) {
+  // Only a successful PULL reply of the size its request asked, to a request in flight on this server.
+  if (head.size() != kHeaderSize) return false;
+  uint16_t command = detail::load<uint16_t>(head.data(), 6), status = detail::load<uint16_t>(head.data(), 8);
+  if (command != (kPull | kReplyFlag) || status != kOk) return false;
+  uint64_t requestId = detail::load<uint64_t>(head.data(), 64);
+  auto found = inflight_.find(requestId);
+  if (found == inflight_.end() || found->second.command != kPull) return false;
+  const Op& op = *found->second.op;
+  if (op.server != server || op.dst.nbytes() != length) return false;
+  // Failover keeps a partial pull's pushed bytes after the reply arrived: they must not be overwritten first.
+  bool whole = op.pullOffset == 0 && length == op.nbytes;
+  if (options_.failover && !whole) return false;
+  into = tensorFrame(op.dst);
+  placingRequest_[server] = requestId;
+  return true;
+}
+
+void Client::stopPlacing(const Op& op) {
+  // A request that fails while its reply is being read into its destination: the caller may reuse that tensor
+  // at once, so the rest of the reply must not land there. Only closing the stream stops it.
+  StreamLink& stream = *streams_[op.server];
+  if (!stream.placing()) return;
+  for (uint64_t id : op.requests) {
+    if (id != placingRequest_[op.server]) continue;
+    std::string why = formatText("request %" PRIu64 " failed while its reply was arriving", id);
+    stream.close(why);
+    if (!stopping_) streamLost(op.server, why);
+    return;
+  }
 }
 
 void Client::closeStream(size_t server, const std::string& why) {

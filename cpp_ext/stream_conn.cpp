@@ -157,7 +157,8 @@ bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages
       }
       if (frames_.size() >= kStreamMaxFrames) return fail(formatText("a message of over %zu frames", kStreamMaxFrames));
       more_ = (word & kStreamMore) != 0;
-      if (zmq_msg_init_size(frame_.get(), static_cast<size_t>(length)) != 0) {  // frame_ was moved out: empty
+      placing_ = frames_.size() == 1 && length > 0 && placement_ && placement_(frames_[0], length, frame_);
+      if (!placing_ && zmq_msg_init_size(frame_.get(), static_cast<size_t>(length)) != 0) {  // frame_: empty
         return fail(formatText("out of memory for a frame of %llu bytes", static_cast<unsigned long long>(length)));
       }
       frameFilled_ = 0;
@@ -169,6 +170,7 @@ bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages
       continue;
     }
     haveLength_ = false;
+    placing_ = false;
     frames_.push_back(std::move(frame_));
     if (more_) continue;
     out.push_back(std::move(frames_));

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,15 @@ class StreamConn {
   ~StreamConn();
   StreamConn(const StreamConn&) = delete;
   StreamConn& operator=(const StreamConn&) = delete;
+
+  // Where a message's second frame (its payload) is read to: given the first frame and the payload's length,
+  // point `into` at memory of exactly that length (zmq_msg_init_data, e.g. a destination tensor kept alive by
+  // its free function) and return true; false: a buffer of the frame's own. Saves a copy and the fresh pages of
+  // a buffer per message on the client's pulls.
+  using Placement = std::function<bool(const Message& first, uint64_t length, Message& into)>;
+  void setPlacement(Placement placement) { placement_ = std::move(placement); }
+  // A payload is being read into placed memory (the message is not complete yet).
+  bool placing() const { return placing_; }
 
   int fd() const { return fd_; }
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
@@ -85,6 +95,8 @@ class StreamConn {
   Message frame_;
   size_t frameFilled_ = 0;
   std::vector<Message> frames_;  // the message being read
+  Placement placement_;
+  bool placing_ = false;
 
   std::deque<Piece> out_;
   uint64_t queuedBytes_ = 0;

@@ -51,6 +51,7 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int socketB
   int fd = connectStream(host, port, socketBufferBytes, &why);
   if (fd < 0) return why;
   conn_ = std::make_unique<StreamConn>(fd, kMaxReplyFrame);
+  conn_->setPlacement(placement_);
   state_ = StreamState::kConnecting;
   deadline_ = Clock::now() + kStreamOpenTimeout;
   port_ = port;

@@ -67,6 +67,11 @@ class StreamLink {
   // Handle what poll reported (revents 0: none; still flushes queued writes and checks the deadline).
   void step(short revents, StreamStep& out);
 
+  // Where payloads are read to (StreamConn::Placement), for every stream opened from now on.
+  void setPlacement(StreamConn::Placement placement) { placement_ = std::move(placement); }
+  // A payload is being read into placed memory.
+  bool placing() const { return conn_ && conn_->placing(); }
+
   // Queue one request (its frames; payloads shared, not copied) while ready; written by the next step().
   void send(std::vector<Message>& frames);
 
@@ -82,6 +87,7 @@ class StreamLink {
 
   std::string address_;
   std::unique_ptr<StreamConn> conn_;
+  StreamConn::Placement placement_;
   StreamState state_ = StreamState::kNone;
   std::atomic<bool> ready_{false};
   Clock::time_point deadline_{};
