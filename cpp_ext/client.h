@@ -277,7 +277,7 @@ class Client {
   void streamLost(size_t server, const std::string& why);
   // The stream's Placement: a PULL reply's payload goes straight into its op's destination tensor.
   bool placePull(size_t server, const Message& head, uint64_t length, Message& into);
-  void stopPlacing(const Op& op);
+  void stopPlacing(size_t server, uint64_t requestId);
   bool failIfDown(const OpPtr& op);
   // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
   // first is usually the cause (its rank fails, and takes its own embedded server with it).

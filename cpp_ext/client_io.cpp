@@ -416,15 +416,15 @@ void Client::forget(uint64_t requestId) {
 
 void Client::failOp(const OpPtr& op, ErrorInfo error) {
   if (op->done) return;
-  if (op->kind == kPush) {
-    stopPlacing(*op);  // may fail the server's ops, this one among them
-    if (op->done) return;
-  }
   if (op->kind == kPush) trace_.mark(kTraceFailed, traceId(op.get()), op->key, op->round, 0, op->server);
+  // A reply being read into this op's destination right now must stop before the IO thread reads on.
+  bool placing = op->kind == kPush && streams_[op->server]->placing() &&
+                 std::find(op->requests.begin(), op->requests.end(), placingRequest_[op->server]) != op->requests.end();
   for (uint64_t id : op->requests) forget(id);
   op->requests.clear();
   op->error = std::move(error);
   finishOp(op);
+  if (placing) stopPlacing(op->server, placingRequest_[op->server]);
 }
 
 void Client::pushEnded(const OpPtr& op) {
@@ -480,7 +480,13 @@ void Client::endPart(const OpPtr& op) {
 
 void Client::finishOp(const OpPtr& op) {
   op->done = true;
-  if (op->rehello) return;  // ours, not a caller's: the link simply stays down
+  if (op->rehello) {
+    // Ours, not a caller's: the link stays down. A server that is there but slow to answer is asked again (after
+    // a stream dropped nothing else would ask: its ZeroMQ connection never went down); a lost connection asks
+    // again when it comes back (onReconnect).
+    if (op->error.kind == ErrorKind::kTimeout && !stopping_) onReconnect(op->server);
+    return;
+  }
   pushEnded(op);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);

@@ -102,18 +102,13 @@ bool Client::placePull(size_t server, const Message& head, uint64_t length, Mess
   return true;
 }
 
-void Client::stopPlacing(const Op& op) {
-  // A request that fails while its reply is being read into its destination: the caller may reuse that tensor
-  // at once, so the rest of the reply must not land there. Only closing the stream stops it.
-  StreamLink& stream = *streams_[op.server];
-  if (!stream.placing()) return;
-  for (uint64_t id : op.requests) {
-    if (id != placingRequest_[op.server]) continue;
-    std::string why = formatText("request %" PRIu64 " failed while its reply was arriving", id);
-    stream.close(why);
-    if (!stopping_) streamLost(op.server, why);
-    return;
-  }
+void Client::stopPlacing(size_t server, uint64_t requestId) {
+  // The request failed while its reply was being read into its destination: the caller may reuse that tensor at
+  // once, so the rest of the reply must not land there. Only closing the stream stops it; the server's other
+  // requests on it go with it, as when a stream drops.
+  std::string why = formatText("request %" PRIu64 " failed while its reply was arriving", requestId);
+  streams_[server]->close(why);
+  if (!stopping_) streamLost(server, why);
 }
 
 void Client::closeStream(size_t server, const std::string& why) {

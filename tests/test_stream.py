@@ -9,6 +9,7 @@ Real sockets throughout, nothing mocked.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import struct
@@ -66,13 +67,14 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def write_message(conn: socket.socket, frames: list[bytes], pause: float = 0.0) -> None:
-    """Write one message; pause > 0: its first 4 bytes (half a length word), then the rest that much later."""
+def write_message(conn: socket.socket, frames: list[bytes], pause: float = 0.0, split: int = 4) -> None:
+    """Write one message; pause > 0: its first `split` bytes (default: half a length word), then the rest that
+    much later."""
     out = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
     if pause > 0:
-        conn.sendall(out[:4])
+        conn.sendall(out[:split])
         time.sleep(pause)
-        out = out[4:]
+        out = out[split:]
     conn.sendall(out)
 
 
@@ -84,12 +86,13 @@ class FakeServer:
     stream_incarnation: what the stream's HELLO reply says (default: the server's).
     drop_at_pull: close the stream instead of answering a PULL of this round (once).
     pause_in_replies: seconds to wait on the stream between the first 4 bytes of each PULL reply and the rest.
+    stall_in_payload: seconds to wait on the stream in the middle of each PULL reply's payload.
     mechanism: ZeroMQ's: "off", "token" (PLAIN) or "curve" (with the server keys of `secret`); its ZAP handler
     admits everyone: the stream's AUTH is recorded, not checked.
     """
 
     def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None,
-                 pause_in_replies=0.0, mechanism="off", secret=""):  # fmt: skip
+                 pause_in_replies=0.0, mechanism="off", secret="", stall_in_payload=0.0):  # fmt: skip
         self.ctx = zmq.Context()
         self.zap = self.ctx.socket(zmq.REP)  # RFC 27: libzmq asks it about every PLAIN or CURVE connection
         self.zap.bind("inproc://zeromq.zap.01")
@@ -108,7 +111,7 @@ class FakeServer:
         self.stream_port = self.listener.getsockname()[1]
         self.offer = self.stream_port if offer is True else int(offer)
         self.on_auth, self.stream_incarnation, self.drop_at_pull = on_auth, stream_incarnation, drop_at_pull
-        self.pause_in_replies = pause_in_replies
+        self.pause_in_replies, self.stall_in_payload = pause_in_replies, stall_in_payload
         self.requests = {"zmq": collections.Counter(), "stream": collections.Counter()}
         self.auths: list[list[bytes]] = []
         self.streams_accepted = 0
@@ -199,6 +202,10 @@ class FakeServer:
         reply = self.answer(frames, "stream")
         if reply is None:
             return False
+        if self.stall_in_payload and len(reply) > 1:
+            with contextlib.suppress(OSError):  # the client may close the stream meanwhile
+                write_message(conn, reply, split=HEADER_SIZE + 16 + len(reply[1]) // 2, pause=self.stall_in_payload)
+            return True
         write_message(conn, reply, self.pause_in_replies if len(reply) > 1 else 0.0)
         return True
 
@@ -325,6 +332,23 @@ def test_a_message_arriving_in_pieces_does_not_spin_the_io_thread():
         assert torch.equal(c.push_pull(t.clone(), 3).wait(), t)
         assert time.process_time() - cpu < 0.4
         assert srv.requests["stream"]["PULL"] == 1
+
+
+def test_a_pull_that_times_out_mid_reply_leaves_its_destination_alone():
+    """The stream reads a PULL reply's payload straight into the destination tensor. When the request fails
+    (here its deadline passes) with half the payload read, the rest must not land in a tensor the caller got
+    back with an error and may be using again: the client closes the stream, and carries on after a re-HELLO."""
+    n = 1 << 16  # 256 KiB of float32: the reply's payload is read straight into `out`
+    with FakeServer(stall_in_payload=4.0) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True,
+                                                         timeout=0.5) as c:  # fmt: skip
+        out = torch.zeros(n)
+        with pytest.raises(Exception, match="timed out"):
+            c.push_pull(torch.ones(n), 3, out=out).wait()  # the PULL's deadline: 0.5 s + 2 s of grace
+        seen = out.clone()
+        assert seen.any(), "the first half of the reply was read into out"
+        time.sleep(2.5)  # the fake server sends the rest now
+        assert torch.equal(out, seen), "nothing landed after the request failed"
+        assert wait_for(lambda: c.stream_ready(0), 10.0), "a new stream opened after the re-HELLO"
 
 
 def wait_for(condition, seconds: float = 5.0) -> bool:
