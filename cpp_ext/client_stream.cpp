@@ -73,8 +73,9 @@ void Client::stepStream(size_t server, short revents) {
                  step.why.c_str());
     return;
   }
-  markDown(server, "lost the stream connection (" + step.why + ")");
-  failServer(server, "lost the stream connection to server " + address + " (" + step.why + ")");
+  // Worded as ZeroMQ's drop (callers and tests match "lost the connection"), saying it was the stream.
+  markDown(server, "lost the connection (its stream closed: " + step.why + ")");
+  failServer(server, "lost the connection to server " + address + " (its stream closed: " + step.why + ")");
   // Ask at once whether it is still there (onReconnect acts on a link that is down, as this one now is): if its
   // ZeroMQ connection stayed up, nothing else would ever bring it back.
   onReconnect(server);
