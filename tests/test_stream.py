@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, run_ranks
 from torch_bps.client import Client, job_id_from_name
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError, TransportError
@@ -479,3 +479,21 @@ def test_transport_setting(monkeypatch):
     monkeypatch.delenv("BPS_TRANSPORT")
     with pytest.raises(ConfigError, match="'udp'"):
         Config.resolve(transport="udp")
+
+
+def _all_reduce_on_streams(rank, world, gloo):
+    import torch.distributed as dist
+
+    from torch_bps.runtime import _RUNTIMES
+
+    t = torch.full((100_000,), float(rank + 1))
+    dist.all_reduce(t)
+    client = _RUNTIMES["default"]._client
+    servers = len(client.servers)
+    return t[:2].tolist(), [client.stream_ready(s) for s in range(servers)], [b for b, _ in client.stream_bytes()]
+
+
+def test_a_job_with_bps_transport_stream_runs_on_streams():
+    """BPS_TRANSPORT=stream reaches the runtime's client: every embedded server's stream is ready and carried bytes."""
+    for total, ready, sent in run_ranks(_all_reduce_on_streams, 2, env={"BPS_TRANSPORT": "stream"}):
+        assert total == [3.0, 3.0] and all(ready) and all(b > 0 for b in sent), (ready, sent)
