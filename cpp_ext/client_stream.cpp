@@ -77,8 +77,9 @@ void Client::stepStream(size_t server, short revents) {
 }
 
 void Client::streamLost(size_t server, const std::string& why) {
-  markDown(server, "lost the stream connection (" + why + ")");
-  failServer(server, "lost the stream connection to server " + links_[server]->address() + " (" + why + ")");
+  // Worded as ZeroMQ's drop (callers and tests match "lost the connection"), saying it was the stream.
+  markDown(server, "lost the connection (its stream closed: " + why + ")");
+  failServer(server, "lost the connection to server " + links_[server]->address() + " (its stream closed: " + why + ")");
   // Ask at once whether it is still there (onReconnect acts on a link that is down, as this one now is): if its
   // ZeroMQ connection stayed up, nothing else would ever bring it back.
   onReconnect(server);

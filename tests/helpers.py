@@ -253,6 +253,10 @@ class TcpRelay:
     the clients are held, never delivered) and `cut()` (every connection dropped, as a dying link would).
 
     Example: `relay = TcpRelay(server.address, rate=256 << 10); Client([relay.address], ...)`.
+
+    It relays the server's ZeroMQ port only: a client with streams (BPS_TRANSPORT=stream) would reach the stream
+    port the server offers directly, around the relay's faults. Relayed servers run with `--stream off`, or their
+    clients with `stream=False`.
     """
 
     def __init__(self, target: str, rate: float | None = None):
