@@ -27,6 +27,7 @@ constexpr size_t kDirectRead = 16 << 10;
 // Frames up to this size are copied into one piece with their length word: one iovec, one allocation.
 constexpr size_t kInlineFrame = 256;
 constexpr int kMaxIov = 64;
+constexpr size_t kMaxLowWater = 1 << 20;
 
 void setNonBlocking(int fd) {
   int flags = fcntl(fd, F_GETFL, 0);
@@ -137,8 +138,16 @@ bool StreamConn::takeFrameBytes() {
   return true;
 }
 
+void StreamConn::setLowWater(size_t bytes) {
+  // The kernel caps it at half the receive buffer (and poll still reports end of stream and errors at once).
+  int want = static_cast<int>(std::min<size_t>(std::max<size_t>(bytes, 1), kMaxLowWater));
+  if (want == lowWater_) return;
+  if (setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowWater_ = want;
+}
+
 bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages) {
   if (closed()) return false;
+  setLowWater(1);
   wouldBlock_ = false;
   size_t done = 0;
   while (done < maxMessages) {
@@ -166,7 +175,12 @@ bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages
     }
     if (!takeFrameBytes()) return false;
     if (frameFilled_ < frame_.size()) {
-      if (wouldBlock_ || !fill()) return !closed();
+      if (wouldBlock_) {
+        // Not readable until the frame's rest is there: one wake-up per big frame, not one per segment.
+        setLowWater(frame_.size() - frameFilled_);
+        return true;
+      }
+      if (!fill()) return !closed();
       continue;
     }
     haveLength_ = false;

@@ -75,6 +75,7 @@ class StreamConn {
   bool fail(const std::string& why);
   bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (EAGAIN)
   bool takeFrameBytes();
+  void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
 
   struct Piece {
     Message msg;
@@ -85,6 +86,7 @@ class StreamConn {
   uint64_t maxFrameBytes_;
   std::string why_;
   bool wouldBlock_ = false;  // the last fill() found nothing to read
+  int lowWater_ = 1;
 
   // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight
   // into the frame.
