@@ -134,7 +134,7 @@ bool ServerStreams::send(const std::string& identity, std::vector<Message>& fram
 
 void ServerStreams::flush(const Closed& closed) {
   for (auto& [number, peer] : streams_) {
-    if (peer->conn->wantsWrite()) peer->conn->flush();
+    if (peer->conn->wantsWrite() && !peer->conn->writeBlocked()) peer->conn->flush();  // blocked: on POLLOUT
   }
   reap(closed);
 }

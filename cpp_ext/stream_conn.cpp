@@ -217,6 +217,7 @@ void StreamConn::queue(std::vector<Message>& frames) {
 
 bool StreamConn::flush() {
   if (closed()) return false;
+  writeBlocked_ = false;
   while (!out_.empty()) {
     iovec iov[kMaxIov];
     int count = 0;
@@ -231,7 +232,10 @@ bool StreamConn::flush() {
     ssize_t sent = ::sendmsg(fd_, &header, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (sent < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        writeBlocked_ = true;
+        return true;
+      }
       return fail(std::string("send failed: ") + std::strerror(errno));
     }
     size_t left = static_cast<size_t>(sent);

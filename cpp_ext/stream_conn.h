@@ -63,6 +63,9 @@ class StreamConn {
   // Write what the kernel takes now. Returns false once the connection is closed (why() says why).
   bool flush();
   bool wantsWrite() const { return !out_.empty(); }
+  // The last flush() left bytes the kernel would not take: flushing again before poll reports POLLOUT only
+  // costs a system call that fails.
+  bool writeBlocked() const { return writeBlocked_; }
   uint64_t queuedBytes() const { return queuedBytes_; }
 
   // Close the socket (idempotent); `why` is kept if none was yet.
@@ -86,6 +89,7 @@ class StreamConn {
   uint64_t maxFrameBytes_;
   std::string why_;
   bool wouldBlock_ = false;  // the last fill() found nothing to read
+  bool writeBlocked_ = false;
   int lowWater_ = 1;
 
   // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight

@@ -95,7 +95,8 @@ void StreamLink::step(short revents, StreamStep& out) {
     }
   }
   if (state_ != StreamState::kConnecting) {
-    if (conn_->wantsWrite() && !conn_->flush()) return fail(conn_->why(), out);
+    bool writable = !conn_->writeBlocked() || (revents & (ZMQ_POLLOUT | ZMQ_POLLERR));
+    if (conn_->wantsWrite() && writable && !conn_->flush()) return fail(conn_->why(), out);
     if ((revents & (ZMQ_POLLIN | ZMQ_POLLERR)) || conn_->hasBuffered()) {
       std::vector<std::vector<Message>> got;
       bool open;
@@ -111,7 +112,7 @@ void StreamLink::step(short revents, StreamStep& out) {
       }
       if (!open) return fail(conn_->why(), out);
       // Written at once: the HELLO queued by take() should not wait for the next poll.
-      if (conn_->wantsWrite() && !conn_->flush()) return fail(conn_->why(), out);
+      if (conn_->wantsWrite() && !conn_->writeBlocked() && !conn_->flush()) return fail(conn_->why(), out);
     }
   }
   if (opening() && Clock::now() >= deadline_) {
