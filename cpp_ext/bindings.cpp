@@ -85,7 +85,7 @@ class PyClient {
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
-           py::object onLinkDown = py::none()) {
+           py::object onLinkDown = py::none(), bool stream = false) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -120,6 +120,7 @@ class PyClient {
     options.serverCreditBytes = serverCreditBytes;
     options.socketBufferBytes = socketBufferBytes;
     options.failover = failover;
+    options.stream = stream;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
   }
@@ -259,19 +260,20 @@ PYBIND11_MODULE(_C, m) {
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
-                       int socketBufferBytes, bool failover, py::object onLinkDown) {
+                       int socketBufferBytes, bool failover, py::object onLinkDown, bool stream) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
-                                 serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown));
+                                 serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
            py::arg("identity") = "", py::arg("curve_secret") = "",
            py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
            py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
-           py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none())
+           py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
+           py::arg("stream") = false)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -333,6 +335,10 @@ PYBIND11_MODULE(_C, m) {
       .def("incarnations", [](PyClient& c) { return c.get().incarnations(); }, release())
       .def("bytes_sent", [](PyClient& c) { return c.get().bytesSent(); }, release())
       .def("bytes_received", [](PyClient& c) { return c.get().bytesReceived(); }, release())
+      .def("stream_ready", [](PyClient& c, size_t server) { return c.get().streamReady(server); }, py::arg("server"),
+           release())
+      .def("stream_bytes_sent", [](PyClient& c) { return c.get().streamBytesSent(); }, release())
+      .def("stream_bytes_received", [](PyClient& c) { return c.get().streamBytesReceived(); }, release())
       .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
       .def("post", &PyClient::post, py::arg("fn"))
       .def(

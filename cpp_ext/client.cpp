@@ -70,6 +70,14 @@ Client::Client(ClientOptions options, CompletionHandler onComplete, LinkDownHand
     ::close(wakeFd_);
     throw;
   }
+  for (size_t i = 0; i < n; ++i) {
+    streams_.push_back(std::make_unique<StreamLink>(options_.servers[i]));
+    streams_[i]->setPlacement([this, i](const Message& head, uint64_t length, Message& into) {
+      return placePull(i, head, length, into);
+    });
+  }
+  placingRequest_.assign(n, 0);
+  streamForHello_.assign(n, false);
   incarnations_.assign(n, 0);
   ioIncarnations_.assign(n, 0);
   linkStates_.assign(n, LinkState{});
@@ -138,8 +146,9 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
     }
   }
   std::unique_lock<std::mutex> lock(stateMutex_);
-  // Every HELLO ends: answered, past its deadline, disconnected, or failed by close().
-  helloDone_.wait(lock, [this] { return helloPending_ == 0; });
+  // Every HELLO ends: answered, past its deadline, disconnected, or failed by close(). Every stream its reply
+  // opened ends too: ready, failed, or past its own deadline (kStreamOpenTimeout), or closed with the client.
+  helloDone_.wait(lock, [this] { return helloPending_ == 0 && streamsOpening_ == 0; });
   std::string silent;
   for (size_t i = 0; i < n; ++i) {
     const ErrorInfo& e = helloErrors_[i];
@@ -300,13 +309,13 @@ std::vector<uint64_t> Client::incarnations() {
 
 std::vector<uint64_t> Client::bytesSent() const {
   std::vector<uint64_t> out;
-  for (const auto& link : links_) out.push_back(link->bytesSent());
+  for (size_t i = 0; i < links_.size(); ++i) out.push_back(links_[i]->bytesSent() + streams_[i]->bytesSent());
   return out;
 }
 
 std::vector<uint64_t> Client::bytesReceived() const {
   std::vector<uint64_t> out;
-  for (const auto& link : links_) out.push_back(link->bytesReceived());
+  for (size_t i = 0; i < links_.size(); ++i) out.push_back(links_[i]->bytesReceived() + streams_[i]->bytesReceived());
   return out;
 }
 

@@ -6,6 +6,9 @@
 // PUSH and PULL of the key's next round, all sent without waiting. A key's next push_pull is held back
 // until the previous round's PULL reply arrived (the protocol keeps at most two rounds alive per key).
 // Every wire request carries the operation's deadline, counted from when it was sent.
+//
+// With ClientOptions::stream, a server's operations go on its stream (StreamLink, client_stream.cpp) when it
+// was ready as the operation started, else on the DEALER; HELLO always goes on the DEALER.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,6 +32,7 @@
 #include "credit_queue.h"
 #include "errors.h"
 #include "server_link.h"
+#include "stream_link.h"
 #include "trace.h"
 #include "wire.h"
 
@@ -58,6 +62,19 @@ struct ClientOptions {
   // key the client counts completed rounds and keeps what its last completed round may still owe the other
   // workers (a copy of its whole result when it pulled the whole key, else of the bytes it pushed).
   bool failover = false;
+  // Streams (docs/protocol.md, "The stream transport"): beside each DEALER, a plain TCP connection to the
+  // stream port a server offers in its HELLO reply, read and written by the IO thread itself (ZeroMQ's
+  // I/O thread and wake-ups cost 70-130 us of CPU per message). Never under CURVE (a stream is not encrypted).
+  bool stream = false;
+};
+
+// One received message as onReply reads it, whichever connection it came on.
+struct ReplyView {
+  const uint8_t* header = nullptr;
+  size_t headerSize = 0;
+  const uint8_t* payload = nullptr;  // the second frame, if any
+  size_t payloadSize = 0;
+  size_t frames = 0;
 };
 
 // A batch part's outcome (pushPullBatch's `outcomes`).
@@ -155,6 +172,11 @@ class Client {
   std::vector<uint64_t> incarnations();
   std::vector<uint64_t> bytesSent() const;
   std::vector<uint64_t> bytesReceived() const;
+  // Streams: whether server's stream is ready now (its operations' requests go on it), and the bytes (message
+  // frames, as in bytesSent) each stream carried; both also count in bytesSent()/bytesReceived().
+  bool streamReady(size_t server) const;
+  std::vector<uint64_t> streamBytesSent() const;
+  std::vector<uint64_t> streamBytesReceived() const;
   size_t completionThreads() { return pool_.threadCount(); }
   // The timeline of the partitions' steps (BPS_TRACE), recorded by the IO thread while on.
   TraceBuffer& trace() { return trace_; }
@@ -202,6 +224,7 @@ class Client {
     int64_t credit = 0;  // credit bytes this part holds (taken when it left the queue, returned once)
     bool pushInFlight = false;  // its PUSH was sent and is not yet acknowledged
     size_t partIndex = 0;  // a batch part's index in its batch
+    bool stream = false;  // its requests go on the server's stream (ready when the op started), else on ZeroMQ
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -240,10 +263,21 @@ class Client {
   void pushEnded(const OpPtr& op);
   void endPart(const OpPtr& op);
   bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
-  void onReply(size_t server, Message& message);
+  void onReply(size_t server, const ReplyView& message);
   void onDisconnect(size_t server);
   void onReconnect(size_t server);
-  void onRehello(const OpPtr& op, uint64_t incarnation);
+  void onRehello(const OpPtr& op, uint64_t incarnation, uint64_t streamPort);
+  // Streams (client_stream.cpp).
+  void openStream(size_t server, uint64_t port, bool forHello);
+  void stepStream(size_t server, short revents);
+  void closeStream(size_t server, const std::string& why);
+  void streamSettled(size_t server);
+  bool sendOnStream(const OpPtr& op, const Header& h, uint16_t command);
+  // A ready stream dropped: the server's connection did (down, its requests fail, a re-HELLO goes out).
+  void streamLost(size_t server, const std::string& why);
+  // The stream's Placement: a PULL reply's payload goes straight into its op's destination tensor.
+  bool placePull(size_t server, const Message& head, uint64_t length, Message& into);
+  void stopPlacing(size_t server, uint64_t requestId);
   bool failIfDown(const OpPtr& op);
   // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
   // first is usually the cause (its rank fails, and takes its own embedded server with it).
@@ -265,6 +299,8 @@ class Client {
   Clock::duration timeout_;
   void* context_ = nullptr;
   std::vector<std::unique_ptr<ServerLink>> links_;
+  std::vector<std::unique_ptr<StreamLink>> streams_;
+  std::vector<uint64_t> placingRequest_;  // per server: the request whose reply placePull placed last  // one per server, active only while a stream is open
   int wakeFd_ = -1;
   std::thread ioThread_;
   CompletionPool pool_;
@@ -282,6 +318,7 @@ class Client {
   size_t helloPending_ = 0;
   std::vector<ErrorInfo> helloErrors_;
   std::vector<uint64_t> incarnations_;
+  size_t streamsOpening_ = 0;  // streams opened by hello()'s replies and not yet ready or failed: hello() waits
 
   // Failover's per-key rounds (ClientOptions::failover), guarded by keptMutex_: written by the IO thread
   // when a round completes, read by failover.
@@ -300,6 +337,7 @@ class Client {
   // IO thread state.
   std::vector<uint64_t> ioIncarnations_;
   std::vector<LinkState> linkStates_;
+  std::vector<bool> streamForHello_;  // this server's opening stream is counted in streamsOpening_
   std::unordered_map<uint64_t, Request> inflight_;
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
   std::unordered_map<uint64_t, KeyState> keys_;

@@ -18,15 +18,28 @@ void Client::ioLoop() {
   // Named so that top -H, perf and /proc tell it from the completion threads and Python's.
   pthread_setname_np(pthread_self(), "bps-client-io");
   size_t n = links_.size();
-  // Poll order: the wake-up eventfd, then per server its DEALER and its monitor.
+  // Poll order: the wake-up eventfd, then per server its DEALER and its monitor, then the open streams' fds.
   std::vector<zmq_pollitem_t> items(1 + 2 * n);
   items[0] = {nullptr, wakeFd_, ZMQ_POLLIN, 0};
   for (size_t i = 0; i < n; ++i) {
     items[1 + 2 * i] = {links_[i]->socket(), 0, ZMQ_POLLIN, 0};
     items[2 + 2 * i] = {links_[i]->monitor(), 0, ZMQ_POLLIN, 0};
   }
+  // The server of each stream item, and which of its streams was polled.
+  std::vector<std::pair<size_t, uint64_t>> streamServers;
   try {
     for (;;) {
+      // Streams: write what was queued since the last poll (one writev for a burst of requests), check their
+      // opening deadlines, then poll those still open (POLLOUT only while connecting or while writes wait).
+      items.resize(1 + 2 * n);
+      streamServers.clear();
+      for (size_t i = 0; i < n; ++i) {
+        if (!streams_[i]->active()) continue;
+        stepStream(i, 0);
+        if (!streams_[i]->active()) continue;
+        items.push_back({nullptr, streams_[i]->fd(), streams_[i]->pollEvents(), 0});
+        streamServers.emplace_back(i, streams_[i]->generation());
+      }
       int rc = zmq_poll(items.data(), static_cast<int>(items.size()), pollTimeoutMs());
       if (rc < 0 && zmq_errno() != EINTR) {
         throw Error(ErrorKind::kTransport, std::string("zmq_poll failed: ") + zmq_strerror(zmq_errno()));
@@ -44,15 +57,22 @@ void Client::ioLoop() {
       for (size_t i = 0; i < n; ++i) {
         // Replies first: those that arrived before a disconnect still count.
         for (;;) {
-          Message message;
+          LinkMessage message;
           if (!links_[i]->receive(message)) break;
-          onReply(i, message);
+          onReply(i, ReplyView{message.header.data(), message.header.size(), message.payload.data(),
+                               message.payload.size(), message.frames});
         }
         LinkEvent event;
         while ((event = links_[i]->readMonitor()) != LinkEvent::kNothing) {
           if (event == LinkEvent::kDisconnected) onDisconnect(i);
           if (event == LinkEvent::kConnected) onReconnect(i);
         }
+      }
+      for (size_t k = 0; k < streamServers.size(); ++k) {
+        auto [i, generation] = streamServers[k];
+        short revents = rc > 0 ? items[1 + 2 * n + k].revents : 0;
+        // Closed above (a dropped link closes its stream), maybe reopened on the same fd number: not this one.
+        if (streams_[i]->active() && streams_[i]->generation() == generation) stepStream(i, revents);
       }
       expireDeadlines();
       sendQueued();  // acknowledgements and failures above may have returned credit
@@ -65,6 +85,12 @@ void Client::ioLoop() {
   failEverything(ioFailure_.empty() ? "the torch_bps client was closed"
                                     : "the torch_bps client failed (" + ioFailure_ + ")");
   for (auto& link : links_) link->close();
+  for (size_t i = 0; i < n; ++i) closeStream(i, "the client was closed");
+  {
+    std::lock_guard<std::mutex> lock(stateMutex_);
+    streamsOpening_ = 0;  // nobody waits for a stream after the IO thread is gone
+    helloDone_.notify_all();
+  }
   std::lock_guard<std::mutex> lock(abandonMutex_);
   abandonsDone_ = abandonsAsked_;  // nobody waits for an abandon() after the IO thread is gone
   abandonDone_.notify_all();
@@ -82,6 +108,7 @@ void Client::takeSubmissions() {
     for (auto& [server, why] : abandons) {
       markDown(server, why);
       linkStates_[server].abandoned = true;
+      closeStream(server, "failed over");  // markDown did if the link was up; never reopened once abandoned
       failServer(server, "server " + links_[server]->address() + " was failed over (" + why + ")");
     }
     std::lock_guard<std::mutex> lock(abandonMutex_);
@@ -117,6 +144,7 @@ void Client::start(const OpPtr& op) {
   }
   if (op->kind != kHello && failIfDown(op)) return;
   if (op->kind != kPush) {
+    op->stream = op->kind == kStats && streams_[op->server]->ready();  // a HELLO always goes on ZeroMQ
     sendRequest(op, op->kind, Clock::now() + op->timeout);
     return;
   }
@@ -127,6 +155,7 @@ void Client::start(const OpPtr& op) {
   }
   key.busy = true;
   op->holdsKey = true;
+  op->stream = streams_[op->server]->ready();  // all of the op's requests on one connection, in order
   op->round = key.nextRound++;
   auto deadline = Clock::now() + op->timeout;
   // INIT, PUSH and PULL are pipelined: the server handles one peer's messages in order.
@@ -165,7 +194,9 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
     h.length = op->dst.nbytes();
   }
   ServerLink& link = *links_[op->server];
-  if (!link.send(h, command == kPush ? &op->src : nullptr)) {
+  if (op->stream) {
+    if (!sendOnStream(op, h, command)) return false;
+  } else if (!link.send(h, command == kPush ? &op->src : nullptr)) {
     failOp(op, {ErrorKind::kTransport, 0,
                 formatText("cannot send %s to server %s: %s (%s)", commandName(command), link.address().c_str(),
                        zmq_strerror(zmq_errno()), describe(*op).c_str())});
@@ -186,11 +217,11 @@ bool Client::sendRequest(const OpPtr& op, uint16_t command, Clock::time_point de
   return true;
 }
 
-void Client::onReply(size_t server, Message& message) {
+void Client::onReply(size_t server, const ReplyView& message) {
   const ServerLink& link = *links_[server];
   Header h;
   try {
-    h = unpackHeader(message.header.data(), message.header.size());
+    h = unpackHeader(message.header, message.headerSize);
   } catch (const Error& e) {
     // Nothing to fail: a header we cannot parse names no request.
     std::fprintf(stderr, "torch_bps: dropped a malformed reply from server %s: %s\n", link.address().c_str(), e.what());
@@ -213,7 +244,7 @@ void Client::onReply(size_t server, Message& message) {
     return;
   }
   if (h.status != kOk) {
-    std::string text(reinterpret_cast<const char*>(message.payload.data()), message.payload.size());
+    std::string text(reinterpret_cast<const char*>(message.payload), message.payloadSize);
     if (text.empty()) text = "(no message)";
     failOp(op, {ErrorKind::kServer, h.status,
                 text + formatText(" [%s from server %s to %s; %s]", statusName(h.status), link.address().c_str(),
@@ -226,16 +257,19 @@ void Client::onReply(size_t server, Message& message) {
     pushEnded(op);
   }
   if (command == kHello && op->rehello) {
-    onRehello(op, h.incarnation);
+    onRehello(op, h.incarnation, h.length);
     return;
   }
   if (command == kHello) {
     ioIncarnations_[server] = h.incarnation;
-    std::lock_guard<std::mutex> lock(stateMutex_);
-    incarnations_[server] = h.incarnation;
+    {
+      std::lock_guard<std::mutex> lock(stateMutex_);
+      incarnations_[server] = h.incarnation;
+    }
+    openStream(server, h.length, true);  // before finishOp: hello() then also waits for the stream
   } else if (command == kPull || command == kStats) {
     size_t expected = command == kPull ? op->dst.nbytes() : kStatsCounters * sizeof(uint64_t);
-    size_t got = message.frames == 2 ? message.payload.size() : 0;
+    size_t got = message.frames == 2 ? message.payloadSize : 0;
     if (message.frames != 2 || got != expected) {
       failOp(op, {ErrorKind::kProtocol, kBadFrame,
                   formatText("server %s answered %s with %zu frames and %zu payload bytes, expected 2 and %zu (%s)",
@@ -248,10 +282,11 @@ void Client::onReply(size_t server, Message& message) {
       // PULL (one connection, in order). Keep what it may still owe the others: its whole result, else its
       // pushed bytes, taken before the copy below may overwrite them.
       bool whole = op->pullOffset == 0 && expected == op->nbytes;
-      keepRound(*op, whole ? message.payload.data() : op->src.data_ptr(), whole ? expected : op->src.nbytes(), whole);
+      keepRound(*op, whole ? message.payload : op->src.data_ptr(), whole ? expected : op->src.nbytes(), whole);
     }
-    // The one copy on the receive side: ZeroMQ's buffer -> the destination tensor.
-    if (expected > 0) std::memcpy(op->dst.data_ptr(), message.payload.data(), expected);
+    // The one copy on the receive side: the received buffer -> the destination tensor (none when a stream read
+    // the payload straight into it: Client::placePull).
+    if (expected > 0 && message.payload != op->dst.data_ptr()) std::memcpy(op->dst.data_ptr(), message.payload, expected);
     if (command == kPull) trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
   }
   if (op->requests.empty()) finishOp(op);
@@ -268,6 +303,8 @@ void Client::markDown(size_t server, const std::string& why) {
   state.down = true;
   state.why = why;
   state.since = Clock::now();
+  // Down means no stream either: the server lost this worker with the connection; a re-HELLO opens a new one.
+  closeStream(server, why);
   if (onLinkDown_) pool_.post([this, server, why] { onLinkDown_(server, why); });
 }
 
@@ -313,12 +350,13 @@ void Client::onReconnect(size_t server) {
   sendRequest(op, kHello, Clock::now() + op->timeout);
 }
 
-void Client::onRehello(const OpPtr& op, uint64_t incarnation) {
+void Client::onRehello(const OpPtr& op, uint64_t incarnation, uint64_t streamPort) {
   op->done = true;
   LinkState& state = linkStates_[op->server];
   if (state.abandoned) return;
   if (incarnation == ioIncarnations_[op->server]) {
     state = LinkState{};
+    openStream(op->server, streamPort, false);
   } else {
     state.why = formatText("restarted (incarnation 0x%016" PRIx64 ", now 0x%016" PRIx64 ") and lost this job's sums",
                            ioIncarnations_[op->server], incarnation);
@@ -353,8 +391,17 @@ void Client::expireDeadlines() {
 }
 
 int Client::pollTimeoutMs() const {
-  if (deadlines_.empty()) return -1;
-  auto left = deadlines_.begin()->first - Clock::now();
+  bool any = !deadlines_.empty();
+  Clock::time_point next = any ? deadlines_.begin()->first : Clock::time_point::max();
+  for (const auto& stream : streams_) {
+    if (stream->hasBuffered()) return 0;  // bytes read but not parsed: poll would not report them
+    if (stream->opening()) {
+      any = true;
+      next = std::min(next, stream->deadline());
+    }
+  }
+  if (!any) return -1;
+  auto left = next - Clock::now();
   if (left <= Clock::duration::zero()) return 0;
   // Round up: waking a little late is fine, spinning on a not-yet-due deadline is not.
   return static_cast<int>(std::min<int64_t>(std::chrono::ceil<std::chrono::milliseconds>(left).count(), 1 << 30));
@@ -370,10 +417,14 @@ void Client::forget(uint64_t requestId) {
 void Client::failOp(const OpPtr& op, ErrorInfo error) {
   if (op->done) return;
   if (op->kind == kPush) trace_.mark(kTraceFailed, traceId(op.get()), op->key, op->round, 0, op->server);
+  // A reply being read into this op's destination right now must stop before the IO thread reads on.
+  bool placing = op->kind == kPush && streams_[op->server]->placing() &&
+                 std::find(op->requests.begin(), op->requests.end(), placingRequest_[op->server]) != op->requests.end();
   for (uint64_t id : op->requests) forget(id);
   op->requests.clear();
   op->error = std::move(error);
   finishOp(op);
+  if (placing) stopPlacing(op->server, placingRequest_[op->server]);
 }
 
 void Client::pushEnded(const OpPtr& op) {
@@ -429,7 +480,13 @@ void Client::endPart(const OpPtr& op) {
 
 void Client::finishOp(const OpPtr& op) {
   op->done = true;
-  if (op->rehello) return;  // ours, not a caller's: the link simply stays down
+  if (op->rehello) {
+    // Ours, not a caller's: the link stays down. A server that is there but slow to answer is asked again (after
+    // a stream dropped nothing else would ask: its ZeroMQ connection never went down); a lost connection asks
+    // again when it comes back (onReconnect).
+    if (op->error.kind == ErrorKind::kTimeout && !stopping_) onReconnect(op->server);
+    return;
+  }
   pushEnded(op);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);

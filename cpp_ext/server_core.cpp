@@ -57,6 +57,7 @@ void ServerCore::setOption(int option, int64_t value) {
   int rc;
   if (option == ZMQ_MAXMSGSIZE) {  // the one int64 option a server sets
     rc = zmq_setsockopt(router_, option, &value, sizeof(value));
+    if (value > 0) streams_.setMaxFrameBytes(static_cast<uint64_t>(value));
   } else {
     int small = static_cast<int>(value);
     rc = zmq_setsockopt(router_, option, &small, sizeof(small));
@@ -65,6 +66,7 @@ void ServerCore::setOption(int option, int64_t value) {
 }
 
 void ServerCore::setOption(int option, const std::string& value) {
+  if (option == ZMQ_ZAP_DOMAIN) zapDomain_ = value;  // a stream's AUTH is asked of the ZAP handler in it too
   if (zmq_setsockopt(router_, option, value.data(), value.size()) != 0) fail(formatText("ROUTER option %d", option));
 }
 
@@ -83,42 +85,61 @@ std::string ServerCore::bind(const std::string& endpoint) {
   return std::string(last);
 }
 
+uint16_t ServerCore::listenStream(const std::string& host) { return streams_.listen(host); }
+
 void ServerCore::run(ControlPlane& control, double tickSeconds) {
   // The monitor first: a disconnect must be seen before a message from a new connection that reuses its fd
-  // number (its HELLO would otherwise be recorded, then dropped with the old connection).
-  zmq_pollitem_t items[3] = {{monitor_, 0, ZMQ_POLLIN, 0}, {router_, 0, ZMQ_POLLIN, 0}, {zap_, 0, ZMQ_POLLIN, 0}};
-  int count = zap_ ? 3 : 2;
+  // number (its HELLO would otherwise be recorded, then dropped with the old connection). Then the ZAP
+  // socket (always polled: a placeholder without authentication, never ready), the ROUTER, the streams.
+  std::vector<zmq_pollitem_t> items;
   std::vector<Message> frames;
   frames.reserve(4);
+  auto admit = [&](StreamPeer& peer, std::vector<Message>& auth) { return admitStream(peer, auth, control); };
+  auto deliver = [&](StreamPeer& peer, std::vector<Message>& request) {
+    handle(request, control, &peer);
+    ++counters_.requests;
+  };
+  auto closed = [&](const StreamPeer& peer) { control.onDisconnect(peer.fd); };
   double now = monotonicSeconds();
   double nextTick = now + tickSeconds, nextExpire = now + kExpireSeconds;
   try {
     for (;;) {
+      items.clear();
+      items.push_back({monitor_, 0, ZMQ_POLLIN, 0});
+      items.push_back({zap_ ? zap_ : monitor_, 0, static_cast<short>(zap_ ? ZMQ_POLLIN : 0), 0});
+      items.push_back({router_, 0, ZMQ_POLLIN, 0});
+      streams_.addPollItems(items);
       double wait = std::min(nextTick, nextExpire) - monotonicSeconds();
-      long timeoutMs = wait > 0 ? static_cast<long>(wait * 1000) + 1 : 0;
-      int ready = zmq_poll(items, count, timeoutMs);
+      long timeoutMs = streams_.hasBuffered() ? 0 : wait > 0 ? static_cast<long>(wait * 1000) + 1 : 0;
+      int ready = zmq_poll(items.data(), static_cast<int>(items.size()), timeoutMs);
       if (ready < 0) {
         if (zmq_errno() != EINTR) fail("zmq_poll");
         nextTick = 0;  // a signal: let the control plane look at it now (its handler may have asked to stop)
       }
-      if (ready > 0) {
+      if (ready > 0 || streams_.hasBuffered()) {
         if (items[0].revents & ZMQ_POLLIN) drainMonitor(control);
-        if (count == 3 && (items[2].revents & ZMQ_POLLIN)) serveZap(control);
-        if (items[1].revents & ZMQ_POLLIN) {
-          int64_t woke = trace_.on() ? realtimeNs() : 0;
-          int read = 0;
-          for (; read < kBatch && receive(frames); ++read) handle(frames, control);
+        if (items[1].revents & ZMQ_POLLIN) serveZap(control);
+        int64_t woke = trace_.on() ? realtimeNs() : 0;
+        uint64_t before = counters_.requests;
+        if (items[2].revents & ZMQ_POLLIN) {
+          for (int read = 0; read < kBatch && receive(frames); ++read) {
+            handle(frames, control, nullptr);
+            ++counters_.requests;
+          }
+        }
+        streams_.serve(items, 3, monotonicSeconds(), admit, deliver, closed);
+        uint64_t read = counters_.requests - before;
+        if (read > 0) {
           ++counters_.wakeups;
-          counters_.requests += read;
           if (trace_.on()) {
-            trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, static_cast<uint64_t>(read), 0,
-                                     kTraceWake});
+            trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, read, 0, kTraceWake});
           }
         }
       }
       now = monotonicSeconds();
       if (now >= nextExpire) {
         expireWaiting(now);
+        streams_.expire(now, closed);
         nextExpire = now + kExpireSeconds;
       }
       if (now >= nextTick) {
@@ -134,6 +155,7 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
 }
 
 void ServerCore::close() {
+  streams_.closeAll();
   if (router_) {
     zmq_socket_monitor(router_, nullptr, 0);
     zmq_close(router_);
@@ -160,18 +182,52 @@ bool ServerCore::receive(std::vector<Message>& frames) {
   }
 }
 
-void ServerCore::handle(std::vector<Message>& frames, ControlPlane& control) {
-  // frames[0] is the ROUTER's identity of the peer. The hot path: PUSH (header + payload) or PULL (header).
+void ServerCore::handle(std::vector<Message>& frames, ControlPlane& control, const StreamPeer* stream) {
+  // frames[0] is the peer's identity. A ROUTER peer claiming a stream's would have its replies sent there.
+  if (!stream && isStreamIdentity(frames[0].data(), frames[0].size())) return;
+  // The hot path: PUSH (header + payload) or PULL (header).
   if ((frames.size() == 2 || frames.size() == 3) && frames[1].size() == kHeaderSize) {
     const uint8_t* head = frames[1].data();
     uint16_t command = detail::load<uint16_t>(head, 6);
     if (detail::load<uint32_t>(head, 0) == kMagic && detail::load<uint16_t>(head, 4) == kVersion &&
         ((command == kPush && frames.size() == 3) || (command == kPull && frames.size() == 2))) {
       Header h = unpackHeader(head, kHeaderSize);  // checked above: cannot throw
-      if (handleNatively(frames, h, zap_ ? metadata(frames[1], "User-Id") : std::string())) return;
+      std::string userId = stream ? stream->userId : zap_ ? metadata(frames[1], "User-Id") : std::string();
+      if (handleNatively(frames, h, userId)) return;
     }
   }
-  toControlPlane(frames, control);
+  toControlPlane(frames, control, stream);
+}
+
+bool ServerCore::admitStream(StreamPeer& peer, std::vector<Message>& auth, ControlPlane& control) {
+  auto text = [&](size_t i) { return std::string(reinterpret_cast<const char*>(auth[i].data()), auth[i].size()); };
+  if (auth.size() < 2 || text(0) != kStreamGreeting) return false;
+  std::string mechanism = text(1);
+  if (!zap_) {
+    peer.userId.clear();
+    return mechanism == "NULL" && auth.size() == 2;
+  }
+  if (mechanism != "PLAIN") return false;
+  // The ZAP handler's question for a ZeroMQ connection (RFC 27), asked of the same handler.
+  std::vector<std::string> request = {"1.0", "stream", zapDomain_, peer.address, "", mechanism};
+  for (size_t i = 2; i < auth.size(); ++i) request.push_back(text(i));
+  std::vector<std::string> reply = control.onZap(request);
+  if (reply.size() < 5 || reply[2] != "200" || reply[4].empty()) return false;
+  peer.userId = reply[4];
+  return true;
+}
+
+void ServerCore::deliver(const std::string& peer, std::vector<Message>& frames) {
+  if (isStreamIdentity(peer.data(), peer.size())) {
+    streams_.send(peer, frames);  // a closed stream's replies are dropped, as a vanished ROUTER peer's
+    return;
+  }
+  // ROUTER_MANDATORY is off: a reply to a vanished peer is dropped, never blocks.
+  Message identity = Message::copyOf(peer.data(), peer.size());
+  zmq_msg_send(identity.get(), router_, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+  for (size_t i = 0; i < frames.size(); ++i) {
+    zmq_msg_send(frames[i].get(), router_, (i + 1 < frames.size() ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);
+  }
 }
 
 bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, const std::string& userId) {
@@ -239,13 +295,19 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
   return true;
 }
 
-void ServerCore::toControlPlane(std::vector<Message>& frames, ControlPlane& control) {
+void ServerCore::toControlPlane(std::vector<Message>& frames, ControlPlane& control, const StreamPeer* stream) {
   drainMonitor(control);  // this message's connection may reuse the fd number of one that just dropped
   RequestMeta meta;
-  Message& head = frames.size() > 1 ? frames[1] : frames[0];
-  meta.fd = zmq_msg_get(head.get(), ZMQ_SRCFD);
-  meta.peerAddress = metadata(head, "Peer-Address");
-  meta.userId = zap_ ? metadata(head, "User-Id") : "";
+  if (stream) {
+    meta.fd = stream->fd;
+    meta.peerAddress = stream->address;
+    meta.userId = stream->userId;
+  } else {
+    Message& head = frames.size() > 1 ? frames[1] : frames[0];
+    meta.fd = zmq_msg_get(head.get(), ZMQ_SRCFD);
+    meta.peerAddress = metadata(head, "Peer-Address");
+    meta.userId = zap_ ? metadata(head, "User-Id") : "";
+  }
   std::vector<std::string> strings;
   strings.reserve(frames.size());
   for (auto& f : frames) strings.emplace_back(reinterpret_cast<const char*>(f.data()), f.size());
@@ -262,9 +324,9 @@ void ServerCore::toControlPlane(std::vector<Message>& frames, ControlPlane& cont
       counters_.bytesOut += out[2].size();
     }
   }
-  for (size_t i = 0; i < out.size(); ++i) {
-    zmq_msg_send(out[i].get(), router_, (i + 1 < out.size() ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);
-  }
+  std::string peer(reinterpret_cast<const char*>(out[0].data()), out[0].size());
+  out.erase(out.begin());
+  deliver(peer, out);
 }
 
 void ServerCore::drainMonitor(ControlPlane& control) {
@@ -347,13 +409,12 @@ void ServerCore::sendReply(const std::string& peer, const Header& reply, Message
       counters_.bytesOut += payload->size();  // only PULL results carry a payload with status OK here
     }
   }
-  Message identity = Message::copyOf(peer.data(), peer.size());
-  Message head = Message::ofSize(kHeaderSize);
-  packHeader(reply, head.data());
-  // ROUTER_MANDATORY is off: a reply to a vanished peer is dropped, never blocks.
-  zmq_msg_send(identity.get(), router_, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-  zmq_msg_send(head.get(), router_, (payload ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);
-  if (payload) zmq_msg_send(payload->get(), router_, ZMQ_DONTWAIT);
+  std::vector<Message> frames;
+  frames.reserve(2);
+  frames.push_back(Message::ofSize(kHeaderSize));
+  packHeader(reply, frames[0].data());
+  if (payload) frames.push_back(std::move(*payload));
+  deliver(peer, frames);
 }
 
 void ServerCore::countError(uint64_t jobId) {

@@ -13,8 +13,11 @@
 // tells the core what changed by calling hello/declare/workerLost/refuse/forgetJob right there. Every peer's
 // messages are therefore handled in the order they arrived, and nothing here locks.
 //
-// Thread contract: every method but the constructor, setOption, enableZap and bind runs on the thread in run()
+// Thread contract: every method but the constructor, setOption, enableZap, bind and listenStream runs on the
+// thread in run()
 // (from inside a ControlPlane callback, or before run()).
+//
+// Streams (server_streams.h) are served by the same loop: their requests take the same path as the ROUTER's.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "server_rounds.h"
+#include "server_streams.h"
 #include "trace.h"
 
 namespace bps {
@@ -72,6 +76,9 @@ class ServerCore {
   void enableZap();
   // Bind the ROUTER (e.g. "tcp://127.0.0.1:0"); return the endpoint bound.
   std::string bind(const std::string& endpoint);
+  // Listen for streams (docs/protocol.md, "The stream transport") on host, any free port; returns the port.
+  // Their AUTH goes to the same ZAP handler as the ROUTER's connections (mechanism PLAIN; NULL without it).
+  uint16_t listenStream(const std::string& host);
   // Serve until control.tick() returns false (called every tickSeconds) or a callback throws (rethrown here,
   // after the sockets are closed).
   void run(ControlPlane& control, double tickSeconds);
@@ -114,9 +121,13 @@ class ServerCore {
   using JobKey = std::pair<uint64_t, uint64_t>;
 
   bool receive(std::vector<Message>& frames);
-  void handle(std::vector<Message>& frames, ControlPlane& control);
+  // One request: from the ROUTER (stream null) or from a stream. frames[0] is the peer's identity.
+  void handle(std::vector<Message>& frames, ControlPlane& control, const StreamPeer* stream);
   bool handleNatively(std::vector<Message>& frames, const Header& h, const std::string& userId);
-  void toControlPlane(std::vector<Message>& frames, ControlPlane& control);
+  void toControlPlane(std::vector<Message>& frames, ControlPlane& control, const StreamPeer* stream);
+  bool admitStream(StreamPeer& peer, std::vector<Message>& frames, ControlPlane& control);
+  // Send a message (frames without identity) to peer, a ROUTER identity or a stream's.
+  void deliver(const std::string& peer, std::vector<Message>& frames);
   void drainMonitor(ControlPlane& control);
   void serveZap(ControlPlane& control);
   void expireWaiting(double now);
@@ -133,6 +144,8 @@ class ServerCore {
   void* router_ = nullptr;
   void* monitor_ = nullptr;
   void* zap_ = nullptr;
+  ServerStreams streams_;
+  std::string zapDomain_;
   std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
   std::unordered_map<JobKey, std::unique_ptr<KeyState>, JobKeyHash> keys_;
   std::unordered_set<KeyRounds*> waiting_;  // keys with pulls waiting, for expireWaiting

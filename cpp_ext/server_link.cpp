@@ -117,7 +117,7 @@ bool ServerLink::send(const Header& header, const at::Tensor* payload) {
   return true;
 }
 
-bool ServerLink::receive(Message& out) {
+bool ServerLink::receive(LinkMessage& out) {
   if (zmq_msg_recv(out.header.get(), socket_, ZMQ_DONTWAIT) < 0) return false;
   out.frames = 1;
   uint64_t bytes = out.header.size();

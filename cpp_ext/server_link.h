@@ -37,8 +37,9 @@ class Frame {
   zmq_msg_t msg_;
 };
 
-// A received message: the header frame, the payload frame if any, and how many frames came.
-struct Message {
+// A received message: the header frame, the payload frame if any, and how many frames came. Not named
+// Message: message.h's bps::Message is linked into the same module (one name, two types: an ODR violation).
+struct LinkMessage {
   Frame header;
   Frame payload;
   size_t frames = 0;
@@ -73,7 +74,7 @@ class ServerLink {
   bool send(const Header& header, const at::Tensor* payload);
 
   // Take the next waiting message, if any. Returns false when none is waiting.
-  bool receive(Message& out);
+  bool receive(LinkMessage& out);
 
   // Read one monitor event; kNothing if none is waiting.
   LinkEvent readMonitor();

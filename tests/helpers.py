@@ -1,5 +1,5 @@
-"""Shared test helpers: real summation-server processes, a raw protocol peer (pyzmq DEALER), and a job of
-spawned ranks with a torch.distributed default group (`run_ranks`)."""
+"""Shared test helpers: real summation-server processes, raw protocol peers (a pyzmq DEALER, a stream), and a
+job of spawned ranks with a torch.distributed default group (`run_ranks`)."""
 
 from __future__ import annotations
 
@@ -169,12 +169,94 @@ class RawPeer:
         self.sock.close()
 
 
+class StreamPeer(RawPeer):
+    """A worker speaking the wire protocol by hand over the stream transport (docs/protocol.md): a plain
+    socket, the 8-byte length words written here. `auth` as RawPeer's; `open=False` leaves AUTH to the test."""
+
+    MORE = 1 << 63
+
+    def __init__(self, address: str, port: int, job_id: int = 1, worker: int = 0, num_workers: int = 1,
+                 timeout: float = 10.0, auth: ClientKeys | bool | None = None, open: bool = True):  # fmt: skip
+        self.sock = socket.create_connection((address.rsplit(":", 1)[0], port), timeout=timeout)
+        self.address, self.timeout = f"{address.rsplit(':', 1)[0]}:{port}", timeout
+        self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
+        self.incarnation = 0
+        self._next_id = 1
+        if auth is None:
+            auth = ClientKeys.from_environment(job_id, 1)
+        self.credentials = [b"PLAIN", auth.client.public, auth.tokens[0]] if auth else [b"NULL"]
+        if open:
+            self.send_frames([b"BPS-STREAM-1", *self.credentials])
+            assert self.recv_frames() == [b"BPS-STREAM-1", b"200"]
+
+    def send(self, command: int, *payload: bytes, **fields) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        base = dict(
+            command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid
+        )
+        if command == Command.PUSH and payload:
+            base["length"] = len(payload[0])
+        elif command == Command.PULL:
+            base["length"] = fields.get("nbytes", 0) - fields.get("offset", 0)
+        self.send_frames([Header(**{**base, **fields}).pack(), *payload])
+        return rid
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        out = b"".join(
+            (len(f) | (self.MORE if i + 1 < len(frames) else 0)).to_bytes(8, "little") + f for i, f in enumerate(frames)
+        )
+        self.sock.sendall(out)
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError(f"stream {self.address} closed by the server")
+            data += chunk
+        return data
+
+    def recv_frames(self) -> list[bytes]:
+        """The next message's frames; ConnectionError if the server closed the stream, TimeoutError if silent."""
+        frames, more = [], True
+        while more:
+            word = int.from_bytes(self._read(8), "little")
+            more = bool(word & self.MORE)
+            frames.append(self._read(word & ~self.MORE))
+        return frames
+
+    def recv_any(self) -> tuple[Header, list[bytes]]:
+        try:
+            frames = self.recv_frames()
+        except TimeoutError:
+            raise TimeoutError(f"no reply within {self.timeout} s") from None
+        assert len(frames[0]) == HEADER_SIZE
+        return Header.unpack(frames[0]), frames[1:]
+
+    def closed_by_server(self, within: float = 5.0) -> bool:
+        """True once the server closed this stream (EOF or reset), False if it stayed open `within` seconds."""
+        self.sock.settimeout(within)
+        try:
+            while self.sock.recv(65536):
+                pass
+            return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+
 class TcpRelay:
     """A TCP relay on loopback to a server: real sockets and the real protocol, with the faults a test needs of the
     network between: `rate` (bytes/s each way per connection: a slow link), `frozen` (set: the server's bytes toward
     the clients are held, never delivered) and `cut()` (every connection dropped, as a dying link would).
 
     Example: `relay = TcpRelay(server.address, rate=256 << 10); Client([relay.address], ...)`.
+
+    It relays the server's ZeroMQ port only: a client with streams (BPS_TRANSPORT=stream) would reach the stream
+    port the server offers directly, around the relay's faults. Relayed servers run with `--stream off`, or their
+    clients with `stream=False`.
     """
 
     def __init__(self, target: str, rate: float | None = None):

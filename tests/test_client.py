@@ -239,15 +239,20 @@ def test_timeout_names_server_job_key_round_worker_and_command(server, job_id):
 
 def test_callbacks_run_off_the_io_thread_and_may_block(server, job_id):
     """A then-callback that waits on another push_pull of the same client (as PowerSGD does) completes."""
-    with Client([server.address], job_id, 0, 1, timeout=10) as c:
+    with Client([server.address], job_id, 0, 2, timeout=10) as c, Client([server.address], job_id, 1, 2) as other:
         seen = {}
 
         def chained(fut):
             seen["thread"] = threading.get_ident()
             return c.push_pull(fut.value() * 2, 1).wait()  # blocks this completion thread
 
+        # Worker 1 pushes only once every callback is attached: a future already complete runs `then` on the
+        # caller's thread (which a fast reply made happen with one worker).
         chains = [c.push_pull(torch.ones(5) * i, 0).then(chained) for i in range(3)]
+        zeros = [other.push_pull(torch.zeros(5), key) for key in (0, 0, 0, 1, 1, 1)]
         results = [f.wait() for f in chains]
+        for f in zeros:
+            f.wait()
         assert [r[0].item() for r in results] == [0.0, 2.0, 4.0]
         assert seen["thread"] != threading.get_ident()
 

@@ -85,7 +85,8 @@ def _all_gather_never_met(engine: PushPullEngine, local_rank: int):
 # every request's answer well within TIMEOUT.
 SLOW_RATE = 256 << 10
 SLOW_NUMEL = 5 << 18
-SLOW_CLIENT = {"credit_bytes": 2 * PARTITION}
+# stream=False: the relay carries the server's ZeroMQ port only; a stream (BPS_TRANSPORT=stream) would go around it.
+SLOW_CLIENT = {"credit_bytes": 2 * PARTITION, "stream": False}
 
 
 def _slow_network(engine: PushPullEngine, local_rank: int):

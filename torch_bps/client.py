@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_bps import _C
-from torch_bps.config import DEFAULT_CREDIT_BYTES
+from torch_bps.config import DEFAULT_CREDIT_BYTES, parse_transport
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
@@ -103,6 +104,9 @@ class Client:
             key the client keeps what failover needs (`kept`, `kept_bytes`; torch_bps/failover.py).
         on_link_down: called as `on_link_down(server_index, why)` on a completion thread whenever a server's
             connection goes down (or it comes back as another incarnation).
+        stream: beside each ZeroMQ connection, use the plain TCP stream a server offers (not under CURVE;
+            docs/protocol.md, "The stream transport"); a server offering none, or whose stream fails to open,
+            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream" or "zmq", the default).
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -126,6 +130,7 @@ class Client:
         socket_buffer_bytes: int = 0,
         failover: bool = False,
         on_link_down: Callable[[int, str], None] | None = None,
+        stream: bool | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -152,6 +157,8 @@ class Client:
                 f"server_credit_bytes={server_credit_bytes} and socket_buffer_bytes={socket_buffer_bytes} must not be "
                 "negative (0: no per-server limit, the kernel's buffers)"
             )
+        if stream is None:
+            stream = parse_transport(os.environ.get("BPS_TRANSPORT") or "zmq") == "stream"
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -172,7 +179,7 @@ class Client:
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
-                               failover=failover, on_link_down=on_link_down, **keys)  # fmt: skip
+                               failover=failover, on_link_down=on_link_down, stream=stream, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -389,6 +396,15 @@ class Client:
     def bytes_received(self) -> list[int]:
         """Per server, every byte (headers and payloads) this client has received."""
         return list(self._impl.bytes_received())
+
+    def stream_ready(self, server: int) -> bool:
+        """Whether `server`'s stream is ready now: operations started now send their requests on it, not ZeroMQ."""
+        return self._impl.stream_ready(server)
+
+    def stream_bytes(self) -> list[tuple[int, int]]:
+        """Per server, the bytes (headers and payloads) sent and received on its streams; counted in `bytes_sent`
+        and `bytes_received` too."""
+        return list(zip(self._impl.stream_bytes_sent(), self._impl.stream_bytes_received(), strict=True))
 
     def close(self) -> None:
         """Fail everything outstanding (its futures get an error), join the client's threads. Idempotent."""

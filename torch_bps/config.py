@@ -46,6 +46,16 @@ def _parse_servers(value: str) -> tuple[str, ...]:
     return servers
 
 
+TRANSPORTS = ("zmq", "stream")
+
+
+def parse_transport(value: str) -> str:
+    """Return a transport name (BPS_TRANSPORT), checked: ConfigError naming it if it is neither "zmq" nor "stream"."""
+    if value not in TRANSPORTS:
+        raise ConfigError(f"transport {value!r} is unknown: use zmq (the default) or stream")
+    return value
+
+
 def _parse_bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
@@ -94,6 +104,10 @@ class Config:
     # SO_SNDBUF / SO_RCVBUF of each worker -> server connection: they bound that connection's bytes in flight
     # both ways, and so what n connections can pile into one link's queue. 0: the kernel's autotuned buffers.
     socket_buffer_bytes: int = field(default=0, metadata={"env": "BPS_SOCKET_BUFFER_BYTES", "parse": int})
+    # "stream": beside each ZeroMQ connection, a plain TCP stream the server offers (auth token or off, never
+    # curve) carries the requests, read and written by the client's IO thread itself: ZeroMQ's own I/O thread
+    # and wake-ups cost 70-130 us of CPU per message (docs/protocol.md, "The stream transport"). "zmq": ZeroMQ only.
+    transport: str = field(default="zmq", metadata={"env": "BPS_TRANSPORT", "parse": parse_transport})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
     # The address other machines reach this one's embedded server at; default: the interface that
@@ -187,6 +201,7 @@ class Config:
             )
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
+        parse_transport(self.transport)
         if self.auth not in ("token", "curve", "off"):
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.registry:

@@ -333,7 +333,8 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
                   credit_bytes=config.credit(dedicated=dedicated),
                   server_credit_bytes=config.server_credit_bytes,
-                  socket_buffer_bytes=config.socket_buffer_bytes, **failover)  # fmt: skip
+                  socket_buffer_bytes=config.socket_buffer_bytes, stream=config.transport == "stream",
+                  **failover)  # fmt: skip
 
 
 def _attempt() -> str:

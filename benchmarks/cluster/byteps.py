@@ -160,7 +160,11 @@ def run_torch_bps(
     finally:
         for p in server_procs:
             p.kill()
-    cpu = {h.name: r["cpu"] for h, r in zip(job.workers, results, strict=True)}
+    # Per worker host, beside its CPU: how many of its servers it reached over a stream (BPS_TRANSPORT=stream).
+    cpu = {
+        h.name: {**r["cpu"], "streams_ready": sum(r.get("streams", []))}
+        for h, r in zip(job.workers, results, strict=True)
+    }
     for p, cores in zip(server_procs, server_cores, strict=True):
         cpu[f"{p.host} server (whole run)"] = {"process_cores": round(cores, 3)}
     return StepTime(max(r["seconds_per_step"] for r in results), cpu)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 
 from benchmarks.cluster import netns, report
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,
         socket_buffer_bytes=args.socket_buffer_bytes,
+        # What the runs inherited (BPS_TRANSPORT, BPS_MIDDLE_PARTITION_FACTOR...), never a secret.
+        environment={
+            k: v for k, v in os.environ.items() if k.startswith("BPS_") and "CREDENTIAL" not in k and "SECRET" not in k
+        },
     )
     print(report.format_table(result), flush=True)
     if args.json:

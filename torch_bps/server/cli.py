@@ -70,6 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the port (a trusted network only). Env BPS_AUTH (default %(default)s)",
     )
     auth.add_argument(
+        "--stream",
+        choices=("on", "off"),
+        default=os.environ.get("BPS_SERVER_STREAM", "on"),
+        help="on: also listen for the stream transport on a second, free port, offered to workers in the HELLO "
+        "reply (never under curve: streams are not encrypted); off: ZeroMQ only. Env BPS_SERVER_STREAM "
+        "(default %(default)s)",
+    )
+    auth.add_argument(
         "--credential-file",
         metavar="PATH",
         help="file holding the pool credential (default: env BPS_POOL_CREDENTIAL); give jobs the same one",
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             limits=args.limits,
             security=args.security,
+            stream=args.stream == "on",
         )
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)

@@ -70,7 +70,7 @@ class SummationServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9000, *, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 10.0, limits: Limits | None = None,
-                 security: ServerSecurity | None = None):  # fmt: skip
+                 security: ServerSecurity | None = None, stream: bool = True):  # fmt: skip
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
         self.limits = (limits or Limits()).resolved()
         self.limits.check()
@@ -88,6 +88,9 @@ class SummationServer:
         core.set_option(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         bound = core.bind(f"tcp://{host}:{port or '*'}")
         self.host, self.port = host, int(bound.rsplit(":", 1)[1])
+        # The stream transport (docs/protocol.md): offered in the HELLO reply, never under CURVE (not encrypted).
+        offer = stream and (security is None or security.mechanism == "token")
+        self.stream_port = core.listen_stream(host if host not in ("0.0.0.0", "*") else "") if offer else 0
         self._connections: dict[int, list[tuple[int, int]]] = {}  # fd -> (job, worker) that said HELLO on it
         self._book = MemoryBook(self.limits)
         self._next_sweep = self._last_sweep = 0.0
@@ -278,7 +281,7 @@ class SummationServer:
         job.lost.pop(h.worker, None)
         self._book.touch(h.job_id, time.monotonic())
         self._core.hello(h.job_id, h.worker, h.num_workers, job.peers[h.worker], identity)
-        return [ident, h.reply(incarnation=self.incarnation).pack()]
+        return [ident, h.reply(incarnation=self.incarnation, length=self.stream_port).pack()]
 
     def _init(self, ident: bytes, h: Header) -> list:
         check_init(h)

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
         result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu.stop()}
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
-                      scheduler=client.scheduler_stats())  # fmt: skip
+                      scheduler=client.scheduler_stats(),
+                      streams=[client.stream_ready(i) for i in range(len(addresses))])  # fmt: skip
     emit(result)
     return 0
 

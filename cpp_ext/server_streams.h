@@ -1,0 +1,88 @@
+// The server's side of the stream transport (docs/protocol.md, "The stream transport"): a listening socket
+// and the streams it accepted, served by the core's loop thread beside the ROUTER. This file handles the
+// connections (accept, AUTH, framing, writing, closing); what a request means stays in ServerCore, which
+// sees a stream's messages exactly as ROUTER messages: frames[0] is the peer's identity, here
+// kStreamIdentityTag + the stream's number, a form no ROUTER peer gets (ServerCore drops ROUTER messages
+// that claim it).
+//
+// Thread contract: everything runs on the core's loop thread (listen() before run()).
+#pragma once
+
+#include <zmq.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "message.h"
+#include "stream_conn.h"
+
+namespace bps {
+
+// A stream's identity: these two bytes, then its number (u64). ROUTER-made identities are 5 bytes.
+constexpr char kStreamIdentityTag[2] = {'\0', 'S'};
+constexpr size_t kStreamIdentitySize = 2 + sizeof(uint64_t);
+
+bool isStreamIdentity(const void* data, size_t size);
+
+struct StreamPeer {
+  uint64_t number = 0;
+  int fd = -1;  // kept after the socket closed, for ControlPlane::onDisconnect
+  std::string identity;
+  std::string address;  // the peer's IP
+  std::string userId;  // set by AUTH
+  bool admitted = false;
+  double authDeadline = 0;
+  std::unique_ptr<StreamConn> conn;
+};
+
+class ServerStreams {
+ public:
+  // AUTH's frames (greeting first) -> true to admit, with peer.userId set.
+  using Admit = std::function<bool(StreamPeer& peer, std::vector<Message>& frames)>;
+  // An admitted stream's message, its identity prepended as frames[0].
+  using Deliver = std::function<void(StreamPeer& peer, std::vector<Message>& frames)>;
+  // An admitted stream closed (its fd number may be reused from now on).
+  using Closed = std::function<void(const StreamPeer& peer)>;
+
+  ~ServerStreams() { closeAll(); }
+
+  // Listen on host (any free port); returns the port.
+  uint16_t listen(const std::string& host);
+  bool listening() const { return listenFd_ >= 0; }
+  // Frames of admitted streams may be this long (the ROUTER's ZMQ_MAXMSGSIZE).
+  void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
+
+  // Append the listener's and every stream's poll items; serve() takes the same items back.
+  void addPollItems(std::vector<zmq_pollitem_t>& items) const;
+  // Bytes already read and not yet served: poll without waiting.
+  bool hasBuffered() const;
+  // Accept, read and write what the poll reported, from items[first] on.
+  void serve(const std::vector<zmq_pollitem_t>& items, size_t first, double now, const Admit& admit,
+             const Deliver& deliver, const Closed& closed);
+  // Queue a message (without identity) to the stream named by identity; false if no such stream is open.
+  bool send(const std::string& identity, std::vector<Message>& frames);
+  // Write every stream with something queued; close those that failed or stopped reading.
+  void flush(const Closed& closed);
+  // Close the streams that did not finish AUTH in time.
+  void expire(double now, const Closed& closed);
+  void closeAll();
+
+  size_t count() const { return streams_.size(); }
+
+ private:
+  void accept(double now);
+  void read(StreamPeer& peer, const Admit& admit, const Deliver& deliver);
+  void reap(const Closed& closed);  // drop the closed streams
+
+  int listenFd_ = -1;
+  uint64_t maxFrameBytes_ = 16 << 20;
+  uint64_t nextNumber_ = 1;
+  std::map<uint64_t, std::unique_ptr<StreamPeer>> streams_;  // by number: poll order is stable
+  std::vector<std::vector<Message>> messages_;  // read() scratch
+};
+
+}  // namespace bps

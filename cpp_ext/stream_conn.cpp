@@ -1,0 +1,313 @@
+// See stream_conn.h.
+#include "stream_conn.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <new>
+
+#include "errors.h"
+
+namespace bps {
+
+namespace {
+
+constexpr size_t kStaging = 64 << 10;
+// A frame's bytes still missing beyond this are read straight into it (no staging copy).
+constexpr size_t kDirectRead = 16 << 10;
+// Frames up to this size are copied into one piece with their length word: one iovec, one allocation.
+constexpr size_t kInlineFrame = 256;
+constexpr int kMaxIov = 64;
+constexpr size_t kMaxLowWater = 1 << 20;
+
+void setNonBlocking(int fd) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  if (flags >= 0) fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+void setNoDelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // fails harmlessly on a non-TCP fd
+}
+
+Message sized(size_t n) {
+  Message m;
+  if (zmq_msg_init_size(m.get(), n) != 0) throw std::bad_alloc();
+  return m;
+}
+
+// Resolve host:port to addresses (numeric or by name).
+addrinfo* resolve(const std::string& host, uint16_t port, bool passive, std::string* why) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  std::string service = std::to_string(port);
+  std::string name = host;
+  if (name.size() > 2 && name.front() == '[' && name.back() == ']') name = name.substr(1, name.size() - 2);
+  int rc = getaddrinfo(name.empty() || name == "*" ? nullptr : name.c_str(), service.c_str(), &hints, &found);
+  if (rc != 0) {
+    *why = formatText("cannot resolve %s: %s", host.c_str(), gai_strerror(rc));
+    return nullptr;
+  }
+  return found;
+}
+
+}  // namespace
+
+StreamConn::StreamConn(int fd, uint64_t maxFrameBytes) : fd_(fd), maxFrameBytes_(maxFrameBytes), in_(kStaging) {
+  setNonBlocking(fd_);
+  setNoDelay(fd_);
+}
+
+StreamConn::~StreamConn() { close("closed"); }
+
+void StreamConn::close(const std::string& why) {
+  if (why_.empty()) why_ = why;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  out_.clear();  // releases the queued payloads
+  queuedBytes_ = 0;
+}
+
+bool StreamConn::fail(const std::string& why) {
+  close(why);
+  return false;
+}
+
+bool StreamConn::fill() {
+  if (inBegin_ == inEnd_) inBegin_ = inEnd_ = 0;
+  if (inEnd_ == in_.size()) {  // compact: what is left is shorter than a length word or a small frame
+    std::memmove(in_.data(), in_.data() + inBegin_, inEnd_ - inBegin_);
+    inEnd_ -= inBegin_;
+    inBegin_ = 0;
+  }
+  for (;;) {
+    ssize_t got = ::recv(fd_, in_.data() + inEnd_, in_.size() - inEnd_, 0);
+    if (got > 0) {
+      inEnd_ += static_cast<size_t>(got);
+      bytesRead_ += static_cast<uint64_t>(got);
+      return true;
+    }
+    if (got == 0) return fail("the peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      wouldBlock_ = true;
+      return false;
+    }
+    return fail(std::string("receive failed: ") + std::strerror(errno));
+  }
+}
+
+bool StreamConn::takeFrameBytes() {
+  // Copy what the staging buffer holds of the frame, then read a big remainder straight into the frame.
+  size_t need = frame_.size() - frameFilled_;
+  size_t take = std::min(need, inEnd_ - inBegin_);
+  if (take) {
+    std::memcpy(frame_.data() + frameFilled_, in_.data() + inBegin_, take);
+    inBegin_ += take;
+    frameFilled_ += take;
+    need -= take;
+  }
+  while (need >= kDirectRead) {
+    ssize_t got = ::recv(fd_, frame_.data() + frameFilled_, need, 0);
+    if (got > 0) {
+      frameFilled_ += static_cast<size_t>(got);
+      bytesRead_ += static_cast<uint64_t>(got);
+      need -= static_cast<size_t>(got);
+      continue;
+    }
+    if (got == 0) return fail("the peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      wouldBlock_ = true;
+      return true;
+    }
+    return fail(std::string("receive failed: ") + std::strerror(errno));
+  }
+  return true;
+}
+
+void StreamConn::setLowWater(size_t bytes) {
+  // The kernel caps it at half the receive buffer (and poll still reports end of stream and errors at once).
+  int want = static_cast<int>(std::min<size_t>(std::max<size_t>(bytes, 1), kMaxLowWater));
+  if (want == lowWater_) return;
+  if (setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowWater_ = want;
+}
+
+bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages) {
+  if (closed()) return false;
+  setLowWater(1);
+  wouldBlock_ = false;
+  size_t done = 0;
+  while (done < maxMessages) {
+    if (!haveLength_) {
+      if (inEnd_ - inBegin_ < sizeof(uint64_t)) {
+        if (wouldBlock_ || !fill()) return !closed();
+        continue;
+      }
+      uint64_t word;
+      std::memcpy(&word, in_.data() + inBegin_, sizeof(word));
+      inBegin_ += sizeof(word);
+      uint64_t length = word & ~kStreamMore;
+      if (length > maxFrameBytes_) {
+        return fail(formatText("a frame of %llu bytes, over the bound of %llu", static_cast<unsigned long long>(length),
+                               static_cast<unsigned long long>(maxFrameBytes_)));
+      }
+      if (frames_.size() >= kStreamMaxFrames) return fail(formatText("a message of over %zu frames", kStreamMaxFrames));
+      more_ = (word & kStreamMore) != 0;
+      placing_ = frames_.size() == 1 && length > 0 && placement_ && placement_(frames_[0], length, frame_);
+      if (!placing_ && zmq_msg_init_size(frame_.get(), static_cast<size_t>(length)) != 0) {  // frame_: empty
+        return fail(formatText("out of memory for a frame of %llu bytes", static_cast<unsigned long long>(length)));
+      }
+      frameFilled_ = 0;
+      haveLength_ = true;
+    }
+    if (!takeFrameBytes()) return false;
+    if (frameFilled_ < frame_.size()) {
+      if (wouldBlock_) {
+        // Not readable until the frame's rest is there: one wake-up per big frame, not one per segment.
+        setLowWater(frame_.size() - frameFilled_);
+        return true;
+      }
+      if (!fill()) return !closed();
+      continue;
+    }
+    haveLength_ = false;
+    placing_ = false;
+    frames_.push_back(std::move(frame_));
+    if (more_) continue;
+    out.push_back(std::move(frames_));
+    frames_.clear();
+    ++done;
+  }
+  return true;
+}
+
+void StreamConn::queue(std::vector<Message>& frames) {
+  if (closed()) return;
+  for (size_t i = 0; i < frames.size(); ++i) {
+    Message& frame = frames[i];
+    size_t size = frame.size();
+    uint64_t word = size | (i + 1 < frames.size() ? kStreamMore : 0);
+    queuedBytes_ += sizeof(word) + size;
+    if (size <= kInlineFrame) {
+      Message piece = sized(sizeof(word) + size);
+      std::memcpy(piece.data(), &word, sizeof(word));
+      if (size) std::memcpy(piece.data() + sizeof(word), frame.data(), size);
+      out_.push_back(Piece{std::move(piece), 0});
+    } else {
+      Message head = sized(sizeof(word));  // 8 bytes: held inside the zmq_msg_t, no allocation
+      std::memcpy(head.data(), &word, sizeof(word));
+      out_.push_back(Piece{std::move(head), 0});
+      out_.push_back(Piece{std::move(frame), 0});
+    }
+  }
+}
+
+bool StreamConn::flush() {
+  if (closed()) return false;
+  writeBlocked_ = false;
+  while (!out_.empty()) {
+    iovec iov[kMaxIov];
+    int count = 0;
+    for (auto it = out_.begin(); it != out_.end() && count < kMaxIov; ++it) {
+      iov[count].iov_base = it->msg.data() + it->offset;
+      iov[count].iov_len = it->msg.size() - it->offset;
+      ++count;
+    }
+    msghdr header{};
+    header.msg_iov = iov;
+    header.msg_iovlen = static_cast<size_t>(count);
+    ssize_t sent = ::sendmsg(fd_, &header, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        writeBlocked_ = true;
+        return true;
+      }
+      return fail(std::string("send failed: ") + std::strerror(errno));
+    }
+    size_t left = static_cast<size_t>(sent);
+    bytesWritten_ += left;
+    queuedBytes_ -= std::min<uint64_t>(queuedBytes_, left);
+    while (left > 0) {
+      Piece& piece = out_.front();
+      size_t rest = piece.msg.size() - piece.offset;
+      if (left < rest) {
+        piece.offset += left;
+        break;
+      }
+      left -= rest;
+      out_.pop_front();
+    }
+  }
+  return true;
+}
+
+int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort) {
+  std::string why;
+  addrinfo* found = resolve(host, port, true, &why);
+  if (!found) throw Error(ErrorKind::kTransport, "stream listener: " + why);
+  int fd = -1;
+  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
+      why = std::strerror(errno);
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  if (fd < 0) throw Error(ErrorKind::kTransport, formatText("stream listener: cannot listen on %s:%u: %s", host.c_str(), port, why.c_str()));
+  setNonBlocking(fd);
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *boundPort = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                                : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return fd;
+}
+
+int connectStream(const std::string& host, uint16_t port, int socketBufferBytes, std::string* why) {
+  addrinfo* found = resolve(host, port, false, why);
+  if (!found) return -1;
+  int fd = -1;
+  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    if (socketBufferBytes > 0) {
+      setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &socketBufferBytes, sizeof(socketBufferBytes));
+      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &socketBufferBytes, sizeof(socketBufferBytes));
+    }
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      *why = formatText("cannot connect to %s:%u: %s", host.c_str(), port, std::strerror(errno));
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  return fd;
+}
+
+std::string connectResult(int fd) {
+  int error = 0;
+  socklen_t len = sizeof(error);
+  if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) error = errno;
+  return error == 0 ? std::string() : std::string(std::strerror(error));
+}
+
+}  // namespace bps

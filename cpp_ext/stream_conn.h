@@ -1,0 +1,123 @@
+// One end of a stream connection (docs/protocol.md, "The stream transport"): whole messages in, whole
+// messages out, on a non-blocking TCP socket, without ZeroMQ's I/O thread in between. Used by the client's
+// I/O thread (one per server) and by the server's loop thread (one per accepted stream), and only by that
+// thread: nothing here locks.
+//
+// Buffer lifetime: a queued frame is a Message, so a payload shared by reference count (a round's result,
+// a tensor wrapped without a copy) stays alive until its last byte went into the kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "message.h"
+
+namespace bps {
+
+constexpr uint64_t kStreamMore = uint64_t{1} << 63;  // a frame's length word: another frame follows
+constexpr size_t kStreamMaxFrames = 4;
+constexpr const char* kStreamGreeting = "BPS-STREAM-1";
+
+class StreamConn {
+ public:
+  // Own `fd` (connected or connecting, made non-blocking here, TCP_NODELAY set): frames longer than
+  // maxFrameBytes close the connection as soon as their length word is read, before any allocation.
+  StreamConn(int fd, uint64_t maxFrameBytes);
+  ~StreamConn();
+  StreamConn(const StreamConn&) = delete;
+  StreamConn& operator=(const StreamConn&) = delete;
+
+  // Where a message's second frame (its payload) is read to: given the first frame and the payload's length,
+  // point `into` at memory of exactly that length (zmq_msg_init_data, e.g. a destination tensor kept alive by
+  // its free function) and return true; false: a buffer of the frame's own. Saves a copy and the fresh pages of
+  // a buffer per message on the client's pulls.
+  using Placement = std::function<bool(const Message& first, uint64_t length, Message& into)>;
+  void setPlacement(Placement placement) { placement_ = std::move(placement); }
+  // A payload is being read into placed memory (the message is not complete yet).
+  bool placing() const { return placing_; }
+
+  int fd() const { return fd_; }
+  void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
+  bool closed() const { return fd_ < 0; }
+  // Why it closed ("" while open).
+  const std::string& why() const { return why_; }
+
+  // Read what the socket has and append each complete message (its frames) to `out`, at most maxMessages
+  // of them per call. Returns false once the connection is closed (the peer closed it, an error, or a
+  // framing violation): why() says which; messages completed before that are still in `out`.
+  bool read(std::vector<std::vector<Message>>& out, size_t maxMessages);
+
+  // Bytes read from the socket but not yet taken into a message: after read() stopped at maxMessages, the
+  // caller must call it again without waiting for the socket (poll will not report these). Not after read()
+  // stopped because the socket had nothing more: what is left then is part of a message, poll reports the rest
+  // (else a caller polling with timeout 0 while this holds would spin until the message's rest arrives).
+  bool hasBuffered() const { return inEnd_ > inBegin_ && !wouldBlock_; }
+
+  // Queue one message; nothing is written before flush(). Small frames are copied in with their length word,
+  // bigger ones queued as they are (shared, not copied).
+  void queue(std::vector<Message>& frames);
+  // Write what the kernel takes now. Returns false once the connection is closed (why() says why).
+  bool flush();
+  bool wantsWrite() const { return !out_.empty(); }
+  // The last flush() left bytes the kernel would not take: flushing again before poll reports POLLOUT only
+  // costs a system call that fails.
+  bool writeBlocked() const { return writeBlocked_; }
+  uint64_t queuedBytes() const { return queuedBytes_; }
+
+  // Close the socket (idempotent); `why` is kept if none was yet.
+  void close(const std::string& why);
+
+  uint64_t bytesRead() const { return bytesRead_; }
+  uint64_t bytesWritten() const { return bytesWritten_; }
+
+ private:
+  bool fail(const std::string& why);
+  bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (EAGAIN)
+  bool takeFrameBytes();
+  void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
+
+  struct Piece {
+    Message msg;
+    size_t offset = 0;  // bytes of msg already written
+  };
+
+  int fd_ = -1;
+  uint64_t maxFrameBytes_;
+  std::string why_;
+  bool wouldBlock_ = false;  // the last fill() found nothing to read
+  bool writeBlocked_ = false;
+  int lowWater_ = 1;
+
+  // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight
+  // into the frame.
+  std::vector<uint8_t> in_;
+  size_t inBegin_ = 0, inEnd_ = 0;
+  bool haveLength_ = false;
+  bool more_ = false;
+  Message frame_;
+  size_t frameFilled_ = 0;
+  std::vector<Message> frames_;  // the message being read
+  Placement placement_;
+  bool placing_ = false;
+
+  std::deque<Piece> out_;
+  uint64_t queuedBytes_ = 0;
+  uint64_t bytesRead_ = 0, bytesWritten_ = 0;
+};
+
+// Listen on host:port (port 0: any free one) for streams; returns the listening fd (non-blocking) and sets
+// *boundPort. Throws Error(kTransport) naming the address.
+int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort);
+
+// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); socketBufferBytes > 0 sets
+// SO_SNDBUF and SO_RCVBUF first. Returns the fd, connected or still connecting (poll it for writing, then
+// check connectResult); -1 with *why set if it failed at once.
+int connectStream(const std::string& host, uint16_t port, int socketBufferBytes, std::string* why);
+// After a connecting fd polled writable: "" if connected, else why not.
+std::string connectResult(int fd);
+
+}  // namespace bps
