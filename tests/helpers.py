@@ -139,14 +139,14 @@ class RawPeer:
             base["length"] = len(payload[0])
         elif command == Command.PULL:
             base["length"] = fields.get("nbytes", 0) - fields.get("offset", 0)
-        try:
-            self.sock.send_multipart([Header(**{**base, **fields}).pack(), *payload])
-        except zmq.Again:
-            raise TimeoutError(f"could not send to {self.address} within {self.timeout_ms} ms") from None
+        self.send_frames([Header(**{**base, **fields}).pack(), *payload])
         return rid
 
     def send_frames(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.Again:
+            raise TimeoutError(f"could not send to {self.address} within {self.timeout_ms} ms") from None
 
     def recv_any(self) -> tuple[Header, list[bytes]]:
         if not self.sock.poll(self.timeout_ms):
@@ -188,19 +188,6 @@ class StreamPeer(RawPeer):
         if open:
             self.send_frames([b"BPS-STREAM-1", *self.credentials])
             assert self.recv_frames() == [b"BPS-STREAM-1", b"200"]
-
-    def send(self, command: int, *payload: bytes, **fields) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        base = dict(
-            command=command, job_id=self.job_id, worker=self.worker, incarnation=self.incarnation, request_id=rid
-        )
-        if command == Command.PUSH and payload:
-            base["length"] = len(payload[0])
-        elif command == Command.PULL:
-            base["length"] = fields.get("nbytes", 0) - fields.get("offset", 0)
-        self.send_frames([Header(**{**base, **fields}).pack(), *payload])
-        return rid
 
     def send_frames(self, frames: list[bytes]) -> None:
         out = b"".join(
