@@ -92,20 +92,28 @@ bool StreamConn::fill() {
     inEnd_ -= inBegin_;
     inBegin_ = 0;
   }
+  size_t got = receive(in_.data() + inEnd_, in_.size() - inEnd_);
+  inEnd_ += got;
+  return got > 0;
+}
+
+size_t StreamConn::receive(void* into, size_t n) {
   for (;;) {
-    ssize_t got = ::recv(fd_, in_.data() + inEnd_, in_.size() - inEnd_, 0);
+    ssize_t got = ::recv(fd_, into, n, 0);
     if (got > 0) {
-      inEnd_ += static_cast<size_t>(got);
       bytesRead_ += static_cast<uint64_t>(got);
-      return true;
+      return static_cast<size_t>(got);
     }
-    if (got == 0) return fail("the peer closed the connection");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    if (got == 0) {
+      fail("the peer closed the connection");
+    } else if (errno == EINTR) {
+      continue;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
       wouldBlock_ = true;
-      return false;
+    } else {
+      fail(std::string("receive failed: ") + std::strerror(errno));
     }
-    return fail(std::string("receive failed: ") + std::strerror(errno));
+    return 0;
   }
 }
 
@@ -120,20 +128,10 @@ bool StreamConn::takeFrameBytes() {
     need -= take;
   }
   while (need >= kDirectRead) {
-    ssize_t got = ::recv(fd_, frame_.data() + frameFilled_, need, 0);
-    if (got > 0) {
-      frameFilled_ += static_cast<size_t>(got);
-      bytesRead_ += static_cast<uint64_t>(got);
-      need -= static_cast<size_t>(got);
-      continue;
-    }
-    if (got == 0) return fail("the peer closed the connection");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      wouldBlock_ = true;
-      return true;
-    }
-    return fail(std::string("receive failed: ") + std::strerror(errno));
+    size_t got = receive(frame_.data() + frameFilled_, need);
+    if (got == 0) return !closed();  // nothing there yet (wouldBlock_), or closed
+    frameFilled_ += got;
+    need -= got;
   }
   return true;
 }

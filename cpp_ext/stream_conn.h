@@ -77,6 +77,8 @@ class StreamConn {
  private:
   bool fail(const std::string& why);
   bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (EAGAIN)
+  // recv() up to n bytes: how many came; 0 when none were there (wouldBlock_ set) or the connection closed.
+  size_t receive(void* into, size_t n);
   bool takeFrameBytes();
   void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
 
