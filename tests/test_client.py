@@ -284,10 +284,11 @@ def test_server_stats_and_byte_counts(server, job_id):
 
 
 def test_big_replies_reuse_receive_buffers(server, job_id):
-    """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right."""
+    """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right. ZeroMQ only:
+    a stream reads a reply straight into its destination, no buffer of its own."""
     assert _C.install_buffer_cache() == ""
     sizes = {key: (1 << 20) + key * 4096 for key in range(4)}  # ~4 MB float32 each, all in flight at once
-    with Client([server.address], job_id, 0, 1) as c:
+    with Client([server.address], job_id, 0, 1, stream=False) as c:
         before = _C.buffer_cache_stats()
         for rnd in range(3):
             tensors = {key: torch.full((n,), float(rnd * 10 + key)) for key, n in sizes.items()}
