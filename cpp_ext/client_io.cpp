@@ -1,5 +1,6 @@
 // The client's IO thread (see client.h): it owns every socket and all request state. Other threads only
 // touch the submission queue and the HELLO results, each under its mutex.
+#include <poll.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 
 #include "client.h"
+#include "zmq_fd.h"
 
 #include <ATen/ops/empty.h>
 
@@ -18,15 +20,17 @@ void Client::ioLoop() {
   // Named so that top -H, perf and /proc tell it from the completion threads and Python's.
   pthread_setname_np(pthread_self(), "bps-client-io");
   size_t n = links_.size();
-  // Poll order: the wake-up eventfd, then per server its DEALER and its monitor, then the open streams' fds.
-  std::vector<zmq_pollitem_t> items(1 + 2 * n);
-  items[0] = {nullptr, wakeFd_, ZMQ_POLLIN, 0};
+  // Poll order: the wake-up eventfd, then per server the signal fds of its DEALER and its monitor (zmq_fd.h),
+  // then the open streams' fds.
+  std::vector<pollfd> items(1 + 2 * n);
+  items[0] = {wakeFd_, POLLIN, 0};
   for (size_t i = 0; i < n; ++i) {
-    items[1 + 2 * i] = {links_[i]->socket(), 0, ZMQ_POLLIN, 0};
-    items[2 + 2 * i] = {links_[i]->monitor(), 0, ZMQ_POLLIN, 0};
+    items[1 + 2 * i] = {links_[i]->socketFd(), POLLIN, 0};
+    items[2 + 2 * i] = {links_[i]->monitorFd(), POLLIN, 0};
   }
   // The server of each stream item, and which of its streams was polled.
   std::vector<std::pair<size_t, uint64_t>> streamServers;
+  bool first = true;  // nothing is known of the sockets before the first look
   try {
     for (;;) {
       // Streams: write what was queued since the last poll (one writev for a burst of requests), check their
@@ -37,14 +41,18 @@ void Client::ioLoop() {
         if (!streams_[i]->active()) continue;
         stepStream(i, 0);
         if (!streams_[i]->active()) continue;
-        items.push_back({nullptr, streams_[i]->fd(), streams_[i]->pollEvents(), 0});
+        items.push_back({streams_[i]->fd(), streams_[i]->pollEvents(), 0});
         streamServers.emplace_back(i, streams_[i]->generation());
       }
-      int rc = zmq_poll(items.data(), static_cast<int>(items.size()), pollTimeoutMs());
-      if (rc < 0 && zmq_errno() != EINTR) {
-        throw Error(ErrorKind::kTransport, std::string("zmq_poll failed: ") + zmq_strerror(zmq_errno()));
+      // A DEALER sent on since it was last read must be read before blocking (zmq_fd.h).
+      bool unread = first;
+      for (size_t i = 0; i < n && !unread; ++i) unread = links_[i]->sentSinceRead();
+      int rc = ::poll(items.data(), items.size(), unread ? 0 : pollTimeoutMs());
+      if (rc < 0) {
+        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("poll failed: ") + std::strerror(errno));
+        for (auto& item : items) item.revents = 0;
       }
-      if (rc > 0 && (items[0].revents & ZMQ_POLLIN)) {
+      if (items[0].revents & POLLIN) {
         uint64_t count;
         ssize_t got = ::read(wakeFd_, &count, sizeof(count));
         (void)got;
@@ -55,22 +63,26 @@ void Client::ioLoop() {
         takeSubmissions();
       }
       for (size_t i = 0; i < n; ++i) {
-        // Replies first: those that arrived before a disconnect still count.
-        for (;;) {
-          LinkMessage message;
-          if (!links_[i]->receive(message)) break;
-          onReply(i, ReplyView{message.header.data(), message.header.size(), message.payload.data(),
-                               message.payload.size(), message.frames});
+        // Replies first: those that arrived before a disconnect still count. Each read runs to EAGAIN.
+        if (first || links_[i]->sentSinceRead() || (items[1 + 2 * i].revents & POLLIN)) {
+          for (;;) {
+            LinkMessage message;
+            if (!links_[i]->receive(message)) break;
+            onReply(i, ReplyView{message.header.data(), message.header.size(), message.payload.data(),
+                                 message.payload.size(), message.frames});
+          }
         }
+        if (!first && !(items[2 + 2 * i].revents & POLLIN)) continue;
         LinkEvent event;
         while ((event = links_[i]->readMonitor()) != LinkEvent::kNothing) {
           if (event == LinkEvent::kDisconnected) onDisconnect(i);
           if (event == LinkEvent::kConnected) onReconnect(i);
         }
       }
+      first = false;
       for (size_t k = 0; k < streamServers.size(); ++k) {
         auto [i, generation] = streamServers[k];
-        short revents = rc > 0 ? items[1 + 2 * n + k].revents : 0;
+        short revents = items[1 + 2 * n + k].revents;
         // Closed above (a dropped link closes its stream), maybe reopened on the same fd number: not this one.
         if (streams_[i]->active() && streams_[i]->generation() == generation) stepStream(i, revents);
       }

@@ -1,12 +1,16 @@
 // ServerCore: the summation server's loop (see server_core.h).
 #include "server_core.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
+
+#include "zmq_fd.h"
 
 namespace bps {
 
@@ -90,8 +94,12 @@ uint16_t ServerCore::listenStream(const std::string& host) { return streams_.lis
 void ServerCore::run(ControlPlane& control, double tickSeconds) {
   // The monitor first: a disconnect must be seen before a message from a new connection that reuses its fd
   // number (its HELLO would otherwise be recorded, then dropped with the old connection). Then the ZAP
-  // socket (always polled: a placeholder without authentication, never ready), the ROUTER, the streams.
-  std::vector<zmq_pollitem_t> items;
+  // socket (without authentication, none), the ROUTER, the streams. ZeroMQ's sockets are polled through their
+  // signal fds (zmq_fd.h): read when signalled, and the ROUTER again after anything was sent on it.
+  const int monitorFd = zmqSignalFd(monitor_, "the server's monitor");
+  const int zapFd = zap_ ? zmqSignalFd(zap_, "the server's ZAP handler") : -1;
+  const int routerFd = zmqSignalFd(router_, "the server's ROUTER");
+  std::vector<pollfd> items;
   std::vector<Message> frames;
   frames.reserve(4);
   auto admit = [&](StreamPeer& peer, std::vector<Message>& auth) { return admitStream(peer, auth, control); };
@@ -102,38 +110,48 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
   auto closed = [&](const StreamPeer& peer) { control.onDisconnect(peer.fd); };
   double now = monotonicSeconds();
   double nextTick = now + tickSeconds, nextExpire = now + kExpireSeconds;
+  bool readRouter = true, readMonitor = true, readZap = zap_ != nullptr;  // unknown before the first look
   try {
     for (;;) {
       items.clear();
-      items.push_back({monitor_, 0, ZMQ_POLLIN, 0});
-      items.push_back({zap_ ? zap_ : monitor_, 0, static_cast<short>(zap_ ? ZMQ_POLLIN : 0), 0});
-      items.push_back({router_, 0, ZMQ_POLLIN, 0});
+      items.push_back({monitorFd, POLLIN, 0});
+      items.push_back({zapFd, POLLIN, 0});  // fd -1: ignored by poll
+      items.push_back({routerFd, POLLIN, 0});
       streams_.addPollItems(items);
       double wait = std::min(nextTick, nextExpire) - monotonicSeconds();
-      long timeoutMs = streams_.hasBuffered() ? 0 : wait > 0 ? static_cast<long>(wait * 1000) + 1 : 0;
-      int ready = zmq_poll(items.data(), static_cast<int>(items.size()), timeoutMs);
+      bool noWait = streams_.hasBuffered() || readRouter || readMonitor || readZap;
+      int timeoutMs = noWait ? 0 : wait > 0 ? static_cast<int>(std::min(wait * 1000, 1e9)) + 1 : 0;
+      int ready = ::poll(items.data(), items.size(), timeoutMs);
       if (ready < 0) {
-        if (zmq_errno() != EINTR) fail("zmq_poll");
+        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("poll: ") + std::strerror(errno));
         nextTick = 0;  // a signal: let the control plane look at it now (its handler may have asked to stop)
+        for (auto& item : items) item.revents = 0;
       }
-      if (ready > 0 || streams_.hasBuffered()) {
-        if (items[0].revents & ZMQ_POLLIN) drainMonitor(control);
-        if (items[1].revents & ZMQ_POLLIN) serveZap(control);
-        int64_t woke = trace_.on() ? realtimeNs() : 0;
-        uint64_t before = counters_.requests;
-        if (items[2].revents & ZMQ_POLLIN) {
-          for (int read = 0; read < kBatch && receive(frames); ++read) {
-            handle(frames, control, nullptr);
-            ++counters_.requests;
-          }
+      readMonitor |= (items[0].revents & POLLIN) != 0;
+      readZap |= (items[1].revents & POLLIN) != 0;
+      readRouter |= (items[2].revents & POLLIN) != 0;
+      if (readMonitor) drainMonitor(control);  // each reads until EAGAIN
+      if (readZap) serveZap(control);
+      readMonitor = readZap = false;
+      int64_t woke = trace_.on() ? realtimeNs() : 0;
+      uint64_t before = counters_.requests;
+      routerSent_ = false;
+      if (readRouter) {
+        int read = 0;
+        while (read < kBatch && receive(frames)) {
+          handle(frames, control, nullptr);
+          ++counters_.requests;
+          ++read;
         }
-        streams_.serve(items, 3, monotonicSeconds(), admit, deliver, closed);
-        uint64_t read = counters_.requests - before;
-        if (read > 0) {
-          ++counters_.wakeups;
-          if (trace_.on()) {
-            trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, read, 0, kTraceWake});
-          }
+        readRouter = read == kBatch;  // more may wait: look again without blocking
+      }
+      streams_.serve(items, 3, monotonicSeconds(), admit, deliver, closed);
+      readRouter |= routerSent_;  // a send may have taken the signal of a request that arrived meanwhile
+      uint64_t read = counters_.requests - before;
+      if (read > 0) {
+        ++counters_.wakeups;
+        if (trace_.on()) {
+          trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, read, 0, kTraceWake});
         }
       }
       now = monotonicSeconds();
@@ -141,10 +159,12 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         expireWaiting(now);
         streams_.expire(now, closed);
         nextExpire = now + kExpireSeconds;
+        readRouter |= routerSent_;
       }
       if (now >= nextTick) {
         nextTick = now + tickSeconds;
         if (!control.tick()) break;
+        readRouter = true;  // the control plane may have sent on the ROUTER
       }
     }
   } catch (...) {
@@ -224,6 +244,7 @@ void ServerCore::deliver(const std::string& peer, std::vector<Message>& frames) 
   }
   // ROUTER_MANDATORY is off: a reply to a vanished peer is dropped, never blocks.
   Message identity = Message::copyOf(peer.data(), peer.size());
+  routerSent_ = true;
   zmq_msg_send(identity.get(), router_, ZMQ_SNDMORE | ZMQ_DONTWAIT);
   for (size_t i = 0; i < frames.size(); ++i) {
     zmq_msg_send(frames[i].get(), router_, (i + 1 < frames.size() ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);

@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include "zmq_fd.h"
+
 namespace bps {
 namespace {
 
@@ -73,6 +75,13 @@ ServerLink::ServerLink(void* context, const std::string& address, const std::str
     close();
     throw Error(ErrorKind::kTransport, message);
   }
+  try {
+    socketFd_ = zmqSignalFd(socket_, address.c_str());
+    monitorFd_ = zmqSignalFd(monitor_, address.c_str());
+  } catch (...) {
+    close();
+    throw;
+  }
 }
 
 ServerLink::~ServerLink() { close(); }
@@ -90,6 +99,7 @@ void ServerLink::close() {
 }
 
 bool ServerLink::send(const Header& header, const at::Tensor* payload) {
+  sentSinceRead_ = true;
   zmq_msg_t head;
   zmq_msg_init_size(&head, kHeaderSize);
   packHeader(header, static_cast<uint8_t*>(zmq_msg_data(&head)));
@@ -118,7 +128,10 @@ bool ServerLink::send(const Header& header, const at::Tensor* payload) {
 }
 
 bool ServerLink::receive(LinkMessage& out) {
-  if (zmq_msg_recv(out.header.get(), socket_, ZMQ_DONTWAIT) < 0) return false;
+  if (zmq_msg_recv(out.header.get(), socket_, ZMQ_DONTWAIT) < 0) {
+    sentSinceRead_ = false;  // that EAGAIN processed the socket's commands: its fd signals what comes next
+    return false;
+  }
   out.frames = 1;
   uint64_t bytes = out.header.size();
   bool more = zmq_msg_more(out.header.get());

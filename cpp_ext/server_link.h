@@ -67,13 +67,19 @@ class ServerLink {
   const std::string& address() const { return address_; }
   void* socket() { return socket_; }
   void* monitor() { return monitor_; }
+  // The fds that signal the DEALER's and the monitor's state changes (zmq_fd.h).
+  int socketFd() const { return socketFd_; }
+  int monitorFd() const { return monitorFd_; }
+  // Something was sent since the last receive() that found nothing: read again before a blocking poll.
+  bool sentSinceRead() const { return sentSinceRead_; }
   bool everConnected() const { return everConnected_.load(); }
 
   // Queue a header (and the payload, zero-copy, holding a reference until ZeroMQ releases it).
   // Returns false with errno set if ZeroMQ refused it.
   bool send(const Header& header, const at::Tensor* payload);
 
-  // Take the next waiting message, if any. Returns false when none is waiting.
+  // Take the next waiting message, if any. Returns false when none is waiting (ZeroMQ said EAGAIN: the
+  // DEALER's fd will signal the next one).
   bool receive(LinkMessage& out);
 
   // Read one monitor event; kNothing if none is waiting.
@@ -89,6 +95,8 @@ class ServerLink {
   std::string address_;
   void* socket_ = nullptr;
   void* monitor_ = nullptr;
+  int socketFd_ = -1, monitorFd_ = -1;
+  bool sentSinceRead_ = false;
   std::atomic<bool> everConnected_{false};
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};

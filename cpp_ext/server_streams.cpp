@@ -43,12 +43,12 @@ uint16_t ServerStreams::listen(const std::string& host) {
   return port;
 }
 
-void ServerStreams::addPollItems(std::vector<zmq_pollitem_t>& items) const {
+void ServerStreams::addPollItems(std::vector<pollfd>& items) const {
   if (listenFd_ < 0) return;
-  items.push_back({nullptr, listenFd_, ZMQ_POLLIN, 0});
+  items.push_back({listenFd_, POLLIN, 0});
   for (const auto& [number, peer] : streams_) {
-    short events = ZMQ_POLLIN | (peer->conn->wantsWrite() ? ZMQ_POLLOUT : 0);
-    items.push_back({nullptr, peer->conn->fd(), events, 0});
+    short events = static_cast<short>(POLLIN | (peer->conn->wantsWrite() ? POLLOUT : 0));
+    items.push_back({peer->conn->fd(), events, 0});
   }
 }
 
@@ -59,20 +59,20 @@ bool ServerStreams::hasBuffered() const {
   return false;
 }
 
-void ServerStreams::serve(const std::vector<zmq_pollitem_t>& items, size_t first, double now, const Admit& admit,
+void ServerStreams::serve(const std::vector<pollfd>& items, size_t first, double now, const Admit& admit,
                           const Deliver& deliver, const Closed& closed) {
   if (listenFd_ < 0) return;
   // The streams in poll order, as addPollItems listed them (accepting below adds streams after them).
   size_t i = first + 1;
   for (auto& [number, peer] : streams_) {
     if (i >= items.size()) break;
-    const zmq_pollitem_t& item = items[i++];
+    const pollfd& item = items[i++];
     StreamConn& conn = *peer->conn;
     if (item.fd != peer->fd || conn.closed()) continue;
-    if ((item.revents & ZMQ_POLLOUT) && !conn.flush()) continue;
-    if ((item.revents & (ZMQ_POLLIN | ZMQ_POLLERR)) || conn.hasBuffered()) read(*peer, admit, deliver);
+    if ((item.revents & POLLOUT) && !conn.flush()) continue;
+    if ((item.revents & (POLLIN | POLLERR | POLLHUP)) || conn.hasBuffered()) read(*peer, admit, deliver);
   }
-  if (items[first].revents & ZMQ_POLLIN) accept(now);
+  if (items[first].revents & POLLIN) accept(now);
   flush(closed);
 }
 

@@ -8,6 +8,7 @@
 // Thread contract: everything runs on the core's loop thread (listen() before run()).
 #pragma once
 
+#include <poll.h>
 #include <zmq.h>
 
 #include <cstdint>
@@ -57,11 +58,11 @@ class ServerStreams {
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
 
   // Append the listener's and every stream's poll items; serve() takes the same items back.
-  void addPollItems(std::vector<zmq_pollitem_t>& items) const;
+  void addPollItems(std::vector<pollfd>& items) const;
   // Bytes already read and not yet served: poll without waiting.
   bool hasBuffered() const;
   // Accept, read and write what the poll reported, from items[first] on.
-  void serve(const std::vector<zmq_pollitem_t>& items, size_t first, double now, const Admit& admit,
+  void serve(const std::vector<pollfd>& items, size_t first, double now, const Admit& admit,
              const Deliver& deliver, const Closed& closed);
   // Queue a message (without identity) to the stream named by identity; false if no such stream is open.
   bool send(const std::string& identity, std::vector<Message>& frames);

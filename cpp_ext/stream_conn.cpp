@@ -86,6 +86,10 @@ bool StreamConn::fail(const std::string& why) {
 }
 
 bool StreamConn::fill() {
+  if (drained_) {  // the last recv came back short: the socket had no more (poll says when it has)
+    wouldBlock_ = true;
+    return false;
+  }
   if (inBegin_ == inEnd_) inBegin_ = inEnd_ = 0;
   if (inEnd_ == in_.size()) {  // compact: what is left is shorter than a length word or a small frame
     std::memmove(in_.data(), in_.data() + inBegin_, inEnd_ - inBegin_);
@@ -102,6 +106,7 @@ size_t StreamConn::receive(void* into, size_t n) {
     ssize_t got = ::recv(fd_, into, n, 0);
     if (got > 0) {
       bytesRead_ += static_cast<uint64_t>(got);
+      drained_ = static_cast<size_t>(got) < n;
       return static_cast<size_t>(got);
     }
     if (got == 0) {
@@ -128,6 +133,10 @@ bool StreamConn::takeFrameBytes() {
     need -= take;
   }
   while (need >= kDirectRead) {
+    if (drained_) {
+      wouldBlock_ = true;
+      return true;
+    }
     size_t got = receive(frame_.data() + frameFilled_, need);
     if (got == 0) return !closed();  // nothing there yet (wouldBlock_), or closed
     frameFilled_ += got;
@@ -146,7 +155,7 @@ void StreamConn::setLowWater(size_t bytes) {
 bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages) {
   if (closed()) return false;
   setLowWater(1);
-  wouldBlock_ = false;
+  wouldBlock_ = drained_ = false;
   size_t done = 0;
   while (done < maxMessages) {
     if (!haveLength_) {
@@ -219,9 +228,11 @@ bool StreamConn::flush() {
   while (!out_.empty()) {
     iovec iov[kMaxIov];
     int count = 0;
+    size_t asked = 0;
     for (auto it = out_.begin(); it != out_.end() && count < kMaxIov; ++it) {
       iov[count].iov_base = it->msg.data() + it->offset;
       iov[count].iov_len = it->msg.size() - it->offset;
+      asked += iov[count].iov_len;
       ++count;
     }
     msghdr header{};
@@ -248,6 +259,10 @@ bool StreamConn::flush() {
       }
       left -= rest;
       out_.pop_front();
+    }
+    if (static_cast<size_t>(sent) < asked) {  // the send buffer is full: another call now would fail
+      writeBlocked_ = true;
+      return true;
     }
   }
   return true;

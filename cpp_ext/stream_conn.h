@@ -90,7 +90,8 @@ class StreamConn {
   int fd_ = -1;
   uint64_t maxFrameBytes_;
   std::string why_;
-  bool wouldBlock_ = false;  // the last fill() found nothing to read
+  bool wouldBlock_ = false;  // read() stopped for want of bytes
+  bool drained_ = false;  // this read()'s last recv came back short: no point asking again before poll
   bool writeBlocked_ = false;
   int lowWater_ = 1;
 

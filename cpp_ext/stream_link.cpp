@@ -1,6 +1,7 @@
 // See stream_link.h.
 #include "stream_link.h"
 
+#include <poll.h>
 #include <zmq.h>
 
 #include <cinttypes>
@@ -73,8 +74,8 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int socketB
 
 short StreamLink::pollEvents() const {
   if (!conn_) return 0;
-  if (state_ == StreamState::kConnecting || conn_->wantsWrite()) return ZMQ_POLLIN | ZMQ_POLLOUT;
-  return ZMQ_POLLIN;
+  if (state_ == StreamState::kConnecting || conn_->wantsWrite()) return POLLIN | POLLOUT;
+  return POLLIN;
 }
 
 void StreamLink::send(std::vector<Message>& frames) {
@@ -95,9 +96,9 @@ void StreamLink::step(short revents, StreamStep& out) {
     }
   }
   if (state_ != StreamState::kConnecting) {
-    bool writable = !conn_->writeBlocked() || (revents & (ZMQ_POLLOUT | ZMQ_POLLERR));
+    bool writable = !conn_->writeBlocked() || (revents & (POLLOUT | POLLERR | POLLHUP));
     if (conn_->wantsWrite() && writable && !conn_->flush()) return fail(conn_->why(), out);
-    if ((revents & (ZMQ_POLLIN | ZMQ_POLLERR)) || conn_->hasBuffered()) {
+    if ((revents & (POLLIN | POLLERR | POLLHUP)) || conn_->hasBuffered()) {
       std::vector<std::vector<Message>> got;
       bool open;
       try {

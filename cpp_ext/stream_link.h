@@ -58,7 +58,7 @@ class StreamLink {
   // Counts open()s: tells a poll result of an earlier stream (closed meanwhile, its fd number maybe reused) from
   // one of the stream open now.
   uint64_t generation() const { return generation_; }
-  // ZMQ_POLLIN/ZMQ_POLLOUT to ask for: POLLOUT only while connecting or while writes wait.
+  // POLLIN/POLLOUT to ask for: POLLOUT only while connecting or while writes wait.
   short pollEvents() const;
   // Bytes already read but not parsed: step() must run again without waiting for poll.
   bool hasBuffered() const { return conn_ && conn_->hasBuffered(); }
