@@ -172,16 +172,21 @@ def in_threads(*fns):
     return results
 
 
-def test_fast_worker_many_rounds_ahead_of_slow_one(server, job_id):
+# Both transports, whichever is the default: a ZeroMQ worker and a stream worker of one job, then two of each.
+TRANSPORTS = pytest.mark.parametrize("streams", [(False, True), (True, True), (False, False)], ids=str)
+
+
+@TRANSPORTS
+def test_fast_worker_many_rounds_ahead_of_slow_one(server, job_id, streams):
     rounds = 12
 
     def fast():
-        with Client([server.address], job_id, 0, 2, timeout=30) as c:
+        with Client([server.address], job_id, 0, 2, timeout=30, stream=streams[0]) as c:
             futs = [c.push_pull(torch.full((100,), float(r)), 7) for r in range(rounds)]  # all at once
             return [f.wait() for f in futs]
 
     def slow():
-        with Client([server.address], job_id, 1, 2, timeout=30) as c:
+        with Client([server.address], job_id, 1, 2, timeout=30, stream=streams[1]) as c:
             out = []
             for r in range(rounds):
                 time.sleep(0.02)
@@ -544,9 +549,10 @@ def _wait_batches(client: Client, futures, seconds: float = 20.0) -> None:
         f.wait()  # raises a batch's error
 
 
-def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_id):
+@TRANSPORTS
+def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_id, streams):
     addresses = [s.address for s in servers]
-    clients = [Client(addresses, job_id, w, 2, timeout=30, credit_bytes=3000) for w in range(2)]
+    clients = [Client(addresses, job_id, w, 2, timeout=30, credit_bytes=3000, stream=streams[w]) for w in range(2)]
     try:
         for step in range(3):  # the keys' later rounds too
             tensors = [torch.arange(10_000, dtype=torch.float32) * (w + 1) + step for w in range(2)]
@@ -560,7 +566,8 @@ def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_i
             assert calls == [[None], [None]]
             want = torch.arange(10_000, dtype=torch.float32) * 3 + 2 * step
             assert torch.equal(tensors[0], want) and torch.equal(tensors[1], want)
-        for c in clients:
+        for w, c in enumerate(clients):
+            assert [c.stream_ready(i) for i in range(3)] == [streams[w]] * 3
             s = c.scheduler_stats()
             assert s["parts_sent"] == s["parts_acknowledged"] == 30, s
             assert s["credit_in_flight"] == s["push_bytes_in_flight"] == s["queued"] == 0, s

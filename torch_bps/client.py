@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_bps import _C
-from torch_bps.config import DEFAULT_CREDIT_BYTES, parse_transport
+from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_transport
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
@@ -106,7 +106,7 @@ class Client:
             connection goes down (or it comes back as another incarnation).
         stream: beside each ZeroMQ connection, use the plain TCP stream a server offers (not under CURVE;
             docs/protocol.md, "The stream transport"); a server offering none, or whose stream fails to open,
-            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream" or "zmq", the default).
+            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream", the default, or "zmq").
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -158,7 +158,7 @@ class Client:
                 "negative (0: no per-server limit, the kernel's buffers)"
             )
         if stream is None:
-            stream = parse_transport(os.environ.get("BPS_TRANSPORT") or "zmq") == "stream"
+            stream = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT) == "stream"
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
