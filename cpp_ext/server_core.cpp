@@ -119,7 +119,7 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
       items.push_back({routerFd, POLLIN, 0});
       streams_.addPollItems(items);
       double wait = std::min(nextTick, nextExpire) - monotonicSeconds();
-      bool noWait = streams_.hasBuffered() || readRouter || readMonitor || readZap;
+      bool noWait = streams_.hasBuffered() || readRouter || routerSent_ || readMonitor || readZap;
       int timeoutMs = noWait ? 0 : wait > 0 ? static_cast<int>(std::min(wait * 1000, 1e9)) + 1 : 0;
       int ready = ::poll(items.data(), items.size(), timeoutMs);
       if (ready < 0) {
@@ -135,10 +135,10 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
       readMonitor = readZap = false;
       int64_t woke = trace_.on() ? realtimeNs() : 0;
       uint64_t before = counters_.requests;
-      routerSent_ = false;
-      if (readRouter) {
+      // Also after a send: it may have taken the signal of a request that arrived meanwhile.
+      if (readRouter || routerSent_) {
         int read = 0;
-        while (read < kBatch && receive(frames)) {
+        while (read < kBatch && receive(frames)) {  // its EAGAIN clears routerSent_
           handle(frames, control, nullptr);
           ++counters_.requests;
           ++read;
@@ -146,7 +146,6 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         readRouter = read == kBatch;  // more may wait: look again without blocking
       }
       streams_.serve(items, 3, monotonicSeconds(), admit, deliver, closed);
-      readRouter |= routerSent_;  // a send may have taken the signal of a request that arrived meanwhile
       uint64_t read = counters_.requests - before;
       if (read > 0) {
         ++counters_.wakeups;
@@ -159,12 +158,10 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         expireWaiting(now);
         streams_.expire(now, closed);
         nextExpire = now + kExpireSeconds;
-        readRouter |= routerSent_;
       }
       if (now >= nextTick) {
         nextTick = now + tickSeconds;
         if (!control.tick()) break;
-        readRouter = true;  // the control plane may have sent on the ROUTER
       }
     }
   } catch (...) {
@@ -193,7 +190,10 @@ bool ServerCore::receive(std::vector<Message>& frames) {
   for (;;) {
     Message m;
     if (zmq_msg_recv(m.get(), router_, frames.empty() ? ZMQ_DONTWAIT : 0) < 0) {
-      if (frames.empty()) return false;  // nothing waiting (EAGAIN), or a signal
+      if (frames.empty()) {  // nothing waiting (EAGAIN), or a signal
+        routerSent_ = false;  // that recv processed the ROUTER's commands: its fd signals what comes next
+        return false;
+      }
       fail("receiving a message's next frame");
     }
     bool more = zmq_msg_more(m.get());

@@ -144,7 +144,7 @@ class ServerCore {
   void* router_ = nullptr;
   void* monitor_ = nullptr;
   void* zap_ = nullptr;
-  bool routerSent_ = false;  // something was sent on the ROUTER since the loop last read it (zmq_fd.h)
+  bool routerSent_ = false;  // sent on the ROUTER since a read of it found nothing: read before blocking (zmq_fd.h)
   ServerStreams streams_;
   std::string zapDomain_;
   std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
