@@ -44,10 +44,12 @@ void Client::ioLoop() {
         items.push_back({streams_[i]->fd(), streams_[i]->pollEvents(), 0});
         streamServers.emplace_back(i, streams_[i]->generation());
       }
-      // A DEALER sent on since it was last read must be read before blocking (zmq_fd.h).
-      bool unread = first;
-      for (size_t i = 0; i < n && !unread; ++i) unread = links_[i]->sentSinceRead();
-      int rc = ::poll(items.data(), items.size(), unread ? 0 : pollTimeoutMs());
+      // A DEALER sent on since it was last read must be read before blocking (zmq_fd.h). And replies the stream
+      // steps above read may have returned credit: a part it admits goes now, not after a wait that may have no
+      // deadline left to end it.
+      bool now = first || (!stopping_ && credit_.ready());
+      for (size_t i = 0; i < n && !now; ++i) now = links_[i]->sentSinceRead();
+      int rc = ::poll(items.data(), items.size(), now ? 0 : pollTimeoutMs());
       if (rc < 0) {
         if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("poll failed: ") + std::strerror(errno));
         for (auto& item : items) item.revents = 0;

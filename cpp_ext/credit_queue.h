@@ -45,24 +45,11 @@ class CreditQueue {
   // The best admitted head, with its credit taken, if it may go now; nothing otherwise.
   // Returns (item, nbytes, destination).
   std::optional<std::tuple<T, int64_t, size_t>> pop() {
-    Destination* best = nullptr;
-    size_t bestIndex = 0;
-    for (size_t i = 0; i < destinations_.size(); ++i) {
-      Destination& d = destinations_[i];
-      if (d.queue.empty()) continue;
-      const Entry& head = d.queue.top();
-      if (destinationCreditBytes_ > 0 && d.inFlight != 0 && d.inFlight + head.nbytes > destinationCreditBytes_) {
-        continue;
-      }
-      if (best == nullptr || best->queue.top() < head) {
-        best = &d;
-        bestIndex = i;
-      }
-    }
-    if (best == nullptr) return std::nullopt;
+    size_t bestIndex = next();
+    if (bestIndex == kNone) return std::nullopt;
+    Destination* best = &destinations_[bestIndex];
     const Entry& head = best->queue.top();
     int64_t inFlight = inFlight_.load(std::memory_order_relaxed);
-    if (inFlight != 0 && inFlight + head.nbytes > creditBytes_) return std::nullopt;
     // Moving the item out leaves the fields the heap orders by intact, so pop() below still works.
     std::tuple<T, int64_t, size_t> out{std::move(const_cast<Entry&>(head).item), head.nbytes, bestIndex};
     int64_t nbytes = head.nbytes;
@@ -79,6 +66,9 @@ class CreditQueue {
     }
     return out;
   }
+
+  // pop() would hand out an item now.
+  bool ready() const { return next() != kNone; }
 
   void release(size_t destination, int64_t nbytes) {
     grow(destination);
@@ -127,6 +117,26 @@ class CreditQueue {
     std::priority_queue<Entry> queue;
     int64_t inFlight = 0;
   };
+
+  static constexpr size_t kNone = ~size_t{0};
+
+  // The destination whose head pop() hands out now, or kNone.
+  size_t next() const {
+    size_t best = kNone;
+    for (size_t i = 0; i < destinations_.size(); ++i) {
+      const Destination& d = destinations_[i];
+      if (d.queue.empty()) continue;
+      const Entry& head = d.queue.top();
+      if (destinationCreditBytes_ > 0 && d.inFlight != 0 && d.inFlight + head.nbytes > destinationCreditBytes_) {
+        continue;
+      }
+      if (best == kNone || destinations_[best].queue.top() < head) best = i;
+    }
+    if (best == kNone) return kNone;
+    int64_t inFlight = inFlight_.load(std::memory_order_relaxed);
+    int64_t nbytes = destinations_[best].queue.top().nbytes;
+    return inFlight != 0 && inFlight + nbytes > creditBytes_ ? kNone : best;
+  }
 
   void grow(size_t destination) {
     if (destination >= destinations_.size()) destinations_.resize(destination + 1);

@@ -106,7 +106,7 @@ class Client:
             connection goes down (or it comes back as another incarnation).
         stream: beside each ZeroMQ connection, use the plain TCP stream a server offers (not under CURVE;
             docs/protocol.md, "The stream transport"); a server offering none, or whose stream fails to open,
-            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream" or "zmq", the default).
+            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream", the default, or "zmq").
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:

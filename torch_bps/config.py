@@ -47,13 +47,13 @@ def _parse_servers(value: str) -> tuple[str, ...]:
 
 
 TRANSPORTS = ("zmq", "stream")
-DEFAULT_TRANSPORT = "zmq"
+DEFAULT_TRANSPORT = "stream"
 
 
 def parse_transport(value: str) -> str:
     """Return a transport name (BPS_TRANSPORT), checked: ConfigError naming it if it is neither "zmq" nor "stream"."""
     if value not in TRANSPORTS:
-        raise ConfigError(f"transport {value!r} is unknown: use zmq (the default) or stream")
+        raise ConfigError(f"transport {value!r} is unknown: use stream (the default) or zmq")
     return value
 
 
@@ -108,7 +108,7 @@ class Config:
     # "stream": beside each ZeroMQ connection, a plain TCP stream the server offers (auth token or off, never
     # curve) carries the requests, read and written by the client's IO thread itself: ZeroMQ's own I/O thread
     # and wake-ups cost 70-130 us of CPU per message (docs/protocol.md, "The stream transport"). A server that
-    # offers none is reached over ZeroMQ. "zmq": ZeroMQ only (the default: README, "The stream transport", says why).
+    # offers none is reached over ZeroMQ. "zmq": ZeroMQ only.
     transport: str = field(default=DEFAULT_TRANSPORT, metadata={"env": "BPS_TRANSPORT", "parse": parse_transport})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
