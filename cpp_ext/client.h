@@ -299,8 +299,8 @@ class Client {
   Clock::duration timeout_;
   void* context_ = nullptr;
   std::vector<std::unique_ptr<ServerLink>> links_;
-  std::vector<std::unique_ptr<StreamLink>> streams_;
-  std::vector<uint64_t> placingRequest_;  // per server: the request whose reply placePull placed last  // one per server, active only while a stream is open
+  std::vector<std::unique_ptr<StreamLink>> streams_;  // one per server, active only while a stream is open
+  std::vector<uint64_t> placingRequest_;  // per server: the request whose reply placePull placed last
   int wakeFd_ = -1;
   std::thread ioThread_;
   CompletionPool pool_;

@@ -86,10 +86,6 @@ bool StreamConn::fail(const std::string& why) {
 }
 
 bool StreamConn::fill() {
-  if (drained_) {  // the last recv came back short: the socket had no more (poll says when it has)
-    wouldBlock_ = true;
-    return false;
-  }
   if (inBegin_ == inEnd_) inBegin_ = inEnd_ = 0;
   if (inEnd_ == in_.size()) {  // compact: what is left is shorter than a length word or a small frame
     std::memmove(in_.data(), in_.data() + inBegin_, inEnd_ - inBegin_);
@@ -102,6 +98,10 @@ bool StreamConn::fill() {
 }
 
 size_t StreamConn::receive(void* into, size_t n) {
+  if (drained_) {  // the last recv came back short: the socket had no more (poll says when it has)
+    wouldBlock_ = true;
+    return 0;
+  }
   for (;;) {
     ssize_t got = ::recv(fd_, into, n, 0);
     if (got > 0) {
@@ -133,10 +133,6 @@ bool StreamConn::takeFrameBytes() {
     need -= take;
   }
   while (need >= kDirectRead) {
-    if (drained_) {
-      wouldBlock_ = true;
-      return true;
-    }
     size_t got = receive(frame_.data() + frameFilled_, need);
     if (got == 0) return !closed();  // nothing there yet (wouldBlock_), or closed
     frameFilled_ += got;

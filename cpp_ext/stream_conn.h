@@ -76,8 +76,9 @@ class StreamConn {
 
  private:
   bool fail(const std::string& why);
-  bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (EAGAIN)
-  // recv() up to n bytes: how many came; 0 when none were there (wouldBlock_ set) or the connection closed.
+  bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (wouldBlock_ set)
+  // recv() up to n bytes: how many came; 0 when none were there, or the last recv came back short (wouldBlock_
+  // set either way), or the connection closed.
   size_t receive(void* into, size_t n);
   bool takeFrameBytes();
   void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
