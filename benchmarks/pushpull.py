@@ -297,7 +297,12 @@ def measure_like_for_like(sizes: list[int], budget: float, repeats: int, pslite:
                 runs = []
                 for _ in range(repeats):
                     r = {"load": os.getloadavg()[0]}  # 1-minute load average as the repeat starts
-                    r["engine_40_keys"] = PSLITE_KEYS * size / timed(lambda t=tensors: engine_keys(engine, t), budget)
+                    calls, before = [], client.server_stats(0)["bytes_in"]
+                    r["engine_40_keys"] = PSLITE_KEYS * size / timed(
+                        lambda t=tensors: calls.append(engine_keys(engine, t)), budget
+                    )
+                    bytes_in = client.server_stats(0)["bytes_in"] - before
+                    assert bytes_in == len(calls) * PSLITE_KEYS * size, (bytes_in, len(calls))  # all via the server
                     if pslite is not None:
                         r["pslite"] = pslite.goodput(size, budget)
                         r["engine_40_keys_vs_pslite"] = r["engine_40_keys"] / r["pslite"]
