@@ -298,8 +298,10 @@ def measure_like_for_like(sizes: list[int], budget: float, repeats: int, pslite:
                 for _ in range(repeats):
                     r = {"load": os.getloadavg()[0]}  # 1-minute load average as the repeat starts
                     calls, before = [], client.server_stats(0)["bytes_in"]
-                    r["engine_40_keys"] = PSLITE_KEYS * size / timed(
-                        lambda t=tensors: calls.append(engine_keys(engine, t)), budget
+                    r["engine_40_keys"] = (
+                        PSLITE_KEYS
+                        * size
+                        / timed(lambda t=tensors, calls=calls: calls.append(engine_keys(engine, t)), budget)
                     )
                     bytes_in = client.server_stats(0)["bytes_in"] - before
                     assert bytes_in == len(calls) * PSLITE_KEYS * size, (bytes_in, len(calls))  # all via the server

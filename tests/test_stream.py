@@ -25,7 +25,7 @@ from torch_bps.client import Client, job_id_from_name
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError, TransportError
 from torch_bps.security import ClientKeys, derive, new_secret
-from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header
+from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header, Mode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,10 +67,15 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
     return b"".join(parts)
 
 
+def encode(frames: list[bytes]) -> bytes:
+    """One message in the stream framing."""
+    return b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
+
+
 def write_message(conn: socket.socket, frames: list[bytes], pause: float = 0.0, split: int = 4) -> None:
     """Write one message; pause > 0: its first `split` bytes (default: half a length word), then the rest that
     much later."""
-    out = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
+    out = encode(frames)
     if pause > 0:
         conn.sendall(out[:split])
         time.sleep(pause)
@@ -89,10 +94,12 @@ class FakeServer:
     stall_in_payload: seconds to wait on the stream in the middle of each PULL reply's payload.
     mechanism: ZeroMQ's: "off", "token" (PLAIN) or "curve" (with the server keys of `secret`); its ZAP handler
     admits everyone: the stream's AUTH is recorded, not checked.
+    burst: on the stream, hold every reply until no request came for 30 ms, then write them in one burst, INIT
+    replies first; never answer a PULL (as a round whose other workers died would not be).
     """
 
     def __init__(self, offer=True, on_auth="accept", stream_incarnation=INCARNATION, drop_at_pull=None,
-                 pause_in_replies=0.0, mechanism="off", secret="", stall_in_payload=0.0):  # fmt: skip
+                 pause_in_replies=0.0, mechanism="off", secret="", stall_in_payload=0.0, burst=False):  # fmt: skip
         self.ctx = zmq.Context()
         self.zap = self.ctx.socket(zmq.REP)  # RFC 27: libzmq asks it about every PLAIN or CURVE connection
         self.zap.bind("inproc://zeromq.zap.01")
@@ -112,6 +119,7 @@ class FakeServer:
         self.offer = self.stream_port if offer is True else int(offer)
         self.on_auth, self.stream_incarnation, self.drop_at_pull = on_auth, stream_incarnation, drop_at_pull
         self.pause_in_replies, self.stall_in_payload = pause_in_replies, stall_in_payload
+        self.burst, self.held, self.last_request = burst, ([], []), 0.0  # held: (INIT replies, the others)
         self.requests = {"zmq": collections.Counter(), "stream": collections.Counter()}
         self.auths: list[list[bytes]] = []
         self.streams_accepted = 0
@@ -165,7 +173,12 @@ class FakeServer:
         poller.register(self.listener, zmq.POLLIN)
         poller.register(self.zap, zmq.POLLIN)
         while not self._stop.is_set():
-            for item, _ in poller.poll(50):
+            quiet = time.monotonic() - self.last_request > 0.03
+            if self.burst and self.conns and (self.held[0] or self.held[1]) and quiet:
+                conn = next(iter(self.conns.values()))[0]
+                conn.sendall(b"".join(encode(frames) for frames in self.held[0] + self.held[1]))  # one write
+                self.held = ([], [])
+            for item, _ in poller.poll(10 if self.burst else 50):
                 if item is self.zap:
                     _version, request_id, *_ = self.zap.recv_multipart()
                     self.zap.send_multipart([b"1.0", request_id, b"200", b"OK", b"anyone", b""])
@@ -202,6 +215,12 @@ class FakeServer:
         reply = self.answer(frames, "stream")
         if reply is None:
             return False
+        if self.burst:
+            self.last_request = time.monotonic()
+            command = Header.unpack(frames[0]).command
+            if command != Command.PULL:
+                self.held[command != Command.INIT].append(reply)
+            return True
         if self.stall_in_payload and len(reply) > 1:
             with contextlib.suppress(OSError):  # the client may close the stream meanwhile
                 write_message(conn, reply, split=HEADER_SIZE + 16 + len(reply[1]) // 2, pause=self.stall_in_payload)
@@ -332,6 +351,25 @@ def test_a_message_arriving_in_pieces_does_not_spin_the_io_thread():
         assert torch.equal(c.push_pull(t.clone(), 3).wait(), t)
         assert time.process_time() - cpu < 0.4
         assert srv.requests["stream"]["PULL"] == 1
+
+
+def test_credit_returned_by_buffered_replies_sends_queued_parts_at_once():
+    """A burst of 64 INIT replies, then 64 push acknowledgements: the poll that saw the burst parses the INITs (a
+    read takes 64 messages), and the next loop's step parses the acknowledgements from the stream's buffer. Their
+    credit admits the queued parts; nothing else will ever wake the loop (no PULL is answered), so they must go
+    before it blocks in poll (client_io.cpp: `credit_.ready()`), not after the 60 s timeout."""
+    with (
+        FakeServer(burst=True) as srv,
+        Client([srv.address], 1, 0, 1, auth=False, stream=True, timeout=60, credit_bytes=64 * 4) as c,
+    ):
+        parts = [(torch.ones(1), key, None, None, Mode.SUM, None, 0, 0) for key in range(3 * 64)]
+        failed = []
+        c.push_pull_batch(parts, on_done=failed.append)
+        deadline = time.monotonic() + 10
+        while srv.requests["stream"]["PUSH"] < len(parts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.requests["stream"]["PUSH"] == len(parts), srv.requests["stream"]
+    assert len(failed) == 1 and "client was closed" in str(failed[0])  # its last replies were never sent
 
 
 def test_a_pull_that_times_out_mid_reply_leaves_its_destination_alone():

@@ -11,7 +11,8 @@ Step time = max(network, busiest server's CPU, a worker's CPU) + pipeline fill a
   the partitions of all servers it feeds, so the first sum takes about n p / B and so does the last pull:
   2 n p / B, with p the engine's partition size (torch_bps.engine.partition: at least 192 KiB, 64 per server).
 On the emulated cluster every process shares 2 cores, so there the CPU term is everyone's CPU over 2 cores.
-May import: the standard library, benchmarks.cluster.theory; matplotlib for --plot.
+May import: the standard library, benchmarks.cluster.theory, torch_bps.config and torch_bps.engine.partition (the
+engine's partition sizes); matplotlib for --plot.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 import json
 
 from benchmarks.cluster import theory
+from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES as MIN_PARTITION
+from torch_bps.engine.partition import PARTS_PER_SERVER
 
 GOODPUT = 0.95  # TCP over tbf at MTU 1500 (the calibration stream: 0.93-0.96)
 # The native server core beyond the add + copy floor: 30, 73, 139, 403 us per message at 64 KiB, 256 KiB, 1 MiB,
@@ -29,11 +32,12 @@ SERVER_NS_PER_BYTE = 0.42  # the floor (add 3/4 of the bytes at ~10 GB/s, copy i
 # The worker (engine + client, benchmarks/engine_cpu.py on loopback): 148 us per 64 KiB partition, 304 per 1 MiB.
 WORKER_US_PER_PARTITION = 138.0
 WORKER_NS_PER_BYTE = 0.16
-MIN_PARTITION, MAX_PARTITION, PARTS_PER_SERVER = 192 << 10, 4_096_000, 64
+MAX_PARTITION = 4_096_000  # the backend's default BPS_PARTITION_BYTES
 
 
 def partition_bytes(n: int, k: int, size: float) -> float:
-    """The engine's partition size: the smallest server share cut into 64, within [192 KiB, 4096000]."""
+    """The engine's partition size, as torch_bps.engine.partition cuts it: the smallest server share cut into
+    PARTS_PER_SERVER, within [MIN_PARTITION, MAX_PARTITION]."""
     x = theory.dedicated_fraction(n, k)
     shares = ([x / k] if k else []) + ([(1 - x) / n] if x < 1 else [])
     smallest = size * min(shares)
