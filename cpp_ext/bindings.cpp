@@ -85,7 +85,7 @@ class PyClient {
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
-           py::object onLinkDown = py::none(), bool stream = false) {
+           py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -121,6 +121,7 @@ class PyClient {
     options.socketBufferBytes = socketBufferBytes;
     options.failover = failover;
     options.stream = stream;
+    options.autoCredit = autoCredit;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
   }
@@ -255,17 +256,25 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight)
       .def_property_readonly("peak_destination_in_flight", &CreditQueue::peakDestinationInFlight);
 
+  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/test_scheduler.py.
+  py::class_<bps::CreditSizer>(m, "CreditSizer")
+      .def(py::init<int64_t, int64_t, double, double, size_t>(), py::arg("min_bytes"), py::arg("max_bytes"),
+           py::arg("jitter_seconds"), py::arg("window_seconds") = 0.05, py::arg("windows") = 20)
+      .def("on_ack", &bps::CreditSizer::onAck, py::arg("destination"), py::arg("nbytes"), py::arg("now"),
+           py::arg("backlogged"), "the new credit when a measured window closed, else 0");
+
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers,
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
-                       int socketBufferBytes, bool failover, py::object onLinkDown, bool stream) {
+                       int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
-                                 serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream);
+                                 serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
+                                 autoCredit);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
@@ -273,7 +282,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
            py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
            py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
-           py::arg("stream") = false)
+           py::arg("stream") = false, py::arg("auto_credit") = false)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",

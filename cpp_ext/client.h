@@ -30,6 +30,7 @@
 #include "auth_keys.h"
 #include "completion_pool.h"
 #include "credit_queue.h"
+#include "credit_sizer.h"
 #include "errors.h"
 #include "server_link.h"
 #include "stream_link.h"
@@ -51,6 +52,8 @@ struct ClientOptions {
   ClientAuth auth;  // no tokens and no server keys: no authentication
   // Bytes of batch pushes in flight (sent, not yet acknowledged); the rest wait in priority order.
   int64_t creditBytes = 2 << 20;
+  // creditBytes is where the credit starts: the IO thread then sizes it from the pushes (credit_sizer.h).
+  bool autoCredit = false;
   // Bytes of batch pushes in flight toward any one server; 0: no limit but creditBytes. One partition may
   // always be in flight per server, however big.
   int64_t serverCreditBytes = 0;
@@ -260,7 +263,8 @@ class Client {
   void takeSubmissions();
   void start(const OpPtr& op);
   void sendQueued();
-  void pushEnded(const OpPtr& op);
+  // A push's credit returns (once); `acknowledged`: its server has it (a failed push is not counted by the sizer).
+  void pushEnded(const OpPtr& op, bool acknowledged);
   void endPart(const OpPtr& op);
   bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
   void onReply(size_t server, const ReplyView& message);
@@ -342,6 +346,7 @@ class Client {
   std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;
   std::unordered_map<uint64_t, KeyState> keys_;
   CreditQueue<OpPtr> credit_;
+  CreditSizer creditSizer_;  // used with options_.autoCredit
   std::atomic<int64_t> pushBytesInFlight_{0};
   std::atomic<int64_t> peakPushBytesInFlight_{0};
   std::atomic<uint64_t> partsSent_{0};

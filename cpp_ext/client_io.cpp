@@ -268,7 +268,7 @@ void Client::onReply(size_t server, const ReplyView& message) {
   if (command == kPush) {
     trace_.mark(kTraceAcked, traceId(op.get()), op->key, op->round, op->src.nbytes(), server);
     if (op->batch) ++partsAcknowledged_;
-    pushEnded(op);
+    pushEnded(op, true);
   }
   if (command == kHello && op->rehello) {
     onRehello(op, h.incarnation, h.length);
@@ -441,7 +441,7 @@ void Client::failOp(const OpPtr& op, ErrorInfo error) {
   if (placing) stopPlacing(op->server, placingRequest_[op->server]);
 }
 
-void Client::pushEnded(const OpPtr& op) {
+void Client::pushEnded(const OpPtr& op, bool acknowledged) {
   if (op->pushInFlight) {
     op->pushInFlight = false;
     pushBytesInFlight_ -= static_cast<int64_t>(op->src.nbytes());
@@ -451,6 +451,11 @@ void Client::pushEnded(const OpPtr& op) {
   // other workers, whose clients may have picked other partitions first (priorities and timing differ per
   // worker), so holding credit until the pull would let workers wait on each other forever.
   if (op->credit != 0) {
+    if (options_.autoCredit && acknowledged) {
+      double now = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+      int64_t sized = creditSizer_.onAck(op->server, op->credit, now, credit_.queued() > 0);
+      if (sized != 0) credit_.setCreditBytes(sized);
+    }
     credit_.release(op->server, op->credit);
     op->credit = 0;  // exactly once: on the acknowledgement, or when the op ends without one
   }
@@ -501,7 +506,7 @@ void Client::finishOp(const OpPtr& op) {
     if (op->error.kind == ErrorKind::kTimeout && !stopping_) onReconnect(op->server);
     return;
   }
-  pushEnded(op);
+  pushEnded(op, false);
   if (op->kind == kHello) {
     std::lock_guard<std::mutex> lock(stateMutex_);
     helloErrors_[op->server] = op->error;

@@ -89,7 +89,9 @@ class CreditQueue {
     return out;
   }
 
-  int64_t creditBytes() const { return creditBytes_; }
+  int64_t creditBytes() const { return creditBytes_.load(std::memory_order_relaxed); }
+  // A new total credit (CreditSizer's); what is in flight beyond it stays, and nothing more goes until it fits.
+  void setCreditBytes(int64_t creditBytes) { creditBytes_.store(creditBytes, std::memory_order_relaxed); }
   int64_t destinationCreditBytes() const { return destinationCreditBytes_; }
   int64_t inFlight() const { return inFlight_.load(std::memory_order_relaxed); }
   int64_t peakInFlight() const { return peakInFlight_.load(std::memory_order_relaxed); }
@@ -135,14 +137,14 @@ class CreditQueue {
     if (best == kNone) return kNone;
     int64_t inFlight = inFlight_.load(std::memory_order_relaxed);
     int64_t nbytes = destinations_[best].queue.top().nbytes;
-    return inFlight != 0 && inFlight + nbytes > creditBytes_ ? kNone : best;
+    return inFlight != 0 && inFlight + nbytes > creditBytes_.load(std::memory_order_relaxed) ? kNone : best;
   }
 
   void grow(size_t destination) {
     if (destination >= destinations_.size()) destinations_.resize(destination + 1);
   }
 
-  int64_t creditBytes_;
+  std::atomic<int64_t> creditBytes_;
   int64_t destinationCreditBytes_;
   std::vector<Destination> destinations_;
   uint64_t nextArrival_ = 0;

@@ -578,6 +578,22 @@ def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_i
             c.close()
 
 
+@pytest.mark.parametrize("auto", [True, False])
+def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id, auto):
+    """With auto_credit the credit becomes a partition per server plus the acknowledged rate x 8 ms
+    (cpp_ext/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
+    with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=256 << 10, auto_credit=auto) as c:
+        t = torch.ones(96 << 18)  # 96 MiB in 128 KiB parts
+        start = time.monotonic()
+        _wait_batches(c, [c.push_pull_batch(_parts(t, 0, 32 << 10))])
+        rate = t.numel() * 4 / (time.monotonic() - start)
+        credit = c.scheduler_stats()["credit_bytes"]
+    if auto:  # the sizer's rate is the best window's, at least the average
+        assert min(64 << 20, (128 << 10) + 0.008 * 0.9 * rate) <= credit <= 64 << 20, (credit, rate)
+    else:
+        assert credit == 256 << 10
+
+
 def test_batch_of_higher_priority_overtakes_a_queued_one(server, job_id):
     """Credit for one partition: a batch submitted after 256 partitions of a lower one is sent next."""
     with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=64 << 10) as c:

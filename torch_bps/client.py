@@ -95,7 +95,10 @@ class Client:
             BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is not off; see ClientKeys.from_environment);
             False: no authentication, for servers run with `--auth off`.
         credit_bytes: bytes of `push_pull_batch` pushes in flight (sent, not yet acknowledged) at most; one
-            partition may always go, however big.
+            partition may always go, however big. With `auto_credit`, where the credit starts.
+        auto_credit: the client sizes the credit from its pushes, as they are acknowledged: a partition toward
+            each server it feeds plus the acknowledged push rate times 8 ms (cpp_ext/credit_sizer.h);
+            `scheduler_stats()["credit_bytes"]` is the credit now.
         server_credit_bytes: the same toward any one server; 0: no limit but credit_bytes. One partition
             per server may always go, however big.
         socket_buffer_bytes: SO_SNDBUF and SO_RCVBUF of every server connection, which bound its bytes in
@@ -131,6 +134,7 @@ class Client:
         failover: bool = False,
         on_link_down: Callable[[int, str], None] | None = None,
         stream: bool | None = None,
+        auto_credit: bool = False,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -179,7 +183,8 @@ class Client:
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
-                               failover=failover, on_link_down=on_link_down, stream=stream, **keys)  # fmt: skip
+                               failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
+                               **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 from torch_bps.errors import ConfigError
 
-# The default credit of bytes in flight per worker (the C++ client schedules within it). It must cover the
-# worker's uplink rate times a push's acknowledgement time (which includes waiting behind the other
-# workers' pushes at the server); beyond that it only lengthens queues and lets late, urgent partitions
-# overtake less. The number of servers does not change it: they all share the one uplink. The README's
-# cluster results show why 2 MiB (smaller and larger both measured slower).
+# Where the credit of bytes in flight per worker starts (the C++ client schedules within it and, unless
+# BPS_CREDIT_BYTES fixes it, sizes it from its acknowledged pushes: cpp_ext/credit_sizer.h). It must keep the
+# uplink busy, and each step pays for it once: a step's first sums come back after about credit / link rate. No
+# fixed size serves every link: 1 MiB suits 250-500 Mbit/s and starves 2 Gbit/s, where 2 MiB suits (README,
+# "Credit and partition size, measured on the links").
 DEFAULT_CREDIT_BYTES = 2 << 20
 # The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen).
-DEFAULT_MIN_PARTITION_BYTES = 192 << 10
+DEFAULT_MIN_PARTITION_BYTES = 128 << 10
 
 
 def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
@@ -97,8 +97,8 @@ class Config:
     # A tensor's middle partitions are this many times the size of its first and last ones (up to
     # partition_bytes): fewer messages, the same fill and drain (torch_bps.engine.partition). 1: all one size.
     middle_partition_factor: int = field(default=1, metadata={"env": "BPS_MIDDLE_PARTITION_FACTOR", "parse": int})
-    # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: the default,
-    # default_credit_bytes(middle_partition_factor, dedicated); see `credit()`.
+    # Bytes of pushes in flight (not yet acknowledged); the rest wait in priority order. 0: sized by the client
+    # from its pushes (auto_credit), starting at default_credit_bytes(middle_partition_factor, dedicated).
     credit_bytes: int = field(default=0, metadata={"env": "BPS_CREDIT_BYTES", "parse": int})
     # Bytes of pushes in flight toward any one server; 0: no limit but credit_bytes.
     server_credit_bytes: int = field(default=0, metadata={"env": "BPS_SERVER_CREDIT_BYTES", "parse": int})
@@ -146,6 +146,11 @@ class Config:
             dedicated: the job places bytes on dedicated servers (k > 0), not only on colocated ones.
         """
         return self.credit_bytes or default_credit_bytes(self.middle_partition_factor, dedicated)
+
+    @property
+    def auto_credit(self) -> bool:
+        """The client sizes the credit itself (BPS_CREDIT_BYTES unset): `credit()` is where it starts."""
+        return self.credit_bytes == 0
 
     @classmethod
     def resolve(cls, **keywords) -> Config:

@@ -331,7 +331,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
     return Client(addresses, job_id, worker, num_workers, timeout=config.timeout,
                   connect_timeout=connect_timeout or config.connect_timeout,
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
-                  credit_bytes=config.credit(dedicated=dedicated),
+                  credit_bytes=config.credit(dedicated=dedicated), auto_credit=config.auto_credit,
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, stream=config.transport == "stream",
                   **failover)  # fmt: skip

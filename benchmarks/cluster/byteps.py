@@ -160,9 +160,13 @@ def run_torch_bps(
     finally:
         for p in server_procs:
             p.kill()
-    # Per worker host, beside its CPU: how many of its servers it reached over a stream (BPS_TRANSPORT=stream).
+    # Per worker host, beside its CPU: how many of its servers it reached over a stream, and its credit at the end.
     cpu = {
-        h.name: {**r["cpu"], "streams_ready": sum(r.get("streams", []))}
+        h.name: {
+            **r["cpu"],
+            "streams_ready": sum(r.get("streams", [])),
+            "credit_bytes": r.get("scheduler", {}).get("credit_bytes"),
+        }
         for h, r in zip(job.workers, results, strict=True)
     }
     for p, cores in zip(server_procs, server_cores, strict=True):

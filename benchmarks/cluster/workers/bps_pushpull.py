@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
-    p.add_argument("--credit-bytes", type=int, default=0, help="0: the library's automatic credit")
+    p.add_argument("--credit-bytes", type=int, default=0, help="0: the library's (BPS_CREDIT_BYTES, else sized)")
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR
     config = Config.resolve()
     credit = args.credit_bytes or config.credit(dedicated=k > 0)
+    auto_credit = not args.credit_bytes and config.auto_credit
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
-                credit_bytes=credit, server_credit_bytes=config.server_credit_bytes,
+                credit_bytes=credit, auto_credit=auto_credit, server_credit_bytes=config.server_credit_bytes,
                 socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
         if args.placement == "engine":
             engine = library_engine(client, n, k, servers, args.partition_bytes, config)
