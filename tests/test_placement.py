@@ -119,16 +119,16 @@ def test_partition_size_shrinks_so_every_server_pipelines():
     servers = server_weights(["a:1", "b:1"], [])
     book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)])
     assert book.partition_size(1 << 30) == 4 << 20  # big tensors: the configured maximum
-    assert book.partition_size(64 << 20) == 256 << 10  # 128 partitions per server
+    assert book.partition_size(64 << 20) == 512 << 10  # 64 partitions per server
     assert book.partition_size(1 << 20) == DEFAULT_MIN_PARTITION_BYTES  # floor: per-message overhead stays small
     assert book.partition_size(1000) == DEFAULT_MIN_PARTITION_BYTES
     finer = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)], min_partition_bytes=64 << 10)
     assert finer.partition_size(8 << 20) == 64 << 10  # BPS_MIN_PARTITION_BYTES lowers the floor
     parts = book.plan((64 << 20) // 4, torch.float32)[0]
-    assert len(parts) == 256 and [p.server for p in parts].count(0) == 128
+    assert len(parts) == 128 and [p.server for p in parts].count(0) == 64
     mixed = KeyBook(Placement(server_weights(["a:1", "b:1", "c:1", "d:1"], ["e:1"])), 4 << 20, lambda n: [(0, n)])
-    # x = 1/3: a colocated server's share is 1/6, and it still gets 128 partitions of a 768 MB tensor.
-    assert mixed.partition_size(768 << 20) == 1 << 20
+    # x = 1/3: a colocated server's share is 1/6, and it still gets 64 partitions of a 384 MB tensor.
+    assert mixed.partition_size(384 << 20) == 1 << 20
 
 
 def test_the_partition_floor_is_a_setting(monkeypatch):
@@ -171,14 +171,11 @@ def test_engine_places_bytes_by_the_papers_split(n, k, local_size, middle_factor
     """Each server receives its share of the paper's split: x / k per dedicated server, (1 - x) / n per colocated
     one, within 2% of that share (or one partition, where a partition is more than 2% of the share). Bigger middle
     partitions do not loosen it: the bound stays one partition of the ends' size, because every tensor ends in
-    len(servers) of those, which byte balancing gives to the servers furthest behind.
-
-    The floor is pinned at 192 KiB, where this bound was set: the greedy balancing leaves up to 0.94 of it there,
-    and up to 1.17 of it under today's 128 KiB default (the same bytes in smaller ends)."""
+    len(servers) of those, which byte balancing gives to the servers furthest behind."""
     colocated, dedicated = [f"c{i}:1" for i in range(n)], [f"d{i}:1" for i in range(k)]
     servers = server_weights(colocated, dedicated)
     slices = lambda numel: [split_range(numel, local_size, i) for i in range(local_size)]  # noqa: E731
-    book = KeyBook(Placement(servers), 4_096_000, slices, middle_factor=middle_factor, min_partition_bytes=192 << 10)
+    book = KeyBook(Placement(servers), 4_096_000, slices, middle_factor=middle_factor)
     received = [0] * len(servers)
     sizes = []
     for nbytes, dtype in MIXED_TENSORS:
