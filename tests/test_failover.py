@@ -335,6 +335,61 @@ def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
             s.stop()
 
 
+def test_a_collective_held_through_two_epochs_clients_completes():
+    """One collective whose keys went through two epochs' clients to the same server: key A was moved to server 1
+    by a failover, key B lived there from the start. Server 1 dies: both clients' batches fail and are held, and
+    the next failover (to a standby) must release the collective once, not once per failed batch. (Found as an
+    unbounded hang in DDP training with 128 KiB partitions, where a bucket had parts on both epochs.) One rank, so
+    that the servers sum what it alone pushes and the test sets the order of every event."""
+    servers, standby = [ServerProcess(), ServerProcess()], ServerProcess()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    key_a, key_b = 0x7 << 24, 0x8 << 24  # on servers 0 and 1 (the test gives the placement)
+    box, standbys = [], [[], [standby.address]]  # no standby at the first failover, one at the second
+
+    def claim(n: int) -> list[str]:
+        # Decide only once both batches of the second collective failed and are held (the order the bug needs).
+        deadline = time.monotonic() + 20
+        while len(standbys) == 1 and len(box[0]._held) < 2:
+            assert time.monotonic() < deadline, f"held parts: {box[0]._held}"
+            time.sleep(0.01)
+        return standbys.pop(0)
+
+    def make_client(new, job, on_link_down):
+        return Client([s.address for s in new], job, 0, 1, timeout=30, failover=True, on_link_down=on_link_down)
+
+    client = make_client(servers, 0x5EED0003, lambda s, why: box[0].on_link_down(0, s, why))
+    own_keys = lambda every_slice=False: {key_a: (0, N * 4), key_b: (1, N * 4)}  # noqa: E731
+    no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
+    agreement = Agreement(store, 0, 1, 30.0, "optimal", own_keys, make_client, claim, no_colocated, lambda: ([], []))
+    router = Router(client, server_weights([], [s.address for s in servers]), agreement, "test")
+    box.append(router)
+
+    def collective(value: float) -> None:
+        a, b = torch.full((N,), value), torch.full((N,), -value)
+        f = submit(router, [(a, key_a, 0, a, Mode.SUM, N, 0, 0), (b, key_b, 1, b, Mode.SUM, N, 0, 0)])
+        deadline = time.monotonic() + 40
+        while not f.done():
+            assert time.monotonic() < deadline, f"the collective never completed: {router._active} in flight"
+            time.sleep(0.01)
+        f.wait()
+        assert torch.equal(a, torch.full((N,), value)) and torch.equal(b, torch.full((N,), -value))
+
+    try:
+        servers[0].kill()
+        collective(1.0)  # key A fails over to server 1, through epoch 1's client; key B stays on epoch 0's
+        assert [r["lost"] for r in router.failovers] == [[servers[0].address]]
+        servers[1].kill()
+        collective(2.0)  # one batch per client fails; both are held, then sent to the standby
+        assert [r["lost"] for r in router.failovers] == [[servers[0].address], [servers[1].address]]
+        assert router.failovers[1]["held_parts"] == 2 and router.failovers[1]["standby"] == [standby.address]
+        collective(3.0)  # and the keys work on from there
+    finally:
+        router.close()
+        client.close()
+        for s in [*servers, standby]:
+            s.stop()
+
+
 def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
     """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
     `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule."""

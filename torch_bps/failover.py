@@ -115,13 +115,16 @@ def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, 
 # -- the router
 @dataclass(eq=False)
 class _Call:
-    """One collective: `pending` counts its batches in flight, plus one while parts of it are held."""
+    """One collective: `pending` counts its batches in flight, plus one while parts of it are held (`holding`: a
+    collective whose parts went through several epochs' clients may have several batches fail, but it is held
+    once and released once)."""
 
     done: Done
     priority: int
     seq: int
     pending: int = 0
     error: BaseException | None = None
+    holding: bool = False
 
 
 @dataclass
@@ -253,7 +256,9 @@ class Router:
         late = [(order, part) for order, part, address in lost if address in self._lost]
         held = [(order, part, address) for order, part, address in lost if address not in self._lost]
         if held:
-            call.pending += 1
+            if not call.holding:
+                call.holding = True
+                call.pending += 1
             self._held += [(order, part, call) for order, part, _ in held]
             for _, _, address in held:
                 self._notice(address)
@@ -309,6 +314,7 @@ class Router:
                 finished = []
                 for c in {id(c): c for _, _, c in held}.values():
                     c.error = c.error or e
+                    c.holding = False
                     finished += self._end(c)  # the hold ends
             for c in finished:
                 self._epochs[0].client.post(lambda c=c: c.done(c.error))
@@ -372,6 +378,7 @@ class Router:
             for order, part, call in held:
                 calls.setdefault(id(call), (call, []))[1].append((order, part))
             for call, items in calls.values():
+                call.holding = False
                 finished += self._resend(call, items) + self._end(call)  # the hold ends
             finished += self._end(own)
         for c in finished:
@@ -384,8 +391,10 @@ class Router:
                   "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
         self.failovers.append(record)
         # Like the start-up split: each server's share of the bytes now, against the paper's split of what remains.
-        split = ", ".join(f"{s.address} {decision['shares'].get(s.address, float('nan')):.0%} (rule {s.weight:.0%})"
-                          for s in servers)  # fmt: skip
+        # Keys moved to colocated servers started just now are spread by `owner`, with no shares decided.
+        shares = decision["shares"]
+        split = ", ".join(f"{s.address} {shares[s.address]:.0%} (rule {s.weight:.0%})" for s in servers if shares)
+        split = split or f"{len(servers)} new colocated server(s), keys spread by hash"
         log.warning("torch_bps[%s]: failover %d: lost %s; %d key(s) of rank %d moved (standby: %s); bytes now: %s; "
                     "open rounds finished by broadcast %d, by summing again %d; %d held part(s) resent; %.2f s",
                     self._name, e, ", ".join(record["lost"]), len(mine), a.rank,
