@@ -20,7 +20,7 @@ from torch_bps.errors import ConfigError
 # "Credit and partition size, measured on the links").
 DEFAULT_CREDIT_BYTES = 2 << 20
 # The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen).
-DEFAULT_MIN_PARTITION_BYTES = 192 << 10
+DEFAULT_MIN_PARTITION_BYTES = 128 << 10
 
 
 def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:

@@ -9,7 +9,7 @@ Step time = max(network, busiest server's CPU, a worker's CPU) + pipeline fill a
 - a worker's CPU: `WORKER_US_PER_PARTITION` plus `WORKER_NS_PER_BYTE` (README, benchmarks/engine_cpu.py);
 - fill and drain: a partition's sum exists only once all n workers pushed it, and a worker's uplink is shared by
   the partitions of all servers it feeds, so the first sum takes about n p / B and so does the last pull:
-  2 n p / B, with p the engine's partition size (torch_bps.engine.partition: at least 192 KiB, 64 per server).
+  2 n p / B, with p the engine's partition size (torch_bps.engine.partition: at least 128 KiB, 64 per server).
 On the emulated cluster every process shares 2 cores, so there the CPU term is everyone's CPU over 2 cores.
 May import: the standard library, benchmarks.cluster.theory, torch_bps.config and torch_bps.engine.partition (the
 engine's partition sizes); matplotlib for --plot.

@@ -128,9 +128,10 @@ class KeyBook:
         256 KiB gave 1.15 x at k = 1, 2, 3; 192 KiB 1.13-1.14 x with the machine 73-85% busy; 128 KiB made
         it CPU-bound (88-94% busy, 1.39 x at k = 3). Again with the native server core at n = 8 (README, "The
         partition floor"): 192 and 256 KiB alike, 128 KiB and below CPU-bound, 384 KiB slower to fill and drain.
-        With the stream transport and the sized credit, 128 KiB and 128 per server took n = 8, k = 8 from 1.20 to
-        1.13 x t_opt, for a quarter more CPU at n = 4, but a failover test hangs with it (README, "Credit and
-        partition size, measured on the links"): the floor stays until that is fixed.
+        With the stream transport and the sized credit the floor is 128 KiB: at n = 8, k = 8 (32 MiB, 4 MiB per
+        server, so the floor sets the size) it took the step from 1.18-1.23 to 1.13-1.14 x t_opt; n = 4 is not
+        at the floor (64 per server of 64 MiB is 256 KiB) and does not move. 128 per server as well cost n = 4
+        a quarter more CPU for 0.01-0.02 x t_opt (README, "Credit and partition size, measured on the links").
         """
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)
