@@ -588,8 +588,11 @@ def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id
         _wait_batches(c, [c.push_pull_batch(_parts(t, 0, 32 << 10))])
         rate = t.numel() * 4 / (time.monotonic() - start)
         credit = c.scheduler_stats()["credit_bytes"]
-    if auto:  # the sizer's rate is the best window's, at least the average
-        assert min(64 << 20, (128 << 10) + 0.008 * 0.9 * rate) <= credit <= 64 << 20, (credit, rate)
+    # The sizer's rate is its best 50 ms window's with parts waiting throughout: ~2 windows in this ~0.1 s batch,
+    # which on a loaded machine may run below the batch's average (0.98 of it seen). Half of it still tells a sized
+    # credit (~7 MB here) from the 256 KiB it started at; test_scheduler.py checks the rule's arithmetic exactly.
+    if auto:
+        assert min(64 << 20, (128 << 10) + 0.008 * 0.5 * rate) <= credit <= 64 << 20, (credit, rate)
     else:
         assert credit == 256 << 10
 

@@ -121,17 +121,11 @@ class KeyBook:
         min_partition_bytes (every message costs CPU on both ends).
 
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
-        partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P
-        of the step with P partitions per server. benchmarks/cluster, n = 4, 64 MiB: 4 MB partitions gave
-        1.26-1.56 x t_opt; 16 per server 1.23 x at k = 0; 64 per server 1.11-1.16 x for k = 0..4.
-        The floor is a CPU trade-off on the 2-core test machine (k = 1..3 are at the floor, medians of 3):
-        256 KiB gave 1.15 x at k = 1, 2, 3; 192 KiB 1.13-1.14 x with the machine 73-85% busy; 128 KiB made
-        it CPU-bound (88-94% busy, 1.39 x at k = 3). Again with the native server core at n = 8 (README, "The
-        partition floor"): 192 and 256 KiB alike, 128 KiB and below CPU-bound, 384 KiB slower to fill and drain.
-        With the stream transport and the sized credit the floor is 128 KiB: at n = 8, k = 8 (32 MiB, 4 MiB per
-        server, so the floor sets the size) it took the step from 1.18-1.23 to 1.13-1.14 x t_opt; n = 4 is not
-        at the floor (64 per server of 64 MiB is 256 KiB) and does not move. 128 per server as well cost n = 4
-        a quarter more CPU for 0.01-0.02 x t_opt (README, "Credit and partition size, measured on the links").
+        partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P of the
+        step with P partitions per server, hence 64 of them. Every message costs CPU on both ends, hence a floor;
+        128 KiB is where the emulated cluster's fastest points were with the stream transport and the sized
+        credit, on 2 cores (README, "The partition floor" and "Credit and partition size, measured on the
+        links"). A machine with cores to spare may lower it, one bound by CPU raise it (BPS_MIN_PARTITION_BYTES).
         """
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)
