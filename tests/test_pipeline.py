@@ -86,3 +86,34 @@ def test_bytes_in_flight_never_exceed_the_credit(servers, job_id, middle_factor)
             e.close()
         for c in clients:
             c.close()
+
+
+def test_a_collective_whose_completion_is_lost_fails_in_time(server, job_id):
+    """The planted bug the engine's stall check exists for (the failover's double hold was one): the client runs the
+    batch, but its completion never reaches the engine. With one local rank nothing else waits on the collective: it
+    must still fail, naming its size and keys, one stall wait after the last partition moved, and the engine must go
+    on serving the next one."""
+    from torch_bps.errors import BpsTimeoutError
+
+    with Client([server.address], job_id, 0, 1, timeout=2) as client:
+        keys = KeyBook(Placement(server_weights([server.address], [])), PARTITION, lambda n: [(0, n)],
+                       min_partition_bytes=PARTITION)  # fmt: skip
+        engine = PushPullEngine(client, keys, timeout=2)
+        try:
+            run_batch = client.push_pull_batch
+            client.push_pull_batch = lambda parts, priority, on_done: run_batch(
+                parts, priority=priority, on_done=lambda error: None
+            )
+            started = time.monotonic()
+            with pytest.raises(BpsTimeoutError) as failed:
+                engine.push_pull(torch.ones(100_000)).wait()
+            elapsed = time.monotonic() - started
+            assert engine.stall_seconds == 7.0
+            message = str(failed.value)
+            assert "the network stage of a collective of 400.0 kB in 1 tensor (keys 0x" in message, message
+            assert "no partition was sent or acknowledged in the last 7.0 s" in message, message
+            assert 7.0 <= elapsed < 7.0 + 3, elapsed
+            client.push_pull_batch = run_batch
+            assert torch.equal(engine.push_pull(torch.full((1000,), 3.0)).wait(), torch.full((1000,), 3.0))
+        finally:
+            engine.close()

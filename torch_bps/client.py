@@ -329,13 +329,13 @@ class Client:
         """Check one push_pull's arguments; return them as the C++ client takes them:
         (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset), offsets in bytes."""
         _check_tensor(tensor, "tensor")
-        mode = Mode(mode)
+        mode = mode if type(mode) is Mode else Mode(mode)
         key_numel = tensor.numel() if key_numel is None else key_numel
         if out is None:
             if mode == Mode.COPY:
                 raise ValueError("push_pull with mode=Mode.COPY needs `out`, where the gathered key goes")
             out = tensor
-        else:
+        elif out is not tensor:  # an all-reduce's partition pulls into the tensor it pushed: checked just above
             _check_tensor(out, "out")
             if out.dtype != tensor.dtype:
                 raise ValueError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")

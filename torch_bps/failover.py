@@ -181,6 +181,11 @@ class Router:
             if s.dedicated:
                 self._notice(s.address)
 
+    def failing_over(self) -> bool:
+        """A failover is under way: its own waits bound it (BPS_FAILOVER_TIMEOUT) while it holds collectives."""
+        with self._lock:
+            return self._thread is not None
+
     def clients(self) -> list:
         """Every epoch's client: the ones parts may be under way on."""
         with self._lock:

@@ -9,6 +9,11 @@ from the ranks' ranges (COPY) and/or read back only in part; all their partition
 threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
 the client's completion pool then starts another thread, so nested collectives always make progress.
 
+Every wait has a bound. The client bounds each request (its timeout) and its error, naming server, key and round,
+ends the network stage. What no request bounds, a collective whose network stage never ends with nothing in flight
+(a lost completion: a bug), a stall check does: one thread fails it when no partition was sent or acknowledged for
+longer than any request may take (`stall_seconds`).
+
 With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
 several, the machine is one worker to the servers, and the local stages run on two threads of their own
 (reduce-scatter in submission order, all-gather in submission order; a COPY tensor's first stage is a local
@@ -23,9 +28,11 @@ May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bp
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +60,8 @@ class _Op:
     net_done: threading.Event | None = None  # set when the network stage ended, for the all-gather thread
     slices: list[torch.Tensor] = field(default_factory=list)  # this rank's slices after the local reduce-scatter
     error: BaseException | None = None
+    sent_at: float = 0.0  # when its partitions went to the client (time.monotonic())
+    network_ended: bool = False  # under the engine's _stall_lock: a late second ending is ignored
 
 
 class PushPullEngine:
@@ -98,6 +107,11 @@ class PushPullEngine:
         self.timeout = timeout
         self._lock = threading.Lock()  # collectives may come from several threads; plans must stay in order
         self._threads: list[threading.Thread] = []
+        # The stall check: collectives in their network stage, by id, and the thread that watches them.
+        self._stall_lock = threading.Lock()
+        self._in_network: dict[int, _Op] = {}
+        self._stall_check: threading.Thread | None = None
+        self._closing = threading.Event()
         if local is not None:
             self._rs_queue: queue.Queue = queue.Queue()
             self._ag_queue: queue.Queue = queue.Queue()
@@ -194,6 +208,12 @@ class PushPullEngine:
             self._network_done(op, None)
             return
         done = span(lambda: self._network_name(parts), lambda error: self._network_done(op, error))
+        with self._stall_lock:
+            op.sent_at = time.monotonic()
+            self._in_network[id(op)] = op
+            if self._stall_check is None:
+                self._stall_check = threading.Thread(target=self._check_stalls, name="bps-stall-check", daemon=True)
+                self._stall_check.start()
         try:
             if self.router is not None:
                 self.router.submit(parts, op.priority, done)
@@ -229,6 +249,11 @@ class PushPullEngine:
         return parts
 
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
+        with self._stall_lock:
+            if op.network_ended:
+                return  # the stall check ended it already: a completion after that changes nothing
+            op.network_ended = True
+            self._in_network.pop(id(op), None)
         op.error = op.error or error
         if self.local is None:
             op.done(op.error)
@@ -249,27 +274,50 @@ class PushPullEngine:
     def _local_all_gather(self, op: _Op) -> None:
         if op.error is not None:  # failed before or in the network stage: nothing to gather
             return
-        # The client bounds each request (its timeout, plus up to a tenth for a pull) and its error, naming server,
-        # key and round, ends the network stage. The timeout bounds requests, not collectives: a big one over a
-        # slow link takes as long as it needs while its partitions move. This wait only catches a stage that
-        # stopped: nothing sent or acknowledged for longer than any request may take (so every one sent has
-        # ended); in proportion, so a short timeout stays short.
-        wait = self.timeout + max(5.0, self.timeout / 5)
-        progress = self._progress()
-        while not op.net_done.wait(wait):
-            before, progress = progress, self._progress()
-            if progress == before:
-                keys = [p.key for plan in op.plans for p in plan]
-                which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
-                raise BpsTimeoutError(
-                    f"local rank {self.local_rank}: local all-gather: the network stage of a collective of "
-                    f"{_size(op.items)} ({which}) has not ended and no partition was sent or acknowledged in "
-                    f"the last {wait:.1f} s"
-                )
+        op.net_done.wait()  # bounded: the client's request timeouts, and the stall check
         if op.error is None:
             with stage(lambda: _span_name("local_all_gather", op.items)):
                 for slice_, x in zip(op.slices, op.items, strict=True):
                     self.local[1].all_gather(slice_, x.tensor)
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long nothing may be sent or acknowledged while a network stage is open: longer than any request may
+        take, so every request sent has ended by then (a pull may take a tenth more than the timeout); in proportion,
+        so that a short timeout stays short."""
+        return self.timeout + max(5.0, self.timeout / 5)
+
+    def _check_stalls(self) -> None:
+        """Fail every collective whose network stage stayed open while nothing moved for `stall_seconds`.
+
+        The timeout bounds requests, not collectives: a big one over a slow link takes as long as it needs while its
+        partitions move, so only a stage that stopped fails here. A failover holds collectives with nothing moving,
+        bounded by its own waits: it counts as moving."""
+        wait = self.stall_seconds
+        progress, moved = self._progress(), time.monotonic()
+        while not self._closing.wait(wait / 8):
+            try:
+                now, before, progress = time.monotonic(), progress, self._progress()
+                if progress != before or (self.router is not None and self.router.failing_over()):
+                    moved = now
+                    continue
+                with self._stall_lock:
+                    stuck = [op for op in self._in_network.values() if now - max(op.sent_at, moved) >= wait]
+                    for op in stuck:
+                        del self._in_network[id(op)]
+                for op in stuck:  # ended on a completion thread: `done` may block (see the module's docstring)
+                    self.client.post(functools.partial(self._network_done, op, self._stalled(op, wait)))
+            except Exception:  # noqa: BLE001 - the check must outlive a client that is closing under it
+                log.exception("torch_bps: the stall check failed once; it goes on")
+
+    def _stalled(self, op: _Op, wait: float) -> BpsTimeoutError:
+        keys = [p.key for plan in op.plans for p in plan]
+        which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
+        who = f"local rank {self.local_rank}: " if self.local is not None else ""
+        return BpsTimeoutError(
+            f"{who}the network stage of a collective of {_size(op.items)} ({which}) has not ended and no partition "
+            f"was sent or acknowledged in the last {wait:.1f} s"
+        )
 
     def _progress(self) -> list[tuple[int, int]]:
         """What moves while network stages work: batch parts sent and acknowledged, by every client in use."""
@@ -277,6 +325,9 @@ class PushPullEngine:
         return [(s["parts_sent"], s["parts_acknowledged"]) for s in (c.scheduler_stats() for c in clients)]
 
     def close(self) -> None:
+        self._closing.set()
+        if self._stall_check is not None:
+            self._stall_check.join(timeout=5)
         if self.local is not None:
             self._rs_queue.put(None)
             self._ag_queue.put(None)
