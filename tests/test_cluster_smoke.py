@@ -123,6 +123,7 @@ def test_repeated_points_report_the_median_run_and_keep_every_run():
     assert cli.make_plan(cli.parse_args([])).repeats == 3
     assert cli.make_plan(cli.parse_args(["--quick"])).repeats == 1
     assert cli.make_plan(cli.parse_args(["--quick", "--repeats", "5"])).repeats == 5
+    assert cli.make_plan(cli.parse_args([])).gloo and not cli.make_plan(cli.parse_args(["--no-gloo"])).gloo
 
 
 def test_fsdp_flag_trains_the_ddp_model_sharded_and_reports_one_row():

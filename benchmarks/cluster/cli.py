@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "issue 17)",
     )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
+    p.add_argument(
+        "--no-gloo", action="store_true", help="skip the gloo all_reduce point (A/B runs of byteps settings)"
+    )
     p.add_argument("--ddp-k", type=int, help="server hosts of the byteps DDP run (default n)")
     p.add_argument("--ddp-hidden", type=int, default=2048, help="MLP width (default 2048; DDP and --fsdp)")
     p.add_argument("--ddp-layers", type=int, help="MLP depth (default 6 = 25 M params; --quick 3)")
@@ -107,6 +110,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         steps=steps,
         warmup=warmup,
         repeats=max(1, pick(args.repeats, "repeats", 3)),
+        gloo=not args.no_gloo,
         calibration_s=QUICK["calibration_s"] if args.quick else 3.0,
         ddp=None if args.no_ddp else model,
         ddp_k=args.ddp_k if args.ddp_k is not None else n,
