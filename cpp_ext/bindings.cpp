@@ -348,7 +348,7 @@ PYBIND11_MODULE(_C, m) {
            release())
       .def("stream_bytes_sent", [](PyClient& c) { return c.get().streamBytesSent(); }, release())
       .def("stream_bytes_received", [](PyClient& c) { return c.get().streamBytesReceived(); }, release())
-      .def("completion_threads", [](PyClient& c) { return c.get().completionThreads(); }, release())
+      .def("completion_threads_peak", [](PyClient& c) { return c.get().completionThreadsPeak(); }, release())
       .def("post", &PyClient::post, py::arg("fn"))
       .def(
           "trace",

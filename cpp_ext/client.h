@@ -180,7 +180,7 @@ class Client {
   bool streamReady(size_t server) const;
   std::vector<uint64_t> streamBytesSent() const;
   std::vector<uint64_t> streamBytesReceived() const;
-  size_t completionThreads() { return pool_.threadCount(); }
+  size_t completionThreadsPeak() { return pool_.peakThreadCount(); }
   // The timeline of the partitions' steps (BPS_TRACE), recorded by the IO thread while on.
   TraceBuffer& trace() { return trace_; }
   // Run `task` on a completion thread.

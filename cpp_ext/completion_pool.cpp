@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -53,6 +54,7 @@ bool CompletionPool::grow(const std::shared_ptr<State>& state) {
   try {
     std::thread t(run, state);
     state->threads.emplace(t.get_id(), std::move(t));
+    state->peak = std::max(state->peak, state->threads.size());
     return true;
   } catch (const std::system_error&) {
     return false;
@@ -136,9 +138,9 @@ void CompletionPool::shutdown() {
   }
 }
 
-size_t CompletionPool::threadCount() {
+size_t CompletionPool::peakThreadCount() {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->threads.size();
+  return state_->peak;
 }
 
 }  // namespace bps

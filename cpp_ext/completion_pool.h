@@ -42,7 +42,8 @@ class CompletionPool {
   // return on its own). Tasks posted afterwards run inline on the caller.
   void shutdown();
 
-  size_t threadCount();
+  // The most threads the pool ran at once (threads idle for kIdleExit leave, so the count now says less).
+  size_t peakThreadCount();
 
  private:
   // Shared with the threads, so a thread detached by shutdown() from inside a task (closing the client
@@ -56,6 +57,7 @@ class CompletionPool {
     std::deque<std::thread> finished;  // threads that exited when idle, joined lazily
     std::thread watchdog;
     size_t idle = 0;
+    size_t peak = 0;  // most threads at once
     uint64_t started = 0;  // tasks taken off the queue so far: the watchdog's measure of progress
     bool counting = false;  // the watchdog is waiting kGrowAfter to see whether any task starts
     bool stopping = false;
