@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from benchmarks.cluster import cli, netns, placement, sweep, theory
+from benchmarks.cluster import byteps, cli, netns, placement, sweep, theory
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
@@ -100,6 +100,18 @@ def test_theory_endpoints():
     assert theory.t_opt_s(n, n + 3, size, rate) == pytest.approx(size * 8 / rate)  # x = 1 for k >= n
     times = [theory.t_opt_s(n, k, size, rate) for k in range(n + 1)]
     assert times == sorted(times, reverse=True)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_socket_buffers_count_servers_by_their_share_of_the_bytes(n):
+    """At k = 0 and k = n every server carries an equal share: queue / (3 n). Between them the colocated servers
+    carry little, and the dedicated ones' connections, which carry most bytes, keep about that size (counting
+    k + n servers alike gave them 16.8 KB instead of 31.5 KB at n = 8, k = 7)."""
+    queue = 756_072
+    even = byteps.socket_buffer_for(queue, n, 0)
+    assert even == queue // (3 * n) == byteps.socket_buffer_for(queue, n, n)
+    for k in range(1, n):
+        assert 0.85 * even <= byteps.socket_buffer_for(queue, n, k) <= even, k
 
 
 @pytest.mark.parametrize("n,k", [(2, 0), (2, 2), (4, 1), (4, 3), (3, 5)])

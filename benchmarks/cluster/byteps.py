@@ -136,7 +136,7 @@ def run_torch_bps(
     by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
     server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
     if socket_buffer_bytes < 0:
-        socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, len(by_host))
+        socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, n, k)
     # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
     server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
     try:
@@ -174,16 +174,22 @@ def run_torch_bps(
     return StepTime(max(r["seconds_per_step"] for r in results), cpu)
 
 
-def socket_buffer_for(link_queue_bytes: int, servers: int) -> int:
+def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     """Return socket buffer bytes per server connection such that a link's queue holds what they let fly.
 
-    A worker's link carries its connection to each of `servers` servers and, at k < n, its colocated server's
-    connections to the other workers: up to 2 x servers flows, each with at most about the buffer's size in
-    flight (the kernel doubles the value for its bookkeeping). A third more than an even share of the queue
-    per connection went without tail drops at n = 8 (32 KiB buffers, 756 KB queue; 64 KiB dropped 2,000-3,400
-    packets a run): the flows are rarely all full at once.
+    A worker's link carries its connection to each server and, at k < n, its colocated server's connections to
+    the other workers, each with at most about the buffer's size in flight (the kernel doubles the value for its
+    bookkeeping). A third more than an even share of the queue per connection went without tail drops at n = 8
+    (32 KiB buffers, 756 KB queue; 64 KiB dropped 2,000-3,400 packets a run): the flows are rarely all full at once.
+
+    The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
+    effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike (k + n at
+    0 < k < n) halves the buffers of the dedicated servers' connections, which carry most bytes, and their
+    replies then wait on the window: a step's first pulls came at half the link's rate (README, "What paces a
+    mixed-k step").
     """
-    return max(4096, link_queue_bytes // (3 * max(1, servers)))
+    servers = 1.0 / sum(s * s for s in placement.server_shares(n, k))
+    return max(4096, int(link_queue_bytes / (3 * servers)))
 
 
 def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str]) -> list[dict]:

@@ -92,7 +92,7 @@ def run_ddp_byteps(
 
     At k = 0 BPS_SERVERS is empty and the backend starts an embedded server on every worker host.
     `socket_buffer_bytes` is the ranks' BPS_SOCKET_BUFFER_BYTES, -1: sized to the links' queue as for push/pull
-    (`byteps.socket_buffer_for`, over the k dedicated servers plus, at k < n, the n colocated ones).
+    (`byteps.socket_buffer_for`, by the servers' shares of the bytes).
     """
     reason = byteps.probe("backend")
     if reason:
@@ -101,7 +101,7 @@ def run_ddp_byteps(
     server_procs, addresses = byteps.start_servers(cluster, hosts, server_port)
     n = len(cluster.workers)
     if socket_buffer_bytes < 0:
-        socket_buffer_bytes = byteps.socket_buffer_for(cluster.shaping.limit_bytes, k + (n if k < n else 0))
+        socket_buffer_bytes = byteps.socket_buffer_for(cluster.shaping.limit_bytes, n, k)
 
     def env_of(rank: int, host: Host) -> dict:
         # One rank per emulated machine. Without torchrun's variables torch_bps takes all ranks for one
