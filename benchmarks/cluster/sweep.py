@@ -82,7 +82,10 @@ def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Calla
             say(f"calibration: TCP stream {c['from']} -> {c['to']}: {c['mbit_s']:.1f} Mbit/s = {c['ratio']:.3f} x rate")
         gloo = None
         if plan.gloo:
-            measure = lambda: _median_run(plan.repeats, lambda: measure_gloo(cluster, plan))  # noqa: E731
+
+            def measure() -> dict:
+                return _median_run(plan.repeats, lambda: measure_gloo(cluster, plan))
+
             gloo = _guard(report, "gloo all_reduce", lambda: _counting_drops(cluster, measure))
         if gloo:
             bound = theory.allreduce_bound_s(plan.n, plan.size_bytes, plan.rate_bps)
