@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from benchmarks.cluster import byteps, cli, netns, placement, sweep, theory
+from benchmarks.cluster import byteps, cli, netns, placement, procs, sweep, theory, topology
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
@@ -170,3 +170,58 @@ def test_link_bytes_reads_the_interface_counters(monkeypatch):
                 got += len(peer.recv(65536))
     after = ddp_train.link_bytes()
     assert after["tx"] - before["tx"] >= 100_000 and after["rx"] - before["rx"] >= 100_000
+
+
+_SINK = """
+import socket, threading
+s = socket.create_server(("{ip}", 7000))
+print("LISTENING", flush=True)
+def drain(c):
+    while c.recv(1 << 16):
+        pass
+while True:
+    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()
+"""
+_BLAST = """
+import socket, time
+c = socket.create_connection(("{ip}", 7000), timeout=10)
+end, chunk = time.monotonic() + 1.5, b"x" * (1 << 16)
+while time.monotonic() < end:
+    c.sendall(chunk)
+print('RESULT {{}}', flush=True)
+"""
+
+
+def test_proc_net_counters_parses_this_machines_tcp_counters():
+    with open("/proc/net/netstat") as a, open("/proc/net/snmp") as b:
+        counters = topology.proc_net_counters(a.read() + b.read())
+    assert set(topology.TCP_LOSS_COUNTERS) <= set(counters)
+    assert topology.proc_net_counters("Tcp: RtoMin RetransSegs\nTcp: 200 7\n") == {
+        "Tcp:RtoMin": 200,
+        "Tcp:RetransSegs": 7,
+    }
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_tcp_losses_are_counted_per_host_where_the_senders_are():
+    """Two workers blast one server whose link is 20 Mbit/s: its queue overflows, the senders' TCP retransmits.
+    The counters come from each host's own namespace: the server, which only acknowledges, retransmits nothing."""
+    with Cluster(n_workers=2, n_servers=1, rate_mbit=500, rates={"s0": 20}) as cluster:
+        server = cluster.servers[0]
+        drops, losses = cluster.link_drops(), cluster.tcp_losses()
+        assert set(losses) == {
+            f"{h.name} {label}" for h in cluster.hosts for label in topology.TCP_LOSS_COUNTERS.values()
+        }
+        sink = cluster.spawn("sink", server, [sys.executable, "-c", _SINK.format(ip=server.ip)])
+        procs.wait_for_line(sink, "LISTENING", 20)
+        blasts = [
+            cluster.spawn(f"blast {h.name}", h, [sys.executable, "-c", _BLAST.format(ip=server.ip)])
+            for h in cluster.workers
+        ]
+        procs.wait_all(blasts, 30, "blasting s0")
+        drops = sweep._delta(drops, cluster.link_drops())
+        losses = sweep._delta(losses, cluster.tcp_losses())
+    assert drops.get("s0 down", 0) > 0, drops
+    assert losses.get("w0 retransmitted segments", 0) > 0 and losses.get("w1 retransmitted segments", 0) > 0, losses
+    assert losses.get("s0 retransmitted segments", 0) == 0, losses

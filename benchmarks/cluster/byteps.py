@@ -80,9 +80,12 @@ def probe(what: str) -> str:
     return f"probe exited {done.returncode}: {done.stderr.strip()[-300:]}"
 
 
-def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[procs.Proc], list[str]]:
+def start_servers(
+    cluster: Cluster, hosts: list[Host], port: int, trace_dir: str = ""
+) -> tuple[list[procs.Proc], list[str]]:
     """Start one `python -m torch_bps.server` per host on `port`; wait until each listens.
 
+    `trace_dir`: each server records its timeline there (`bps-server --trace`).
     Returns the server processes (kill them when done) and their addresses, "ip:port" per host.
     Authentication is on: the servers and every worker started after them (which inherit this process's
     environment) share one pool credential.
@@ -92,7 +95,8 @@ def start_servers(cluster: Cluster, hosts: list[Host], port: int) -> tuple[list[
         cluster.spawn(
             f"bps-server {h.name}",
             h,
-            [sys.executable, "-m", "torch_bps.server", "--host", h.ip, "--port", str(port)],
+            [sys.executable, "-m", "torch_bps.server", "--host", h.ip, "--port", str(port)]
+            + (["--trace", trace_dir] if trace_dir else []),
             {"OMP_NUM_THREADS": "1"},
         )
         for h in hosts
@@ -114,6 +118,7 @@ def run_torch_bps(
     port: int = 9000,
     credit_bytes: int = 0,
     socket_buffer_bytes: int = -1,
+    trace_dir: str = "",
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 
@@ -123,7 +128,8 @@ def run_torch_bps(
     with torch_bps.engine.placement. Either way no partition exceeds `partition_bytes` (BytePS's default
     4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 sizes it from the links' queue
     (`socket_buffer_for`), 0 leaves the kernel's buffers. Bind the keywords with functools.partial to pass it
-    as a runner.
+    as a runner. `trace_dir`: the workers' timed steps and the servers are recorded into trace_dir/kK
+    (torch_bps.timeline's files).
     """
     reason = probe("client")
     if reason:
@@ -132,7 +138,10 @@ def run_torch_bps(
     port += k  # a fresh port per point: no wait for the previous point's sockets to close
     colocated = list(job.workers) if placement.dedicated_fraction(n, k) < 1.0 else []
     cluster = job.cluster
-    server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port)
+    trace = os.path.join(trace_dir, f"k{k}") if trace_dir else ""
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+    server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port, trace)
     by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
     server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
     if socket_buffer_bytes < 0:
@@ -150,6 +159,7 @@ def run_torch_bps(
                 str(partition_bytes),
                 "--credit-bytes",
                 str(credit_bytes),
+                *(["--trace", trace] if trace else []),
             ],
             {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes)},
         )

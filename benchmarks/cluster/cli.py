@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "queue so that every connection's bytes in flight fit in it; 0: the kernel's autotuned buffers, as before "
         "issue 17)",
     )
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default="",
+        help="byteps push/pull: record every worker's timed steps and every server into DIR/kK, one directory per k "
+        "(merge one with `python -m torch_bps.timeline DIR/kK -o timeline.json`)",
+    )
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP samples/s part")
     p.add_argument(
         "--no-gloo", action="store_true", help="skip the gloo all_reduce point (A/B runs of byteps settings)"
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
                                credit_bytes=args.credit_bytes,
-                               socket_buffer_bytes=args.socket_buffer_bytes)  # fmt: skip
+                               socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,
         socket_buffer_bytes=args.socket_buffer_bytes,
+        trace=args.trace,
         # What the runs inherited (BPS_TRANSPORT, BPS_MIDDLE_PARTITION_FACTOR...), never a secret.
         environment={
             k: v for k, v in os.environ.items() if k.startswith("BPS_") and "CREDENTIAL" not in k and "SECRET" not in k

@@ -16,27 +16,36 @@ def cpu_summary(report: dict) -> dict:
     while the step time sits at the link's theory means the link set the pace; `machine_busy` near 1.0
     with little of it ours means something else on the machine competed (see `background_busy`).
     """
-    windows: dict[str, tuple[list[dict], dict | None]] = {}  # name -> (cpu per host, tbf drops per link)
+    # name -> (cpu per host, tbf drops per link, TCP losses per host and counter)
+    windows: dict[str, tuple[list[dict], dict | None, dict | None]] = {}
     if report.get("gloo"):
-        windows["gloo all_reduce"] = (list(report["gloo"]["cpu"].values()), report["gloo"].get("tbf_drops"))
+        gloo = report["gloo"]
+        windows["gloo all_reduce"] = (list(gloo["cpu"].values()), gloo.get("tbf_drops"), gloo.get("tcp_losses"))
     for k, point in (report.get("byteps") or {}).get("points", {}).items():
         if "cpu" in point:
-            windows[f"byteps k={k}"] = (list(point["cpu"].values()), point.get("tbf_drops"))
+            windows[f"byteps k={k}"] = (list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"))
     ddp = report.get("ddp") or {}
     for backend, cpu in (ddp.get("cpu") or {}).items():
         if cpu:
-            windows[f"ddp {backend}"] = (list(cpu.values()), (ddp.get("tbf_drops") or {}).get(backend))
+            windows[f"ddp {backend}"] = (
+                list(cpu.values()),
+                (ddp.get("tbf_drops") or {}).get(backend),
+                (ddp.get("tcp_losses") or {}).get(backend),
+            )
     for name, point in ((report.get("fsdp") or {}).get("points") or {}).items():
         if point:
-            windows[f"fsdp {name}"] = (list(point["cpu"].values()), point.get("tbf_drops"))
+            windows[f"fsdp {name}"] = (list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"))
     measurements = {
         name: {
             "processes_cores": round(sum(c["process_cores"] for c in cpus), 3),
             "machine_busy": max(c.get("machine_busy", 0.0) for c in cpus),
             "machine_softirq": max(c.get("machine_softirq", 0.0) for c in cpus),
             "tbf_drops": sum(drops.values()) if drops is not None else None,
+            "tcp_retransmitted": tcp_total(tcp, "retransmitted segments"),
+            "tcp_spurious": tcp_total(tcp, "spurious (D-SACKed)"),
+            "tcp_timeouts": tcp_total(tcp, "timeouts"),
         }
-        for name, (cpus, drops) in windows.items()
+        for name, (cpus, drops, tcp) in windows.items()
     }
     return {
         "cores": os.cpu_count(),
@@ -44,6 +53,13 @@ def cpu_summary(report: dict) -> dict:
         "machine_busy_max": max((m["machine_busy"] for m in measurements.values()), default=None),
         "measurements": measurements,
     }
+
+
+def tcp_total(tcp_losses: dict | None, label: str) -> int | None:
+    """One counter of `tcp_losses` ({"w0 timeouts": 2, ...}) summed over the hosts; None when not measured."""
+    if tcp_losses is None:
+        return None
+    return sum(v for key, v in tcp_losses.items() if key.endswith(f" {label}"))
 
 
 def format_table(report: dict) -> str:
@@ -89,14 +105,17 @@ def format_table(report: dict) -> str:
     if cpu.get("measurements"):
         bg = cpu.get("background_busy")
         lines.append(
-            f"CPU during timed steps, tbf drops over the whole measurement ({cpu['cores']} cores"
+            f"CPU during timed steps, tbf drops, TCP's retransmitted segments and timeouts (RTOs) over the whole "
+            f"measurement ({cpu['cores']} cores"
             + (f"; machine {bg:.0%} busy in the second before the run" if bg is not None else "")
             + "):"
         )
         for name, m in cpu["measurements"].items():
             lines.append(
                 f"  {name}: our processes {m['processes_cores']:.2f} cores; machine {m['machine_busy']:.0%} busy "
-                f"({m['machine_softirq']:.0%} softirq); tbf drops {_f(m['tbf_drops'], 'd')}"
+                f"({m['machine_softirq']:.0%} softirq); tbf drops {_f(m['tbf_drops'], 'd')}; TCP retransmitted "
+                f"{_f(m.get('tcp_retransmitted'), 'd')} ({_f(m.get('tcp_spurious'), 'd')} spurious), timeouts "
+                f"{_f(m.get('tcp_timeouts'), 'd')}"
             )
     for err in report.get("errors", []):
         lines.append(f"ERROR in {err['what']}: {err['error'].splitlines()[0]}")

@@ -21,8 +21,8 @@ from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.cpu import machine_busy_over
 from benchmarks.cluster.ddp import DdpSpec, run_ddp, run_ddp_byteps
 from benchmarks.cluster.errors import BackendUnavailable, ClusterError
-from benchmarks.cluster.report import cpu_summary
-from benchmarks.cluster.topology import IFNAME, Cluster
+from benchmarks.cluster.report import cpu_summary, tcp_total
+from benchmarks.cluster.topology import IFNAME, TCP_LOSS_COUNTERS, Cluster
 
 STARTUP_ALLOWANCE_S = 90.0  # n Python processes importing torch on 2 shared cores
 
@@ -93,7 +93,7 @@ def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Calla
                 f"gloo all_reduce n={plan.n} {plan.size_bytes / 2**20:g} MiB: {gloo['seconds_per_step']:.3f} "
                 f"s/step{_runs(gloo)} = {gloo['seconds_per_step'] / bound:.2f} x bound {bound:.3f} s; "
                 f"our processes {_cores(gloo['cpu']):.2f} cores, machine CPU {gloo['machine_busy']:.0%}; "
-                f"tbf drops {sum(gloo['tbf_drops'].values())}"
+                f"{_losses(gloo)}"
             )
         report["gloo"] = gloo
         report["byteps"] = _sweep_byteps(cluster, plan, byteps_runner, say)
@@ -140,9 +140,9 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             plan.budget_s(t_opt),
         )  # fmt: skip
         try:
-            drops_before = cluster.link_drops()
+            drops_before, tcp_before = cluster.link_drops(), cluster.tcp_losses()
             got, runs = _median_of(plan.repeats, functools.partial(runner, job), lambda r: r.seconds_per_step)
-            drops = _delta(drops_before, cluster.link_drops())
+            drops, tcp = _delta(drops_before, cluster.link_drops()), _delta(tcp_before, cluster.tcp_losses())
         except BackendUnavailable as e:
             points.update(status="unavailable", reason=str(e))
             say(f"byteps: unavailable ({e}); skipping the byteps points")
@@ -158,12 +158,13 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             "machine_busy": busy,
             "cpu": got.cpu,
             "tbf_drops": drops,
+            "tcp_losses": tcp,
         }
         say(
             f"byteps push/pull n={plan.n} k={k} x={theory.dedicated_fraction(plan.n, k):.3f}: "
             f"{got.seconds_per_step:.3f} s/step{_runs(points['points'][k])} = {got.seconds_per_step / t_opt:.2f} x "
             f"t_opt {t_opt:.3f} s; "
-            f"our processes {_cores(got.cpu):.2f} cores, machine CPU {busy:.0%}; tbf drops {sum(drops.values())}"
+            f"our processes {_cores(got.cpu):.2f} cores, machine CPU {busy:.0%}; {_losses(points['points'][k])}"
         )
     return points
 
@@ -183,7 +184,7 @@ def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
     if gloo:
         say(
             f"DDP gloo: {gloo['samples_per_s']:.1f} samples/s ({gloo['seconds_per_step']:.3f} s/step{_runs(gloo)}, "
-            f"{spec.params / 1e6:.1f} M params); tbf drops {sum(gloo['tbf_drops'].values())}"
+            f"{spec.params / 1e6:.1f} M params); {_losses(gloo)}"
         )
     try:
         k = min(plan.ddp_k, len(cluster.servers))
@@ -196,8 +197,7 @@ def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
         )
         say(
             f"DDP byteps (k={k}): {bps['samples_per_s']:.1f} samples/s "
-            f"({bps['seconds_per_step']:.3f} s/step{_runs(bps)}); "
-            f"tbf drops {sum(bps['tbf_drops'].values())}"
+            f"({bps['seconds_per_step']:.3f} s/step{_runs(bps)}); {_losses(bps)}"
         )
     except BackendUnavailable as e:
         bps, out["byteps_unavailable"] = None, str(e)
@@ -214,6 +214,7 @@ def _ddp(cluster: Cluster, plan: Plan, say, report: dict) -> dict:
     }
     out["cpu"] = {"gloo": gloo and gloo["cpu"], "byteps": bps and bps["cpu"]}
     out["tbf_drops"] = {"gloo": gloo and gloo["tbf_drops"], "byteps": bps and bps["tbf_drops"]}
+    out["tcp_losses"] = {"gloo": gloo and gloo["tcp_losses"], "byteps": bps and bps["tcp_losses"]}
     return out
 
 
@@ -272,7 +273,7 @@ def _training_line(point: dict) -> str:
             f", servers {point['server_bytes_per_step'] / 1e6:.1f} MB/step = "
             f"{point['server_bytes_per_step'] / point['ideal_bytes_per_step']:.4f} x ideal"
         )
-    return f"{line}; tbf drops {sum(point['tbf_drops'].values())}"
+    return f"{line}; {_losses(point)}"
 
 
 def _rows(plan: Plan, gloo: dict | None, bps: dict) -> list[dict]:
@@ -324,11 +325,20 @@ def _runs(point: dict) -> str:
 
 
 def _counting_drops(cluster: Cluster, measure: Callable[[], dict]) -> dict:
-    """Run `measure` and add to its result the tbf drops per link it caused ("tbf_drops")."""
-    before = cluster.link_drops()
+    """Run `measure`; add to its result the tbf drops per link ("tbf_drops") and TCP's losses per host ("tcp_losses")
+    it caused."""
+    before, tcp_before = cluster.link_drops(), cluster.tcp_losses()
     result = measure()
     result["tbf_drops"] = _delta(before, cluster.link_drops())
+    result["tcp_losses"] = _delta(tcp_before, cluster.tcp_losses())
     return result
+
+
+def _losses(point: dict) -> str:
+    """ "tbf drops 12; TCP: retransmitted segments 10, loss probes 3, timeouts 0" (summed over links and hosts)."""
+    tcp = point.get("tcp_losses") or {}
+    counts = ", ".join(f"{label} {tcp_total(tcp, label)}" for label in TCP_LOSS_COUNTERS.values())
+    return f"tbf drops {sum(point['tbf_drops'].values())}; TCP: {counts}"
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

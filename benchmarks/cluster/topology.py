@@ -32,6 +32,13 @@ from benchmarks.cluster.errors import NamespaceError
 IFNAME = "bps0"  # the interface of every host, inside its own namespace (GLOO_SOCKET_IFNAME uses it)
 BRIDGE = "bps-br"
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# TCP's loss signals, as /proc/net/{netstat,snmp} name them, and as the reports do.
+TCP_LOSS_COUNTERS = {
+    "Tcp:RetransSegs": "retransmitted segments",
+    "TcpExt:TCPLossProbes": "loss probes",
+    "TcpExt:TCPTimeouts": "timeouts",
+    "TcpExt:TCPDSACKRecvSegs": "spurious (D-SACKed)",  # segments the receiver already had
+}
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,22 @@ class Cluster:
                 drops[f"{host.name} {direction}"] = sum(q.get("drops", 0) for q in stats)
         return drops
 
+    def tcp_losses(self) -> dict[str, int]:
+        """Return each host's TCP loss signals so far ("w0 timeouts"; TCP_LOSS_COUNTERS), from its namespace.
+
+        Beside the tbf drops they say what a drop cost: a fast retransmission, a tail-loss probe, or a timeout (an
+        RTO, 200 ms or more of a flow's silence); and which retransmissions were not needed: the peer reported a
+        duplicate (D-SACK). Without tbf drops those are fast retransmissions after packets of a flow were reordered
+        between the CPUs' backlog queues a veth hands them to; gloo's flows see them too.
+        """
+        losses = {}
+        for host in self.hosts:
+            text = netns.ip("netns", "exec", host.netns, "cat", "/proc/net/netstat", "/proc/net/snmp")
+            counters = proc_net_counters(text)
+            for name, label in TCP_LOSS_COUNTERS.items():
+                losses[f"{host.name} {label}"] = counters.get(name, 0)
+        return losses
+
     # -- tearing down -----------------------------------------------------------------------------------
 
     def _install_guards(self) -> None:
@@ -222,3 +245,17 @@ def _bridge_port(host: Host) -> str:
 
 def _raise_system_exit(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
+
+
+def proc_net_counters(text: str) -> dict[str, int]:
+    """Parse /proc/net/netstat or snmp text, a header line then a value line per group, into {"Group:Name": value}.
+
+    Example: `proc_net_counters("Tcp: RtoMin RetransSegs\nTcp: 200 7\n")` -> {"Tcp:RtoMin": 200, "Tcp:RetransSegs": 7}.
+    """
+    lines = text.splitlines()
+    counters = {}
+    for header, values in zip(lines[::2], lines[1::2], strict=False):
+        group, *names = header.split()
+        for name, value in zip(names, values.split()[1:], strict=False):
+            counters[f"{group}{name}"] = int(value)
+    return counters

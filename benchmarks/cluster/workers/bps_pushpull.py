@@ -11,14 +11,17 @@ server that gets no bytes may be given as `-`. Which bytes go where (`--placemen
 - `engine` (the default): the library's whole worker pipeline, torch_bps.engine's PushPullEngine (its
   partitioning, placement, credit scheduler), exactly what the "byteps" backend runs per collective.
 Uses `torch_bps.client.Client(servers, job_id, worker, num_workers).push_pull(tensor, key, server=i)`.
-The first step checks the sum (every worker pushes worker + 1).
-May import: the standard library, torch, torch_bps.client, torch_bps.engine.placement and
+The first step checks the sum (every worker pushes worker + 1). `--trace DIR` records the timed steps into
+DIR/worker-WORKER.json (torch_bps.timeline).
+May import: the standard library, torch, torch_bps.client, torch_bps.engine.placement, torch_bps.timeline and
 benchmarks.cluster.{cpu,placement,workers}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 from benchmarks.cluster import placement
@@ -82,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--trace", metavar="DIR", default="", help="record the timed steps into DIR/worker-WORKER.json")
     args = p.parse_args(argv)
 
     import torch
 
     from torch_bps.client import Client
     from torch_bps.config import Config
+    from torch_bps.timeline.recorder import recording
 
     torch.set_num_threads(1)
     n, k = args.num_workers, args.k
@@ -125,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"worker {args.worker}: push_pull summed wrong: want {want}, got e.g. {tensor[0].item()}")
         for _ in range(args.warmup - 1):
             step()
-        cpu = CpuWindow().start()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        elapsed = time.perf_counter() - start
-        result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu.stop()}
+        path = os.path.join(args.trace, f"worker-{args.worker}.json")
+        with recording(client, path, f"worker {args.worker}") if args.trace else contextlib.nullcontext():
+            cpu = CpuWindow().start()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            elapsed = time.perf_counter() - start
+            cpu = cpu.stop()
+        result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu}
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
                       scheduler=client.scheduler_stats(),
                       streams=[client.stream_ready(i) for i in range(len(addresses))])  # fmt: skip
