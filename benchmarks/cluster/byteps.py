@@ -189,14 +189,12 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
 
     A worker's link carries its connection to each server and, at k < n, its colocated server's connections to
     the other workers, each with at most about the buffer's size in flight (the kernel doubles the value for its
-    bookkeeping). A third more than an even share of the queue per connection went without tail drops at n = 8
-    (32 KiB buffers, 756 KB queue; 64 KiB dropped 2,000-3,400 packets a run): the flows are rarely all full at once.
+    bookkeeping). A third more than an even share of the queue per connection fits: the flows are rarely all full
+    at once (README, "n = 8: where the drops were").
 
     The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
-    effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike (k + n at
-    0 < k < n) halves the buffers of the dedicated servers' connections, which carry most bytes, and their
-    replies then wait on the window: a step's first pulls came at half the link's rate (README, "What paces a
-    mixed-k step").
+    effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
+    the dedicated servers' connections, which carry most bytes, of window (README, "What paces a mixed-k step").
     """
     servers = 1.0 / sum(s * s for s in placement.server_shares(n, k))
     return max(4096, int(link_queue_bytes / (3 * servers)))
