@@ -335,7 +335,8 @@ def _counting_drops(cluster: Cluster, measure: Callable[[], dict]) -> dict:
 
 
 def _losses(point: dict) -> str:
-    """ "tbf drops 12; TCP: retransmitted segments 10, loss probes 3, timeouts 0" (summed over links and hosts)."""
+    """ "tbf drops 12; TCP: retransmitted segments 10, loss probes 3, timeouts 0, spurious (D-SACKed) 2" (summed
+    over links and hosts)."""
     tcp = point.get("tcp_losses") or {}
     counts = ", ".join(f"{label} {tcp_total(tcp, label)}" for label in TCP_LOSS_COUNTERS.values())
     return f"tbf drops {sum(point['tbf_drops'].values())}; TCP: {counts}"

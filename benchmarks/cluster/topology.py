@@ -175,9 +175,9 @@ class Cluster:
         """Return each host's TCP loss signals so far ("w0 timeouts"; TCP_LOSS_COUNTERS), from its namespace.
 
         Beside the tbf drops they say what a drop cost: a fast retransmission, a tail-loss probe, or a timeout (an
-        RTO, 200 ms or more of a flow's silence); and which retransmissions were not needed: the peer reported a
-        duplicate (D-SACK). Without tbf drops those are fast retransmissions after packets of a flow were reordered
-        between the CPUs' backlog queues a veth hands them to; gloo's flows see them too.
+        RTO, 200 ms or more of a flow's silence); and which retransmissions were not needed, the peer reporting a
+        duplicate (D-SACK): a probe fired while its segment waited in a queue, or a fast retransmission after a
+        veth reordered a flow's packets between the CPUs' backlog queues.
         """
         losses = {}
         for host in self.hosts:
