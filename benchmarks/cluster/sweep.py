@@ -140,9 +140,9 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             plan.budget_s(t_opt),
         )  # fmt: skip
         try:
-            drops_before, tcp_before = cluster.link_drops(), cluster.tcp_losses()
+            before = _losses_now(cluster)
             got, runs = _median_of(plan.repeats, functools.partial(runner, job), lambda r: r.seconds_per_step)
-            drops, tcp = _delta(drops_before, cluster.link_drops()), _delta(tcp_before, cluster.tcp_losses())
+            losses = _losses_since(cluster, before)
         except BackendUnavailable as e:
             points.update(status="unavailable", reason=str(e))
             say(f"byteps: unavailable ({e}); skipping the byteps points")
@@ -157,8 +157,7 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             "runs_seconds_per_step": runs,
             "machine_busy": busy,
             "cpu": got.cpu,
-            "tbf_drops": drops,
-            "tcp_losses": tcp,
+            **losses,
         }
         say(
             f"byteps push/pull n={plan.n} k={k} x={theory.dedicated_fraction(plan.n, k):.3f}: "
@@ -327,11 +326,21 @@ def _runs(point: dict) -> str:
 def _counting_drops(cluster: Cluster, measure: Callable[[], dict]) -> dict:
     """Run `measure`; add to its result the tbf drops per link ("tbf_drops") and TCP's losses per host ("tcp_losses")
     it caused."""
-    before, tcp_before = cluster.link_drops(), cluster.tcp_losses()
+    before = _losses_now(cluster)
     result = measure()
-    result["tbf_drops"] = _delta(before, cluster.link_drops())
-    result["tcp_losses"] = _delta(tcp_before, cluster.tcp_losses())
+    result.update(_losses_since(cluster, before))
     return result
+
+
+def _losses_now(cluster: Cluster) -> tuple[dict[str, int], dict[str, int]]:
+    """The tbf drops per link and TCP's losses per host so far: `_losses_since` counts from here."""
+    return cluster.link_drops(), cluster.tcp_losses()
+
+
+def _losses_since(cluster: Cluster, before: tuple[dict[str, int], dict[str, int]]) -> dict:
+    """{"tbf_drops": per link, "tcp_losses": per host and counter}, since `before` (`_losses_now`)."""
+    drops, tcp = before
+    return {"tbf_drops": _delta(drops, cluster.link_drops()), "tcp_losses": _delta(tcp, cluster.tcp_losses())}
 
 
 def _losses(point: dict) -> str:
