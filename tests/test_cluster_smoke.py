@@ -13,10 +13,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from benchmarks.cluster import byteps, cli, netns, placement, procs, sweep, theory, topology
+from benchmarks.cluster import byteps, cli, cpu, netns, placement, procs, sweep, theory, topology
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
@@ -225,3 +226,20 @@ def test_tcp_losses_are_counted_per_host_where_the_senders_are():
     assert drops.get("s0 down", 0) > 0, drops
     assert losses.get("w0 retransmitted segments", 0) > 0 and losses.get("w1 retransmitted segments", 0) > 0, losses
     assert losses.get("s0 retransmitted segments", 0) == 0, losses
+
+
+def test_process_wait_seconds_counts_time_runnable_without_a_core():
+    # Three busy processes pinned to one core: each runs about a third of the time and waits the rest.
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.5: pass"
+    cpu0 = sorted(os.sched_getaffinity(0))[0]
+    procs_ = [
+        subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu0}}})\n{spin}"])
+        for _ in range(3)
+    ]
+    time.sleep(1.0)
+    waits = [cpu.process_wait_seconds(p.pid) for p in procs_]
+    runs = [cpu.process_cpu_seconds(p.pid) for p in procs_]
+    for p in procs_:
+        p.wait(timeout=30)
+    assert all(w > 0.4 and w > 1.4 * r for w, r in zip(waits, runs, strict=True)), (waits, runs)
+    assert cpu.process_wait_seconds(procs_[0].pid) == 0.0  # gone

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.cluster import placement, procs
-from benchmarks.cluster.cpu import process_cpu_seconds
+from benchmarks.cluster.cpu import process_cpu_seconds, process_wait_seconds
 from benchmarks.cluster.errors import BackendUnavailable
 from benchmarks.cluster.topology import Cluster, Host
 
@@ -148,6 +148,7 @@ def run_torch_bps(
         socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, n, k)
     # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
     server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
+    server_wait0 = [process_wait_seconds(p.pid) for p in server_procs]
     try:
         results = _run_workers(
             job,
@@ -167,6 +168,9 @@ def run_torch_bps(
         server_cores = [
             (process_cpu_seconds(p.pid) - c0) / wall for p, c0 in zip(server_procs, server_cpu0, strict=True)
         ]
+        server_waiting = [
+            (process_wait_seconds(p.pid) - w0) / wall for p, w0 in zip(server_procs, server_wait0, strict=True)
+        ]
     finally:
         for p in server_procs:
             p.kill()
@@ -179,8 +183,8 @@ def run_torch_bps(
         }
         for h, r in zip(job.workers, results, strict=True)
     }
-    for p, cores in zip(server_procs, server_cores, strict=True):
-        cpu[f"{p.host} server (whole run)"] = {"process_cores": round(cores, 3)}
+    for p, cores, waiting in zip(server_procs, server_cores, server_waiting, strict=True):
+        cpu[f"{p.host} server (whole run)"] = {"process_cores": round(cores, 3), "process_waiting": round(waiting, 3)}
     return StepTime(max(r["seconds_per_step"] for r in results), cpu)
 
 

@@ -40,12 +40,34 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_wait_seconds(pid: int | str = "self") -> float:
+    """Return the seconds `pid`'s live threads spent runnable but waiting for a core (0.0 if it is gone).
+
+    The second field of /proc/PID/task/TID/schedstat is the thread's run-queue delay. Summed over the
+    threads and divided by wall time it is how many of the process's threads, on average, were ready to
+    run and had no core: on a 2-core machine emulating a cluster, the scheduling delay the links never see.
+    """
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended between listdir and open
+    return total / 1e9
+
+
 class CpuWindow:
     """Measure CPU use between `start()` and `stop()`.
 
     Example: `w = CpuWindow().start(); work(); cpu = w.stop()` ->
-    `{"process_cores": 0.4, "machine_busy": 0.55, "machine_softirq": 0.1, "machine_cores": 2}`: this
-    process used 0.4 cores on average; all cores together were busy 55% of the time, 10% of it in
+    `{"process_cores": 0.4, "process_waiting": 0.3, "machine_busy": 0.55, ...}`: this
+    process used 0.4 cores on average, and on average 0.3 of its threads were ready to run with no core
+    free (`process_wait_seconds`); all cores together were busy 55% of the time, 10% of it in
     softirq (packet processing of the emulated links lands there). Machine-wide figures include
     whatever else runs on the machine.
     """
@@ -53,6 +75,7 @@ class CpuWindow:
     def start(self) -> CpuWindow:
         self._wall = time.monotonic()
         self._proc = time.process_time()
+        self._wait = process_wait_seconds()
         self._busy, self._softirq, self._total = machine_jiffies()
         return self
 
@@ -62,6 +85,7 @@ class CpuWindow:
         jiffies = max(total - self._total, 1)
         return {
             "process_cores": round((time.process_time() - self._proc) / wall, 3),
+            "process_waiting": round((process_wait_seconds() - self._wait) / wall, 3),
             "machine_busy": round((busy - self._busy) / jiffies, 3),
             "machine_softirq": round((softirq - self._softirq) / jiffies, 3),
             "machine_cores": os.cpu_count(),

@@ -38,6 +38,7 @@ def cpu_summary(report: dict) -> dict:
     measurements = {
         name: {
             "processes_cores": round(sum(c["process_cores"] for c in cpus), 3),
+            "processes_waiting": round(sum(c.get("process_waiting", 0.0) for c in cpus), 3),
             "machine_busy": max(c.get("machine_busy", 0.0) for c in cpus),
             "machine_softirq": max(c.get("machine_softirq", 0.0) for c in cpus),
             "tbf_drops": sum(drops.values()) if drops is not None else None,
@@ -112,8 +113,10 @@ def format_table(report: dict) -> str:
         )
         for name, m in cpu["measurements"].items():
             lines.append(
-                f"  {name}: our processes {m['processes_cores']:.2f} cores; machine {m['machine_busy']:.0%} busy "
-                f"({m['machine_softirq']:.0%} softirq); tbf drops {_f(m['tbf_drops'], 'd')}; TCP retransmitted "
+                f"  {name}: our processes {m['processes_cores']:.2f} cores "
+                f"({_f(m.get('processes_waiting'), '.2f')} threads waiting for one); "
+                f"machine {m['machine_busy']:.0%} busy ({m['machine_softirq']:.0%} softirq); "
+                f"tbf drops {_f(m['tbf_drops'], 'd')}; TCP retransmitted "
                 f"{_f(m.get('tcp_retransmitted'), 'd')} ({_f(m.get('tcp_spurious'), 'd')} spurious), timeouts "
                 f"{_f(m.get('tcp_timeouts'), 'd')}"
             )

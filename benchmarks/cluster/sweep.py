@@ -92,7 +92,7 @@ def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Calla
             say(
                 f"gloo all_reduce n={plan.n} {plan.size_bytes / 2**20:g} MiB: {gloo['seconds_per_step']:.3f} "
                 f"s/step{_runs(gloo)} = {gloo['seconds_per_step'] / bound:.2f} x bound {bound:.3f} s; "
-                f"our processes {_cores(gloo['cpu']):.2f} cores, machine CPU {gloo['machine_busy']:.0%}; "
+                f"our processes {_cores(gloo['cpu'])}, machine CPU {gloo['machine_busy']:.0%}; "
                 f"{_losses(gloo)}"
             )
         report["gloo"] = gloo
@@ -163,7 +163,7 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             f"byteps push/pull n={plan.n} k={k} x={theory.dedicated_fraction(plan.n, k):.3f}: "
             f"{got.seconds_per_step:.3f} s/step{_runs(points['points'][k])} = {got.seconds_per_step / t_opt:.2f} x "
             f"t_opt {t_opt:.3f} s; "
-            f"our processes {_cores(got.cpu):.2f} cores, machine CPU {busy:.0%}; {_losses(points['points'][k])}"
+            f"our processes {_cores(got.cpu)}, machine CPU {busy:.0%}; {_losses(points['points'][k])}"
         )
     return points
 
@@ -355,8 +355,11 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {link: after[link] - before.get(link, 0) for link in after if after[link] != before.get(link, 0)}
 
 
-def _cores(cpu_by_host: dict) -> float:
-    return sum(c.get("process_cores", 0.0) for c in cpu_by_host.values())
+def _cores(cpu_by_host: dict) -> str:
+    """Cores our processes used, and how many of their threads waited for a core on average."""
+    used = sum(c.get("process_cores", 0.0) for c in cpu_by_host.values())
+    waiting = sum(c.get("process_waiting", 0.0) for c in cpu_by_host.values())
+    return f"{used:.2f} cores ({waiting:.2f} threads waiting for one)"
 
 
 def _first_line(e: Exception) -> str:
