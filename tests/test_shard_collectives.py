@@ -4,7 +4,6 @@ and a rank killed mid-gather failing the others with an error naming key and rou
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import re
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ServerProcess, _free_port, exact_floats, run_ranks
+from tests.helpers import ServerProcess, _free_port, exact_floats, rank_context, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -166,8 +165,9 @@ def test_bit_exact_through_the_local_stages(world, local):
         assert len(moved) == len(traffic), set(traffic) - set(moved)
 
 
-def _killed_mid_gather(rank: int, world: int, port: int, server: str, results) -> None:
-    os.environ.update(BPS_SERVERS=server, BPS_TIMEOUT="60", BPS_LOCAL_REDUCE="0")
+def _killed_mid_gather(rank: int, world: int, port: int, server: str, environ: dict, results) -> None:
+    os.environ.clear()  # the test process's, as a spawned process would have (helpers.rank_context)
+    os.environ.update(environ, BPS_SERVERS=server, BPS_TIMEOUT="60", BPS_LOCAL_REDUCE="0")
     try:
         import torch_bps  # noqa: F401 - registers the backend
 
@@ -198,10 +198,10 @@ def _killed_mid_gather(rank: int, world: int, port: int, server: str, results) -
 def test_a_rank_killed_mid_gather_fails_the_others_naming_key_and_round():
     world = 3
     server = ServerProcess()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_killed_mid_gather, args=(r, world, port, server.address, results))
+    procs = [ctx.Process(target=_killed_mid_gather, args=(r, world, port, server.address, dict(os.environ), results))
              for r in range(world)]  # fmt: skip
     try:
         for p in procs:
