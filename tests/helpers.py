@@ -39,9 +39,11 @@ class ServerProcess:
         start_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
         auth: bool = True,
+        wait: bool = True,
     ):
         """auth: require BPS_POOL_CREDENTIAL (conftest sets one for the session) with BPS_AUTH's mechanism;
-        False: --auth off."""
+        False: --auth off. wait: False returns once the process started; `wait_listening()` then waits for it
+        to listen (`start_servers` starts several side by side)."""
         self.extra_args = tuple(extra_args)
         self.credential = os.environ.get("BPS_POOL_CREDENTIAL", "") if auth else ""
         self.port = port
@@ -49,19 +51,27 @@ class ServerProcess:
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.incarnation = 0
-        self.start()
+        self.launch()
+        if wait:
+            self.wait_listening()
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.launch()
+        self.wait_listening()
+
+    def launch(self) -> None:
         cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", self.log_level]  # fmt: skip
         cmd += self.extra_args if self.credential else ("--auth", "off", *self.extra_args)
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env["BPS_POOL_CREDENTIAL"] = self.credential or ""
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+
+    def wait_listening(self) -> None:
         deadline = time.monotonic() + self.start_timeout
         line = ""
         while time.monotonic() < deadline:
@@ -84,18 +94,50 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
+        """SIGTERM, and wait for the server to shut down (`stop_servers` stops several side by side)."""
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+
+    def wait_stopped(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
     def restart(self) -> None:
         """Kill and start again on the same port: a new incarnation."""
         self.kill()
         self.start()
+
+
+def start_servers(count: int, **kwargs) -> list[ServerProcess]:
+    """Start `count` ServerProcess(**kwargs) side by side (each imports torch: seconds of CPU); return them once
+    every one listens. Example: `servers = start_servers(2)`, then `stop_servers(servers)`."""
+    servers = []
+    try:
+        servers += [ServerProcess(wait=False, **kwargs) for _ in range(count)]
+        for s in servers:
+            s.wait_listening()
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers
+
+
+def stop_servers(servers: list[ServerProcess]) -> None:
+    """Stop every server in `servers`, side by side."""
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.wait_stopped()
 
 
 class RawPeer:

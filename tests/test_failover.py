@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port
+from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port, start_servers, stop_servers
 from torch_bps.client import Client
 from torch_bps.engine.placement import server_weights
 from torch_bps.failover import RECOVERY_BIT, Agreement, Router
@@ -52,12 +52,11 @@ def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None,
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         params, records, _ = train(tmp_path_factory.mktemp("baseline"), [s.address for s in servers])
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert records == []
     return params
 
@@ -70,12 +69,11 @@ def assert_identical(params, baseline) -> None:
 
 @pytest.mark.parametrize("step,when", [(0, "backward"), (3, "start"), (4, "backward")])
 def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:{step}:{when}")
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert_identical(params, baseline)
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
     assert records[0]["servers"] == [servers[1].address]
@@ -85,14 +83,13 @@ def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
 def test_three_workers_end_within_summation_order_of_an_uninterrupted_run(tmp_path):
     """With three workers a server may add in another order (an uninterrupted run's sums vary too): the kill
     costs no step and moves the parameters no further than summation order does."""
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         addresses = [s.address for s in servers]
         reference, _, _ = train(tmp_path, addresses, workers=3, name="reference")
         params, records, output = train(tmp_path, addresses, f"{servers[0].proc.pid}:4:backward", workers=3)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
     for name, value in params.items():
         torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{name} moved too far")
@@ -100,29 +97,26 @@ def test_three_workers_end_within_summation_order_of_an_uninterrupted_run(tmp_pa
 
 def test_stopped_server_is_failed_over_after_the_heartbeat_timeout(tmp_path, baseline):
     """A SIGSTOPped server keeps its connections open: the heartbeats find it silent, then it is failed over."""
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         heartbeats = {"BPS_HEARTBEAT_TIMEOUT": "1.5", "BPS_HEARTBEAT_INTERVAL": "0.5"}
         kill = f"{servers[0].proc.pid}:3:backward:stop"
         params, records, output = train(tmp_path, [s.address for s in servers], kill, env=heartbeats)
     finally:
         os.kill(servers[0].proc.pid, signal.SIGCONT)
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert_identical(params, baseline)
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
 
 
 def test_standby_server_takes_over(tmp_path, baseline):
-    servers = [ServerProcess(), ServerProcess()]
-    standby = ServerProcess()
+    *servers, standby = start_servers(3)
     try:
         params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[1].proc.pid}:2:backward",
                                         env={"BPS_STANDBY_SERVERS": standby.address})  # fmt: skip
         stats = standby  # the standby summed what moved to it
     finally:
-        for s in [*servers, standby]:
-            s.stop()
+        stop_servers([*servers, standby])
     assert_identical(params, baseline)
     assert records[0]["standby"] == [stats.address], output[-3000:]
     assert set(records[0]["servers"]) == {servers[0].address, standby.address}
@@ -133,13 +127,12 @@ def test_standby_server_takes_over(tmp_path, baseline):
 
 def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline):
     """Two failovers in one run: to the survivor, then (none left) to colocated servers the workers start."""
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         kill = f"{servers[0].proc.pid}:2:backward,{servers[1].proc.pid}:6:start"
         params, records, output = train(tmp_path, [s.address for s in servers], kill)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert_identical(params, baseline)
     assert [r["lost"] for r in records] == [[servers[0].address], [servers[1].address]], output[-3000:]
     # One machine (torchrun --nproc-per-node 2): its local rank 0 started the one colocated server.
@@ -147,26 +140,24 @@ def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline)
 
 
 def test_hook_door(tmp_path, baseline):
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
                                         hook=True)  # fmt: skip
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert_identical(params, baseline)
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
 
 
 def test_failover_off_fails_fast(tmp_path):
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     try:
         with pytest.raises(AssertionError, match="TransportError"):
             train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
                   env={"BPS_FAILOVER": "0"})  # fmt: skip
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 # -- The open round, deterministically: rank 0 is a real Router (its client and the agreement), rank 1 is played
@@ -250,7 +241,7 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
     """Rank 0 pulled round 0 of a key, rank 1 did not; the server dies. Whole pull: rank 0 broadcasts the result
     it kept. Shard pull (a reduce-scatter): rank 0 pushes again the copy of its input it kept. Either way rank 1
     gets round 0's sum from the new owner, and round 1 completes there."""
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     job = 0x5EED0001
     key = 0x7 << 24  # on server 0 (the test gives the placement)
@@ -291,15 +282,16 @@ def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
         new.close()
         hand.peer.close()
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
     """Rank 1 pulled round 0 of a key, rank 0's reply is lost with the server (frozen in a proxy, then cut): rank 0
     holds its part; rank 1 broadcasts the result it kept and rank 0's held part receives it from the new owner."""
     # The relayed server offers no stream: the relay carries its ZeroMQ port only, a stream would go around it.
-    servers = [ServerProcess(extra_args=("--stream", "off")), ServerProcess()]
+    servers = [ServerProcess(extra_args=("--stream", "off"), wait=False), ServerProcess(wait=False)]
+    for s in servers:
+        s.wait_listening()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     proxy = TcpRelay(servers[0].address)
     job, key = 0x5EED0002, 0x9 << 24
@@ -331,8 +323,7 @@ def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
         hand.peer.close()
     finally:
         proxy.cut()
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 def test_a_collective_held_through_two_epochs_clients_completes():
@@ -341,7 +332,7 @@ def test_a_collective_held_through_two_epochs_clients_completes():
     the next failover (to a standby) must release the collective once, not once per failed batch. (Found as an
     unbounded hang in DDP training with 128 KiB partitions, where a bucket had parts on both epochs.) One rank, so
     that the servers sum what it alone pushes and the test sets the order of every event."""
-    servers, standby = [ServerProcess(), ServerProcess()], ServerProcess()
+    *servers, standby = start_servers(3)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     key_a, key_b = 0x7 << 24, 0x8 << 24  # on servers 0 and 1 (the test gives the placement)
     box, standbys = [], [[], [standby.address]]  # no standby at the first failover, one at the second
@@ -386,14 +377,13 @@ def test_a_collective_held_through_two_epochs_clients_completes():
     finally:
         router.close()
         client.close()
-        for s in [*servers, standby]:
-            s.stop()
+        stop_servers([*servers, standby])
 
 
 def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
     """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
     `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule."""
-    servers = [ServerProcess(), ServerProcess()]
+    servers = start_servers(2)
     back = tmp_path / "back"
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -413,8 +403,7 @@ def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, basel
         assert proc.wait(timeout=60) == 0, "".join(lines)[-6000:]
     finally:
         proc.kill()
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     with open(out + ".json") as f:
         records = json.load(f)
     assert_identical(torch.load(out + ".pt"), baseline)
@@ -426,7 +415,7 @@ def test_torchrun_restart_starts_clean_on_the_same_servers(tmp_path, baseline):
     """torchrun --max-restarts 1, rank 1 SIGKILLed at step 4 of the first attempt: the second attempt is a new job
     on the same dedicated servers, trains from the start to the uninterrupted run's parameters, and afterwards the
     servers hold what they held before the job: no job, no memory (the old attempt's state was released)."""
-    servers = [ServerProcess(extra_args=("--lost-job-lease", "1")) for _ in range(2)]
+    servers = start_servers(2, extra_args=("--lost-job-lease", "1"))
     credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
 
     def held(s):
@@ -449,8 +438,7 @@ def test_torchrun_restart_starts_clean_on_the_same_servers(tmp_path, baseline):
         while (after := [held(s) for s in servers]) != before and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
     assert before == [(0, 0), (0, 0)]
     assert after == before, f"the servers still hold (jobs, bytes) {after}"
     assert_identical(torch.load(out + ".pt"), baseline)
