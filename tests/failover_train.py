@@ -11,6 +11,7 @@ and with ":stop" the server is SIGSTOPped (silent, connections open) instead of 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -45,6 +46,9 @@ def main() -> None:
     if args.hook:
         ddp.register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    # What exists now (torch, and the torch._dynamo DDP imported) lives until exit: out of the collector, whose
+    # last pass over those million objects would hold up each rank's exit by about a second.
+    gc.freeze()
     kills = [(int(k[0]), int(k[1]), k[2], k[3:] == ["stop"]) for k in (k.split(":") for k in args.kill.split(",") if k)]
     kills = [k for k in kills if rank == 0]
     armed: list = []

@@ -7,6 +7,7 @@ Faults it can inject into itself: a rank that stalls (sleeps) at a step, a rank 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -40,6 +41,9 @@ def main() -> None:
     if args.hook:
         ddp.register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    # What exists now (torch, and the torch._dynamo DDP imported) lives until exit: out of the collector, whose
+    # last pass over those million objects would hold up each rank's exit by about a second.
+    gc.freeze()
     stall = [int(v) for v in args.stall.split(":")] if args.stall else None
     die = [int(v) for v in args.die.split(":")] if args.die else None
     try:
