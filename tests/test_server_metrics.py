@@ -120,6 +120,6 @@ def test_stats_cli_prints_a_running_servers_counters(metrics_server, job_id):
 
 @pytest.mark.timeout(60)
 def test_stats_cli_names_a_server_that_does_not_answer():
-    done = subprocess.run([sys.executable, "-m", "torch_bps.server", "--stats", "127.0.0.1:1", "--auth", "off"],
-                          cwd=REPO, capture_output=True, text=True, timeout=30)  # fmt: skip
-    assert done.returncode == 1 and "no STATS reply from 127.0.0.1:1" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "torch_bps.server", "--stats", "127.0.0.1:1", "--auth", "off",
+                           "--stats-timeout", "1.5"], cwd=REPO, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 1 and "no STATS reply from 127.0.0.1:1 within 1.5 s" in done.stderr, done.stderr

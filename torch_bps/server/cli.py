@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     see.add_argument("--stats", metavar="HOST:PORT",
                      help="print the counters of the running server at HOST:PORT (STATS) and exit; with --auth and the "
                      "pool credential it was started with")  # fmt: skip
+    see.add_argument("--stats-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="how long --stats waits for the server's answer (default 10)")  # fmt: skip
     limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
     _option(limits, "--max-frame-bytes", "BPS_SERVER_MAX_FRAME_BYTES", int, Limits.max_frame_bytes,
             "largest frame read from a peer; a bigger one drops its connection unread; must cover the workers' "
@@ -160,7 +162,7 @@ def _credential(args: argparse.Namespace) -> str:
 def _print_stats(args: argparse.Namespace) -> int:
     """`bps-server --stats HOST:PORT`: print a running server's counters."""
     try:
-        stats = query_stats(args.stats, credential=_credential(args), mechanism=args.auth)
+        stats = query_stats(args.stats, credential=_credential(args), mechanism=args.auth, timeout=args.stats_timeout)
     except (OSError, ValueError, RuntimeError) as e:  # TimeoutError is an OSError
         print(f"bps-server --stats {args.stats}: {e}", file=sys.stderr)
         return 1
