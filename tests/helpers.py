@@ -346,7 +346,8 @@ def rank_context():
     again). Ranks are still fresh processes that inherit nothing from the test process but what they are given:
     pass them its environment (a forkserver's children have the forkserver's, from when it started)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch_bps", "tests.helpers"])  # once a forkserver runs: none
+    # Only the first call, which starts the forkserver, preloads; later ones change nothing.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch_bps", "tests.helpers"])
     return ctx
 
 
