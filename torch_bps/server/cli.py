@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     see.add_argument("--stats", metavar="HOST:PORT",
                      help="print the counters of the running server at HOST:PORT (STATS) and exit; with --auth and the "
                      "pool credential it was started with")  # fmt: skip
-    see.add_argument("--stats-timeout", type=float, default=10.0, metavar="SECONDS",
+    see.add_argument("--stats-timeout", type=_seconds, default=10.0, metavar="SECONDS",
                      help="how long --stats waits for the server's answer (default 10)")  # fmt: skip
     limits = p.add_argument_group("memory limits (see torch_bps/server/limits.py)")
     _option(limits, "--max-frame-bytes", "BPS_SERVER_MAX_FRAME_BYTES", int, Limits.max_frame_bytes,
@@ -168,6 +168,14 @@ def _print_stats(args: argparse.Namespace) -> int:
         return 1
     print(format_stats(args.stats, stats), flush=True)
     return 0
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (a wait of 0 or less would not wait, or, to ZeroMQ, wait forever)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _option(group, flag: str, env: str, kind, default, text: str) -> None:
