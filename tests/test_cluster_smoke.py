@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from benchmarks.cluster import byteps, cli, cpu, netns, placement, procs, sweep, theory, topology
+from benchmarks.cluster import byteps, cli, cpu, netns, placement, procs, scaling_model, sweep, theory, topology
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
@@ -101,6 +101,18 @@ def test_theory_endpoints():
     assert theory.t_opt_s(n, n + 3, size, rate) == pytest.approx(size * 8 / rate)  # x = 1 for k >= n
     times = [theory.t_opt_s(n, k, size, rate) for k in range(n + 1)]
     assert times == sorted(times, reverse=True)
+
+
+def test_scaling_model_interpolates_the_measured_worker_costs():
+    measured = scaling_model.WORKER_US_PER_PARTITION
+    for size, us in measured.items():
+        assert scaling_model.worker_us_per_partition(size) == pytest.approx(us)
+    sizes = sorted(measured)
+    for lo, hi in zip(sizes, sizes[1:], strict=False):  # halfway between two measured sizes: halfway in cost
+        assert scaling_model.worker_us_per_partition((lo + hi) / 2) == pytest.approx((measured[lo] + measured[hi]) / 2)
+    slope = (measured[sizes[-1]] - measured[sizes[-2]]) / (sizes[-1] - sizes[-2])
+    beyond = scaling_model.worker_us_per_partition(4 * sizes[-1])
+    assert beyond == pytest.approx(measured[sizes[-1]] + slope * 3 * sizes[-1])  # the last pair's slope
 
 
 @pytest.mark.parametrize("n", [4, 8])

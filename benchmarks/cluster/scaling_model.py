@@ -5,8 +5,9 @@
 Step time = max(network, busiest server's CPU, a worker's CPU) + pipeline fill and drain, where
 - network: the paper's t_opt = 2n(n-1)M / ((n^2 + kn - 2k) B), over the goodput TCP reaches (0.95 B);
 - a server's CPU: per message (PUSH or PULL) `SERVER_US_PER_MESSAGE` plus per byte pushed into it the
-  add + copy floor, `SERVER_NS_PER_BYTE` (both measured on loopback, README "Server CPU per byte and per message");
-- a worker's CPU: `WORKER_US_PER_PARTITION` plus `WORKER_NS_PER_BYTE` (README, benchmarks/engine_cpu.py);
+  add + copy floor, `SERVER_NS_PER_BYTE` (benchmarks/server_cpu.py on loopback);
+- a worker's CPU per partition, `WORKER_US_PER_PARTITION`, interpolated between the sizes measured
+  (benchmarks/engine_cpu.py on loopback);
 - fill and drain: a partition's sum exists only once all n workers pushed it, and a worker's uplink is shared by
   the partitions of all servers it feeds, so the first sum takes about n p / B and so does the last pull:
   2 n p / B, with p the engine's partition size (torch_bps.engine.partition: at least 128 KiB, 64 per server).
@@ -18,6 +19,7 @@ engine's partition sizes); matplotlib for --plot.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 
 from benchmarks.cluster import theory
@@ -25,13 +27,15 @@ from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES as MIN_PARTITION
 from torch_bps.engine.partition import PARTS_PER_SERVER
 
 GOODPUT = 0.95  # TCP over tbf at MTU 1500 (the calibration stream: 0.93-0.96)
-# The native server core beyond the add + copy floor: 30, 73, 139, 403 us per message at 64 KiB, 256 KiB, 1 MiB,
-# 4 MiB (README "Server CPU per byte and per message"): ~25 us plus ~0.09 ns per byte of kernel work.
-SERVER_US_PER_MESSAGE = 25.0
-SERVER_NS_PER_BYTE = 0.42  # the floor (add 3/4 of the bytes at ~10 GB/s, copy in and out at 8.8 GB/s) + 0.09
-# The worker (engine + client, benchmarks/engine_cpu.py on loopback): 148 us per 64 KiB partition, 304 per 1 MiB.
-WORKER_US_PER_PARTITION = 138.0
-WORKER_NS_PER_BYTE = 0.16
+# Measured with the stream transport on 2026-11-26 (docs/results/scaling_costs/), medians of 3 repeats:
+# `python benchmarks/server_cpu.py --sizes 65536,131072,262144,1048576 --mib 64`: the add + copy floor 0.50-0.65 ns
+# per byte pushed, and 3-30 us per message (PUSH or PULL) beyond it;
+SERVER_NS_PER_BYTE = 0.57
+SERVER_US_PER_MESSAGE = 15.0
+# `python benchmarks/engine_cpu.py --partitions 65536,131072,262144,1048576`: the worker's CPU (engine, client,
+# kernel) per partition of a size, in us. Not linear in the size (a 256 KiB partition costs nearly what 1 MiB
+# does), hence interpolated, not fitted.
+WORKER_US_PER_PARTITION = {64 << 10: 58.0, 128 << 10: 92.0, 256 << 10: 150.0, 1 << 20: 161.0}
 MAX_PARTITION = 4_096_000  # the backend's default BPS_PARTITION_BYTES
 
 
@@ -42,6 +46,19 @@ def partition_bytes(n: int, k: int, size: float) -> float:
     shares = ([x / k] if k else []) + ([(1 - x) / n] if x < 1 else [])
     smallest = size * min(shares)
     return max(MIN_PARTITION, min(MAX_PARTITION, smallest / PARTS_PER_SERVER))
+
+
+def worker_us_per_partition(p: float) -> float:
+    """A worker's CPU per partition of p bytes: WORKER_US_PER_PARTITION interpolated (beyond the sizes
+    measured, the nearest pair's slope).
+
+    Example: `worker_us_per_partition(192 << 10)` -> 121.0.
+    """
+    sizes = sorted(WORKER_US_PER_PARTITION)
+    i = min(max(bisect.bisect_left(sizes, p), 1), len(sizes) - 1)  # the measured pair around p, else the nearest
+    lo, hi = sizes[i - 1], sizes[i]
+    ulo, uhi = WORKER_US_PER_PARTITION[lo], WORKER_US_PER_PARTITION[hi]
+    return ulo + (uhi - ulo) * (p - lo) / (hi - lo)
 
 
 def step(n: int, k: int, size: float, rate_bps: float, cores: float | None = None) -> dict:
@@ -57,15 +74,14 @@ def step(n: int, k: int, size: float, rate_bps: float, cores: float | None = Non
     x = theory.dedicated_fraction(n, k)
     per_server = max(x * size / k_eff if k_eff else 0.0, (1 - x) * size / n if x < 1 else 0.0)
     server_cpu = n * per_server * SERVER_NS_PER_BYTE * 1e-9 + 2 * n * (per_server / p) * SERVER_US_PER_MESSAGE * 1e-6
-    worker_cpu = size * WORKER_NS_PER_BYTE * 1e-9 + (size / p) * WORKER_US_PER_PARTITION * 1e-6
+    worker_cpu = (size / p) * worker_us_per_partition(p) * 1e-6
     if k < n:
         worker_cpu += server_cpu  # a worker host also runs a colocated server
     if cores is None:
         cpu = max(server_cpu, worker_cpu)
     else:
         servers = k + (n if k < n else 0)
-        total = n * size * WORKER_NS_PER_BYTE * 1e-9 + n * (size / p) * WORKER_US_PER_PARTITION * 1e-6
-        total += servers * server_cpu
+        total = n * (size / p) * worker_us_per_partition(p) * 1e-6 + servers * server_cpu
         cpu = total / cores
     fill = 2 * n * p * 8 / (rate_bps * GOODPUT)
     total_s = max(net, cpu) + fill
@@ -113,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("worker machines n (k = n CPU servers)")
         ax.set_ylabel("step time / t_opt")
         ax.set_title(f"torch_bps push/pull of {args.size_mb:.0f} MiB: model")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="center right")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
     return 0
