@@ -35,11 +35,23 @@ def _lives_with_pytest(cmd: str) -> bool:
     return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
 
 
+def _stop_multiprocessing_helpers() -> None:
+    """Stop the forkserver (helpers.rank_context) and the resource tracker now: left to stop when pytest exits,
+    they race the reaper, which then kills and names them. `_stop` is how CPython's own tests stop them."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)  # private: absent in some Python, then the reaper's fallback stands
+        if stop is not None:
+            stop()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Kill, and name, what the tests left running."""
+    """Stop multiprocessing's helpers; kill, and name, what the tests left running."""
     token = os.environ.get(reaper.ENV)
     if _reaper is None or not token:
         return
+    _stop_multiprocessing_helpers()
     left = reaper.reap(token, grace=5.0, keep=_lives_with_pytest)
     if left:
         lines = "".join(f"\n  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
