@@ -1,11 +1,11 @@
-"""TEMPORARY placement: the paper's x / 1-x split of one tensor over dedicated and colocated servers.
+"""The paper's x / 1-x split of one tensor, to the byte: the reference `--placement exact` measures the library against.
 
-REPLACE ME with the library's placement once torch_bps has it (a colleague is building it). This module
-exists only so the benchmark can measure the section 4.1 optimum before then: it splits a flat tensor
-into contiguous slices, a share x/k for each of the k dedicated servers and (1-x)/n for each of the n
-colocated servers (one per worker host), and cuts every slice into partitions of at most
-`partition_bytes` so push/pull can pipeline. The worker program pins a partition to its server by
-giving each server a `Client` of its own (see workers/bps_pushpull.py).
+The library places whole partitions, balancing bytes as they come (torch_bps.engine.placement); this module
+splits a flat tensor into contiguous slices instead, a share x/k for each of the k dedicated servers and
+(1-x)/n for each of the n colocated servers (one per worker host), and cuts every slice into partitions of at
+most `partition_bytes` so push/pull can pipeline: exactly the shares section 4.1 of the paper assumes. The
+worker program pins a partition to its server by its index (see workers/bps_pushpull.py). `server_shares`
+also sizes the benchmark's socket buffers (byteps.socket_buffer_for).
 May import: the standard library and benchmarks.cluster.theory.
 """
 
