@@ -2,8 +2,8 @@
 
 A real `bps-server` process (authentication `token`, as by default) and W worker processes (a
 torch_bps.client.Client each, default 4) on loopback. Each worker push_pulls P keys (partitions) of S
-bytes, all in flight at once, for R rounds; the figure is the server process's CPU seconds (utime + stime
-of /proc/<pid>/stat, every thread, kernel time of its sockets included) over those rounds, per GiB pushed
+bytes, all in flight at once, for R rounds; the figure is the server process's CPU seconds (its CPU-time
+clock, in nanoseconds: every thread, kernel time of its sockets included) over those rounds, per GiB pushed
 into it and per message (a PUSH or a PULL; each gets one reply).
 
 Beside it, measured in this process in the same run (one thread, CPU time, buffers cycled through 64 MiB
@@ -17,7 +17,7 @@ with DIR first on the path), e.g. `--server old=/tmp/bps-base --server new=.` fo
 within every repeat, so machine load drifting hits all alike, and each ratio is taken within a repeat.
 
 Usage: python benchmarks/server_cpu.py [--quick] [--server NAME=DIR ...] [--json out.json]
-May import: the standard library, torch and torch_bps.
+May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
 """
 
 from __future__ import annotations
@@ -36,17 +36,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
 FLOOR_POOL_BYTES = 64 * MiB  # the floor's buffers: bigger than any cache, as a stream of received frames is
 STEP_TIMEOUT = 300.0  # seconds any worker step may take before the run is abandoned
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process pid so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _env(path_first: str) -> dict:
@@ -116,13 +111,13 @@ def run_workers(server: Process, address: str, workers: int, size: int, keys: in
     try:
         for p in procs:  # each has said HELLO, declared its keys and run one round (first sums allocated)
             p.expect(r"^ready")
-        cpu0, start = cpu_seconds(server.proc.pid), time.perf_counter()
+        cpu0, start = process_cpu_seconds(server.proc.pid), time.perf_counter()
         for p in procs:
             p.say("go")
         for p in procs:
             if wrong := p.expect(r"^done(.*)").group(1).strip():
                 raise RuntimeError(f"server at {address}: {wrong}")
-        wall, cpu = time.perf_counter() - start, cpu_seconds(server.proc.pid) - cpu0
+        wall, cpu = time.perf_counter() - start, process_cpu_seconds(server.proc.pid) - cpu0
         for p in procs:
             p.say("exit")
     finally:

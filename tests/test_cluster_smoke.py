@@ -240,6 +240,29 @@ def test_tcp_losses_are_counted_per_host_where_the_senders_are():
     assert losses.get("s0 retransmitted segments", 0) == 0, losses
 
 
+def test_process_cpu_seconds_reads_another_process_to_the_millisecond():
+    # Each child burns a different amount of CPU, reports its own CPU time and waits: read from outside, it must
+    # agree within 1 ms, finer than the 10 ms ticks of /proc/PID/stat (three children: a tick count lands that
+    # close by chance about one time in ten).
+    burn = "import sys, time\nwhile time.process_time() < {}: pass\n"
+    burn += "print(time.process_time(), flush=True)\nsys.stdin.read()"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", burn.format(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for target in (0.1234, 0.1567, 0.1891)
+    ]
+    try:
+        own = [float(c.stdout.readline()) for c in children]
+        outside = [cpu.process_cpu_seconds(c.pid) for c in children]
+    finally:
+        for c in children:
+            c.stdin.close()
+            c.wait(timeout=30)
+    assert all(0 <= o - n < 0.001 for n, o in zip(own, outside, strict=True)), (own, outside)
+    assert cpu.process_cpu_seconds(children[0].pid) == 0.0  # gone
+
+
 def test_process_wait_seconds_counts_time_runnable_without_a_core():
     # Three busy processes pinned to one core: each runs about a third of the time and waits the rest.
     spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.5: pass"
