@@ -23,7 +23,7 @@ push and a pull of each of 40 keys of S bytes, all in flight, then a wait for al
     after ours (a scheduler, a server and a worker process), and the ratio of the two.
 
 Usage: python benchmarks/pushpull.py [--quick] [--json out.json] [--like-for-like [--pslite DIR]]
-May import: the standard library, torch and torch_bps (and benchmarks.pslite).
+May import: the standard library, torch and torch_bps (and benchmarks.pslite, benchmarks.cluster.cpu).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 from benchmarks.pslite import KEYS as PSLITE_KEYS  # noqa: E402
 from benchmarks.pslite import PsLite  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
@@ -164,13 +165,6 @@ def library_engine(client: Client, address: str):
     return PushPullEngine(client, keys)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process pid so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def server_rate(server: subprocess.Popen, address: str, size: int, budget: float, tag: str) -> dict:
     """2 workers keep SERVER_BYTES_IN_FLIGHT of keys in flight each; return the server's receive-to-reply rate."""
     keys = max(1, min(16, SERVER_BYTES_IN_FLIGHT // size))
@@ -185,13 +179,13 @@ def server_rate(server: subprocess.Popen, address: str, size: int, budget: float
 
     try:
         round_()  # warm-up: INIT, first allocation of every sum
-        before, cpu0 = clients[0].server_stats(0), cpu_seconds(server.pid)
+        before, cpu0 = clients[0].server_stats(0), process_cpu_seconds(server.pid)
         rounds, start = 0, time.perf_counter()
         while rounds < 3 or time.perf_counter() - start < budget:
             round_()
             rounds += 1
         wall = time.perf_counter() - start
-        cpu, after = cpu_seconds(server.pid) - cpu0, clients[0].server_stats(0)
+        cpu, after = process_cpu_seconds(server.pid) - cpu0, clients[0].server_stats(0)
     finally:
         for c in clients:
             c.close()

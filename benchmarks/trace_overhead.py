@@ -14,7 +14,7 @@ Reported: goodput (bytes summed per second of wall time), the worker's CPU per p
 the server process's CPU per partition.
 
 Usage: python benchmarks/trace_overhead.py [--partitions 65536,1048576] [--repeats 3] [--json out.json]
-May import: the standard library, torch and torch_bps.
+May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
+
 KB, MB = 1 << 10, 1 << 20
 MODES = ("off", "trace", "profiler")
 FIELDS = ("goodput_gbps", "worker_cpu_us_per_part", "server_cpu_us_per_part")
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def child(mode: str, partition: int, size: int, seconds: float) -> dict:
@@ -78,14 +76,15 @@ def child(mode: str, partition: int, size: int, seconds: float) -> dict:
             profiling = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                          if mode == "profiler" else contextlib.nullcontext())  # fmt: skip
             with profiling:
-                steps, cpu0, server0, wall0 = 0, time.process_time(), _cpu_seconds(server.pid), time.perf_counter()
+                steps, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
+                server0 = process_cpu_seconds(server.pid)
                 while steps < 3 or time.perf_counter() - wall0 < seconds:
                     future = torch.futures.Future()
                     engine.run([t], recorder.wrap([t], completer(future, t)))
                     future.wait()
                     steps += 1
                 cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-                server_cpu = _cpu_seconds(server.pid) - server0
+                server_cpu = process_cpu_seconds(server.pid) - server0
             write0 = time.perf_counter()
             recorder.close()
             write_s = time.perf_counter() - write0

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 from torch_bps.client import Client  # noqa: E402
 
@@ -34,12 +35,6 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _process_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(server: ServerProcess, job_id: int, size: int, stream: bool, seconds: float) -> dict:
     """Push_pull KEYS keys of `size` bytes for `seconds`; return CPU us per partition and MB/s."""
     with Client([server.address], job_id, 0, 1, timeout=30, stream=stream) as client:
@@ -48,14 +43,14 @@ def measure(server: ServerProcess, job_id: int, size: int, stream: bool, seconds
         tensors = [torch.ones(size // 4) for _ in range(KEYS)]
         for key, t in enumerate(tensors):  # INIT every key first
             client.push_pull(t, key).wait()
-        parts, start, own0, srv0 = 0, time.perf_counter(), _own_cpu(), _process_cpu(server.proc.pid)
+        parts, start, own0, srv0 = 0, time.perf_counter(), _own_cpu(), process_cpu_seconds(server.proc.pid)
         while time.perf_counter() - start < seconds:
             futures = [client.push_pull(t, key) for key, t in enumerate(tensors)]
             for f in futures:
                 f.wait()
             parts += KEYS
         wall = time.perf_counter() - start
-        worker, srv = _own_cpu() - own0, _process_cpu(server.proc.pid) - srv0
+        worker, srv = _own_cpu() - own0, process_cpu_seconds(server.proc.pid) - srv0
     return {"worker_us": worker / parts * 1e6, "server_us": srv / parts * 1e6, "mb_s": parts * size / wall / 1e6}
 
 
