@@ -123,7 +123,7 @@ def test_stats_cli_names_a_server_that_does_not_answer():
     done = subprocess.run([sys.executable, "-m", "torch_bps.server", "--stats", "127.0.0.1:1", "--auth", "off",
                            "--stats-timeout", "1.5"], cwd=REPO, capture_output=True, text=True, timeout=30)  # fmt: skip
     assert done.returncode == 1 and "no STATS reply from 127.0.0.1:1 within 1.5 s" in done.stderr, done.stderr
-    for bad in ("-1", "0", "nan"):  # -1 would be "forever" to ZeroMQ's poll
+    for bad in ("-1", "0", "nan", "inf", "1e300"):  # -1 would be "forever" to ZeroMQ's poll, inf overflow it
         done = subprocess.run([sys.executable, "-m", "torch_bps.server", "--stats", "127.0.0.1:1", "--stats-timeout",
                                bad], cwd=REPO, capture_output=True, text=True, timeout=30)  # fmt: skip
         assert done.returncode == 2 and "--stats-timeout: must be a positive number" in done.stderr, done.stderr

@@ -171,10 +171,11 @@ def _print_stats(args: argparse.Namespace) -> int:
 
 
 def _seconds(text: str) -> float:
-    """A positive number of seconds (a wait of 0 or less would not wait, or, to ZeroMQ, wait forever)."""
+    """A positive number of seconds up to a day: a wait of 0 or less would not wait, or, to ZeroMQ, wait forever,
+    and an infinite or huge one overflows ZeroMQ's poll."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds up to a day (86400), got {text!r}")
     return value
 
 
