@@ -17,7 +17,20 @@ import time
 
 import pytest
 
-from benchmarks.cluster import byteps, cli, cpu, netns, placement, procs, scaling_model, sweep, theory, topology
+from benchmarks.cluster import (
+    byteps,
+    cli,
+    cpu,
+    fairness,
+    netns,
+    placement,
+    procs,
+    scaling_model,
+    sweep,
+    tcp_matrix,
+    theory,
+    topology,
+)
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.topology import Cluster
@@ -113,6 +126,63 @@ def test_scaling_model_interpolates_the_measured_worker_costs():
     slope = (measured[sizes[-1]] - measured[sizes[-2]]) / (sizes[-1] - sizes[-2])
     beyond = scaling_model.worker_us_per_partition(4 * sizes[-1])
     assert beyond == pytest.approx(measured[sizes[-1]] + slope * 3 * sizes[-1])  # the last pair's slope
+
+
+def test_fair_sharing_model_matches_cases_worked_by_hand():
+    # c's downlink holds three flows to a third each; a's uplink then gives the rest to a -> b.
+    rates = fairness.max_min_rates([("a", "b"), ("a", "c"), ("d", "c"), ("e", "c")])
+    assert rates == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    # n = 2, k = 1: every flow gets a third of a worker link; the colocated ones (a quarter of the bytes) end at
+    # 0.75 t_opt, the dedicated ones then share the server's link at half each for their last quarter: 1.25.
+    assert fairness.fair_step_over_t_opt(2, 1) == pytest.approx(1.25)
+    for n in (2, 4):  # all-reduce and the parameter server: every flow of a link equal, fairness costs nothing
+        assert fairness.fair_step_over_t_opt(n, 0) == pytest.approx(1.0)
+        assert fairness.fair_step_over_t_opt(n, n) == pytest.approx(1.0)
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["rounds", "free"])
+def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode):
+    """The step's bytes over the shaped links can take no less than t_opt (minus the tbf burst); a runner that
+    dropped a flow or a step would come in under it."""
+    size, rate = 4 << 20, 500
+    with Cluster(n_workers=2, n_servers=1, rate_mbit=rate) as cluster:
+        job = byteps.BytepsJob(cluster, tuple(cluster.workers), tuple(cluster.servers), size, 3, 1, 60.0)
+        got = tcp_matrix.run_tcp_matrix(job, mode=mode)
+    ratio = got.seconds_per_step / theory.t_opt_s(2, 1, size, rate * 1e6)
+    assert 0.9 < ratio < 3.0, ratio
+    assert set(got.cpu) == {"w0", "w1", *(f"{h} server (whole run)" for h in ("s0", "w0", "w1"))}
+
+
+def _tcp_matrix(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "benchmarks.cluster.workers.tcp_matrix", *args]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_plain_tcp_worker_names_the_server_it_cannot_reach():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = _tcp_matrix("push", "--servers", f"127.0.0.1:{port}:1000", "--timeout", "1")
+    assert done.returncode != 0 and f"no connection to server 127.0.0.1:{port}" in done.stderr
+
+
+def test_plain_tcp_server_names_a_worker_that_quits_early():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "benchmarks.cluster.workers.tcp_matrix", "serve", "--port", str(port),
+            "--workers", "1", "--bytes", "100000", "--steps", "3", "--timeout", "20"]  # fmt: skip
+    server = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "tcp_matrix serving"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:
+            peer.sendall(b"x" * 1234)  # then gone, a step and more short
+        _, err = server.communicate(timeout=20)
+    finally:
+        server.kill()
+    assert server.returncode != 0 and "worker 127.0.0.1 closed after 1234 bytes" in err
 
 
 @pytest.mark.parametrize("n", [4, 8])

@@ -5,7 +5,7 @@
     python -m benchmarks.cluster --ks 0,4 --fsdp                            # + FSDP2 on gloo and byteps per k
     python -m benchmarks.cluster --cleanup-leftovers                        # remove namespaces of crashed runs
 
-May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report,sweep}.
+May import: the standard library and benchmarks.cluster.{byteps,ddp,netns,report,sweep,tcp_matrix}.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from benchmarks.cluster import netns, report
 from benchmarks.cluster.byteps import run_torch_bps
 from benchmarks.cluster.ddp import DdpSpec
 from benchmarks.cluster.sweep import Plan, run
+from benchmarks.cluster.tcp_matrix import run_tcp_matrix
 
 QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "repeats": 1, "calibration_s": 2.0, "ddp_layers": 3}
 
@@ -48,6 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hand-made split: exact x / 1-x to the byte, or the library's placement of plain partitions",
     )
     p.add_argument("--partition-bytes", type=int, default=4_096_000, help="byteps partition size (default 4096000)")
+    p.add_argument(
+        "--runner",
+        choices=["torch_bps", "tcp-rounds", "tcp-free"],
+        default="torch_bps",
+        help="what runs the byteps points: torch_bps push/pull (default), or plain TCP moving the same bytes over "
+        "the same connections, to show what the transport alone allows (benchmarks/cluster/tcp_matrix.py): "
+        "tcp-rounds releases each partition's replies once every worker pushed it, tcp-free has no dependency",
+    )
     p.add_argument(
         "--credit-bytes",
         type=int,
@@ -137,15 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed {len(removed)} leftover namespace(s)")
         return 0
     plan = make_plan(args)
-    runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
-                               credit_bytes=args.credit_bytes,
-                               socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
+    if args.runner == "torch_bps":
+        runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
+                                   credit_bytes=args.credit_bytes,
+                                   socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
+    else:
+        runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
+                                   socket_buffer_bytes=args.socket_buffer_bytes)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
         print("interrupted; the emulated cluster was torn down", file=sys.stderr)
         return 130
     result["plan"].update(
+        runner=args.runner,
         placement=args.placement,
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,

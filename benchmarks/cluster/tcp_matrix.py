@@ -1,0 +1,66 @@
+"""A byteps runner with no byteps in it: plain TCP moving a push/pull step's bytes (workers/tcp_matrix.py).
+
+Where torch_bps's step lands against t_opt mixes what the links and TCP allow with what our protocol adds
+(partitions, credit, acknowledgements, the engine). This runner keeps only the first: the same hosts, the same
+connections (one per worker and server), the same socket buffers and the paper's split of the bytes, and plain
+TCP carrying them. Its x t_opt is what TCP itself reaches on this traffic, the ceiling our step can be held to.
+
+    python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-rounds
+
+May import: the standard library and benchmarks.cluster.{byteps,placement,procs}.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks.cluster import placement, procs
+from benchmarks.cluster.byteps import BytepsJob, StepTime, socket_buffer_for
+
+PROGRAM = "benchmarks.cluster.workers.tcp_matrix"
+
+
+def run_tcp_matrix(
+    job: BytepsJob, mode: str = "rounds", partition_bytes: int = 128 << 10, socket_buffer_bytes: int = -1,
+    port: int = 9100,
+) -> StepTime:  # fmt: skip
+    """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.py).
+
+    Servers stand where run_torch_bps starts them: one per dedicated host and, when the split gives them bytes,
+    one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: sized from the links' queue).
+    """
+    n, k = len(job.workers), job.k
+    port += k  # a fresh port per point, as run_torch_bps does
+    if socket_buffer_bytes < 0:
+        socket_buffer_bytes = socket_buffer_for(job.cluster.shaping.limit_bytes, n, k)
+    hosts = list(job.servers) + list(job.workers)
+    # k dedicated servers, then n colocated ones (with no bytes at k = n: x = 1)
+    step_bytes = [round(share * job.size_bytes) for share in placement.server_shares(n, k)]
+    steps = job.warmup + job.steps
+    common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
+              "--partition-bytes", str(partition_bytes), "--socket-buffer-bytes", str(socket_buffer_bytes)]  # fmt: skip
+    servers = []
+    try:
+        for i, (host, nbytes) in enumerate(zip(hosts, step_bytes, strict=True)):
+            if nbytes == 0:
+                continue
+            remote = n if i < k else n - 1  # a colocated server's own worker pushes to it over no link
+            argv = [sys.executable, "-m", PROGRAM, "serve", "--port", str(port), "--workers", str(remote),
+                    "--bytes", str(nbytes), *common]  # fmt: skip
+            servers.append(job.cluster.spawn(f"tcp server {host.name}", host, argv))
+        for proc in servers:
+            procs.wait_for_line(proc, "tcp_matrix serving", 60.0)
+        workers = []
+        for w, host in enumerate(job.workers):
+            targets = [f"{h.ip}:{port}:{b}" for i, (h, b) in enumerate(zip(hosts, step_bytes, strict=True))
+                       if b and h is not host]  # fmt: skip
+            argv = [sys.executable, "-m", PROGRAM, "push", "--servers", ",".join(targets), *common]
+            workers.append(job.cluster.spawn(f"tcp worker {w}", host, argv))
+        results = procs.wait_all(workers + servers, job.timeout_s, f"plain TCP ({mode}) k={k}")
+    finally:
+        for proc in servers:
+            proc.kill()
+    cpu = {h.name: r["cpu"] for h, r in zip(job.workers, results[: len(workers)], strict=True)}
+    for proc, r in zip(servers, results[len(workers) :], strict=True):
+        cpu[f"{proc.host} server (whole run)"] = r["cpu"]
+    return StepTime(max(r["seconds_per_step"] for r in results[: len(workers)]), cpu)
