@@ -156,8 +156,7 @@ def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode):
 
 
 def _tcp_matrix(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "benchmarks.cluster.workers.tcp_matrix", *args]
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([tcp_matrix.program(), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_plain_tcp_worker_names_the_server_it_cannot_reach():
@@ -172,9 +171,9 @@ def test_plain_tcp_server_names_a_worker_that_quits_early():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "benchmarks.cluster.workers.tcp_matrix", "serve", "--port", str(port),
-            "--workers", "1", "--bytes", "100000", "--steps", "3", "--timeout", "20"]  # fmt: skip
-    server = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [tcp_matrix.program(), "serve", "--port", str(port), "--workers", "1", "--bytes", "100000", "--steps", "3",
+            "--timeout", "20"]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "tcp_matrix serving"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:

@@ -58,6 +58,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "tcp-rounds releases each partition's replies once every worker pushed it, tcp-free has no dependency",
     )
     p.add_argument(
+        "--tcp-pace",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="plain TCP runners: cap every connection at its bytes per step / (F x t_opt), the rates t_opt needs "
+        "(default 0: not paced)",
+    )
+    p.add_argument(
         "--credit-bytes",
         type=int,
         default=0,
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                    socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
-                                   socket_buffer_bytes=args.socket_buffer_bytes)  # fmt: skip
+                                   socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     result["plan"].update(
         runner=args.runner,
+        tcp_pace=args.tcp_pace,
         placement=args.placement,
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,

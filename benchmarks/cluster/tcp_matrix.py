@@ -1,4 +1,4 @@
-"""A byteps runner with no byteps in it: plain TCP moving a push/pull step's bytes (workers/tcp_matrix.py).
+"""A byteps runner with no byteps in it: plain TCP moving a push/pull step's bytes (workers/tcp_matrix.c).
 
 Where torch_bps's step lands against t_opt mixes what the links and TCP allow with what our protocol adds
 (partitions, credit, acknowledgements, the engine). This runner keeps only the first: the same hosts, the same
@@ -7,28 +7,55 @@ TCP carrying them. Its x t_opt is what TCP itself reaches on this traffic, the c
 
     python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-rounds
 
-May import: the standard library and benchmarks.cluster.{byteps,placement,procs}.
+May import: the standard library and benchmarks.cluster.{byteps,errors,placement,procs,theory}.
 """
 
 from __future__ import annotations
 
-import sys
+import hashlib
+import os
+import subprocess
+import tempfile
 
-from benchmarks.cluster import placement, procs
+from benchmarks.cluster import placement, procs, theory
 from benchmarks.cluster.byteps import BytepsJob, StepTime, socket_buffer_for
+from benchmarks.cluster.errors import BackendUnavailable
 
-PROGRAM = "benchmarks.cluster.workers.tcp_matrix"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tcp_matrix.c")
+
+
+def program() -> str:
+    """Return the path of workers/tcp_matrix.c built with the system's C compiler (once per version of the source).
+
+    Raises BackendUnavailable when it cannot be built here.
+    """
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"bps-tcp-matrix-{digest}")
+    if os.path.exists(path):
+        return path
+    partial = f"{path}.{os.getpid()}"
+    try:
+        subprocess.run(["cc", "-O2", "-Wall", "-o", partial, SOURCE], check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        raise BackendUnavailable(f"cannot build {SOURCE}: {e} {detail.decode(errors='replace')[-500:]}") from e
+    os.replace(partial, path)  # atomic: a concurrent run sees the whole program or none
+    return path
 
 
 def run_tcp_matrix(
     job: BytepsJob, mode: str = "rounds", partition_bytes: int = 128 << 10, socket_buffer_bytes: int = -1,
-    port: int = 9100,
+    port: int = 9100, pace: float = 0.0,
 ) -> StepTime:  # fmt: skip
-    """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.py).
+    """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.c).
 
     Servers stand where run_torch_bps starts them: one per dedicated host and, when the split gives them bytes,
     one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: sized from the links' queue).
+    `pace` > 0 caps every connection's rate at its bytes per step / (pace x t_opt): the rates t_opt needs, which
+    TCP's per-flow fairness does not give (benchmarks/cluster/fairness.py).
     """
+    binary = program()
     n, k = len(job.workers), job.k
     port += k  # a fresh port per point, as run_torch_bps does
     if socket_buffer_bytes < 0:
@@ -37,15 +64,17 @@ def run_tcp_matrix(
     # k dedicated servers, then n colocated ones (with no bytes at k = n: x = 1)
     step_bytes = [round(share * job.size_bytes) for share in placement.server_shares(n, k)]
     steps = job.warmup + job.steps
+    pace_seconds = pace * theory.t_opt_s(n, k, job.size_bytes, job.cluster.shaping.rate_mbit * 1e6)
     common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
-              "--partition-bytes", str(partition_bytes), "--socket-buffer-bytes", str(socket_buffer_bytes)]  # fmt: skip
+              "--partition-bytes", str(partition_bytes), "--socket-buffer-bytes", str(socket_buffer_bytes),
+              "--pace-seconds", str(pace_seconds)]  # fmt: skip
     servers = []
     try:
         for i, (host, nbytes) in enumerate(zip(hosts, step_bytes, strict=True)):
             if nbytes == 0:
                 continue
             remote = n if i < k else n - 1  # a colocated server's own worker pushes to it over no link
-            argv = [sys.executable, "-m", PROGRAM, "serve", "--port", str(port), "--workers", str(remote),
+            argv = [binary, "serve", "--port", str(port), "--workers", str(remote),
                     "--bytes", str(nbytes), *common]  # fmt: skip
             servers.append(job.cluster.spawn(f"tcp server {host.name}", host, argv))
         for proc in servers:
@@ -54,7 +83,7 @@ def run_tcp_matrix(
         for w, host in enumerate(job.workers):
             targets = [f"{h.ip}:{port}:{b}" for i, (h, b) in enumerate(zip(hosts, step_bytes, strict=True))
                        if b and h is not host]  # fmt: skip
-            argv = [sys.executable, "-m", PROGRAM, "push", "--servers", ",".join(targets), *common]
+            argv = [binary, "push", "--servers", ",".join(targets), *common]
             workers.append(job.cluster.spawn(f"tcp worker {w}", host, argv))
         results = procs.wait_all(workers + servers, job.timeout_s, f"plain TCP ({mode}) k={k}")
     finally:
