@@ -21,7 +21,6 @@ from benchmarks.cluster import (
     byteps,
     cli,
     cpu,
-    fairness,
     netns,
     placement,
     procs,
@@ -126,18 +125,6 @@ def test_scaling_model_interpolates_the_measured_worker_costs():
     slope = (measured[sizes[-1]] - measured[sizes[-2]]) / (sizes[-1] - sizes[-2])
     beyond = scaling_model.worker_us_per_partition(4 * sizes[-1])
     assert beyond == pytest.approx(measured[sizes[-1]] + slope * 3 * sizes[-1])  # the last pair's slope
-
-
-def test_fair_sharing_model_matches_cases_worked_by_hand():
-    # c's downlink holds three flows to a third each; a's uplink then gives the rest to a -> b.
-    rates = fairness.max_min_rates([("a", "b"), ("a", "c"), ("d", "c"), ("e", "c")])
-    assert rates == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    # n = 2, k = 1: every flow gets a third of a worker link; the colocated ones (a quarter of the bytes) end at
-    # 0.75 t_opt, the dedicated ones then share the server's link at half each for their last quarter: 1.25.
-    assert fairness.fair_step_over_t_opt(2, 1) == pytest.approx(1.25)
-    for n in (2, 4):  # all-reduce and the parameter server: every flow of a link equal, fairness costs nothing
-        assert fairness.fair_step_over_t_opt(n, 0) == pytest.approx(1.0)
-        assert fairness.fair_step_over_t_opt(n, n) == pytest.approx(1.0)
 
 
 @needs_netns

@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 0: not paced)",
     )
     p.add_argument(
+        "--tcp-buffers-by-share",
+        action="store_true",
+        help="plain TCP runners: each connection's socket buffers in proportion to its server's share of the bytes",
+    )
+    p.add_argument(
         "--credit-bytes",
         type=int,
         default=0,
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                    socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
-                                   socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace)  # fmt: skip
+                                   socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace,
+                                   buffers_by_share=args.tcp_buffers_by_share)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     result["plan"].update(
         runner=args.runner,
         tcp_pace=args.tcp_pace,
+        tcp_buffers_by_share=args.tcp_buffers_by_share,
         placement=args.placement,
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,

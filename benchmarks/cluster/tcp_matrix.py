@@ -3,9 +3,10 @@
 Where torch_bps's step lands against t_opt mixes what the links and TCP allow with what our protocol adds
 (partitions, credit, acknowledgements, the engine). This runner keeps only the first: the same hosts, the same
 connections (one per worker and server), the same socket buffers and the paper's split of the bytes, and plain
-TCP carrying them. Its x t_opt is what TCP itself reaches on this traffic, the ceiling our step can be held to.
+TCP carrying them. Its x t_opt is what TCP's own sharing of the links gives these bytes; with `--tcp-pace` every
+connection is held to the rate t_opt needs instead.
 
-    python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-rounds
+    python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-free
 
 May import: the standard library and benchmarks.cluster.{byteps,errors,placement,procs,theory}.
 """
@@ -46,14 +47,16 @@ def program() -> str:
 
 def run_tcp_matrix(
     job: BytepsJob, mode: str = "rounds", partition_bytes: int = 128 << 10, socket_buffer_bytes: int = -1,
-    port: int = 9100, pace: float = 0.0,
+    port: int = 9100, pace: float = 0.0, buffers_by_share: bool = False,
 ) -> StepTime:  # fmt: skip
     """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.c).
 
     Servers stand where run_torch_bps starts them: one per dedicated host and, when the split gives them bytes,
     one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: sized from the links' queue).
     `pace` > 0 caps every connection's rate at its bytes per step / (pace x t_opt): the rates t_opt needs, which
-    TCP's per-flow fairness does not give (benchmarks/cluster/fairness.py).
+    TCP's sharing of a link between its connections does not give them (README, "Plain TCP on a step's bytes").
+    `buffers_by_share` sizes each connection's buffers (both ends) in proportion to its server's share of the bytes
+    instead: socket_buffer_bytes x share x effective servers (1 / sum share^2), so that the windows share each link.
     """
     binary = program()
     n, k = len(job.workers), job.k
@@ -62,12 +65,15 @@ def run_tcp_matrix(
         socket_buffer_bytes = socket_buffer_for(job.cluster.shaping.limit_bytes, n, k)
     hosts = list(job.servers) + list(job.workers)
     # k dedicated servers, then n colocated ones (with no bytes at k = n: x = 1)
-    step_bytes = [round(share * job.size_bytes) for share in placement.server_shares(n, k)]
+    shares = placement.server_shares(n, k)
+    step_bytes = [round(share * job.size_bytes) for share in shares]
     steps = job.warmup + job.steps
     pace_seconds = pace * theory.t_opt_s(n, k, job.size_bytes, job.cluster.shaping.rate_mbit * 1e6)
     common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
-              "--partition-bytes", str(partition_bytes), "--socket-buffer-bytes", str(socket_buffer_bytes),
-              "--pace-seconds", str(pace_seconds)]  # fmt: skip
+              "--partition-bytes", str(partition_bytes), "--pace-seconds", str(pace_seconds)]  # fmt: skip
+    effective = 1.0 / sum(share * share for share in shares)
+    buffers = [int(socket_buffer_bytes * share * effective) if buffers_by_share else socket_buffer_bytes
+               for share in shares]  # fmt: skip
     servers = []
     try:
         for i, (host, nbytes) in enumerate(zip(hosts, step_bytes, strict=True)):
@@ -75,13 +81,13 @@ def run_tcp_matrix(
                 continue
             remote = n if i < k else n - 1  # a colocated server's own worker pushes to it over no link
             argv = [binary, "serve", "--port", str(port), "--workers", str(remote),
-                    "--bytes", str(nbytes), *common]  # fmt: skip
+                    "--bytes", str(nbytes), *common, "--socket-buffer-bytes", str(buffers[i])]  # fmt: skip
             servers.append(job.cluster.spawn(f"tcp server {host.name}", host, argv))
         for proc in servers:
             procs.wait_for_line(proc, "tcp_matrix serving", 60.0)
         workers = []
         for w, host in enumerate(job.workers):
-            targets = [f"{h.ip}:{port}:{b}" for i, (h, b) in enumerate(zip(hosts, step_bytes, strict=True))
+            targets = [f"{h.ip}:{port}:{b}:{buffers[i]}" for i, (h, b) in enumerate(zip(hosts, step_bytes, strict=True))
                        if b and h is not host]  # fmt: skip
             argv = [binary, "push", "--servers", ",".join(targets), *common]
             workers.append(job.cluster.spawn(f"tcp worker {w}", host, argv))

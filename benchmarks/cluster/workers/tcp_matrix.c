@@ -3,7 +3,7 @@
 // links' (a Python loop moving the same bytes saturated the 2 cores at n = 8).
 //
 //   tcp_matrix serve --port 9100 --workers 7 --bytes 4194304 [common options]
-//   tcp_matrix push --servers 10.77.0.101:9100:4194304,... [common options]
+//   tcp_matrix push --servers 10.77.0.101:9100:4194304[:buffer bytes],... [common options]
 //   common: --mode rounds|free --steps 7 --warmup 2 --partition-bytes 131072 --socket-buffer-bytes 0 --timeout 300
 //           --pace-seconds 0 (> 0: every connection paced at its step bytes / this, SO_MAX_PACING_RATE)
 //
@@ -267,9 +267,10 @@ static void push(const Args* a) {
     char host[64];
     int port;
     long long share;
-    if (n == kMaxFlows || sscanf(entry, "%63[^:]:%d:%lld", host, &port, &share) != 3 || share <= 0)
-      die("worker: bad --servers entry %s (want ip:port:bytes)", entry);
-    flows[n].fd = connect_to(host, port, a->buffer_bytes, deadline);
+    int buf = a->buffer_bytes;
+    if (n == kMaxFlows || sscanf(entry, "%63[^:]:%d:%lld:%d", host, &port, &share, &buf) < 3 || share <= 0)
+      die("worker: bad --servers entry %s (want ip:port:bytes[:buffer bytes])", entry);
+    flows[n].fd = connect_to(host, port, buf, deadline);
     snprintf(flows[n].name, sizeof(flows[n].name), "server %s:%d", host, port);
     flows[n].share = share;
     pace(flows[n].fd, share, a->pace_seconds);
