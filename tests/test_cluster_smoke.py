@@ -129,14 +129,14 @@ def test_scaling_model_interpolates_the_measured_worker_costs():
 
 @needs_netns
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["rounds", "free"])
-def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode):
+@pytest.mark.parametrize("mode,by_share", [("rounds", False), ("free", False), ("free", True)])
+def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode, by_share):
     """The step's bytes over the shaped links can take no less than t_opt (minus the tbf burst); a runner that
     dropped a flow or a step would come in under it."""
     size, rate = 4 << 20, 500
     with Cluster(n_workers=2, n_servers=1, rate_mbit=rate) as cluster:
         job = byteps.BytepsJob(cluster, tuple(cluster.workers), tuple(cluster.servers), size, 3, 1, 60.0)
-        got = tcp_matrix.run_tcp_matrix(job, mode=mode)
+        got = tcp_matrix.run_tcp_matrix(job, mode=mode, buffers_by_share=by_share)
     ratio = got.seconds_per_step / theory.t_opt_s(2, 1, size, rate * 1e6)
     assert 0.9 < ratio < 3.0, ratio
     assert set(got.cpu) == {"w0", "w1", *(f"{h} server (whole run)" for h in ("s0", "w0", "w1"))}

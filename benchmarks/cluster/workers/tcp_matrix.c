@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -250,6 +251,8 @@ static int connect_to(const char* host, int port, int buffer_bytes, double deadl
   for (;;) {  // the server may still be starting: retry until the deadline
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     tune(fd, buffer_bytes);  // before the handshake: the window scale is agreed there
+    struct timeval most = {.tv_sec = 1};  // a blocking connect waits at most this (SO_SNDTIMEO bounds it on Linux)
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &most, sizeof(most));
     if (connect(fd, (struct sockaddr*)&addr, sizeof(addr)) == 0) return fd;
     int why = errno;
     close(fd);
