@@ -85,7 +85,8 @@ class PyClient {
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
-           py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false) {
+           py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false,
+           std::vector<int> receiveBufferBytes = {}) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -119,6 +120,7 @@ class PyClient {
                           heartbeatInterval,  heartbeatTimeout, std::move(auth), creditBytes};
     options.serverCreditBytes = serverCreditBytes;
     options.socketBufferBytes = socketBufferBytes;
+    options.receiveBufferBytes = std::move(receiveBufferBytes);
     options.failover = failover;
     options.stream = stream;
     options.autoCredit = autoCredit;
@@ -268,13 +270,14 @@ PYBIND11_MODULE(_C, m) {
                        double timeout, double heartbeatInterval, double heartbeatTimeout, py::function onComplete,
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
-                       int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit) {
+                       int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit,
+                       std::vector<int> receiveBufferBytes) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
                                  serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
-                                 autoCredit);
+                                 autoCredit, std::move(receiveBufferBytes));
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
@@ -282,7 +285,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("curve_server_keys") = std::vector<std::string>{}, py::arg("tokens") = std::vector<std::string>{},
            py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
            py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
-           py::arg("stream") = false, py::arg("auto_credit") = false)
+           py::arg("stream") = false, py::arg("auto_credit") = false,
+           py::arg("receive_buffer_bytes") = std::vector<int>{})
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",

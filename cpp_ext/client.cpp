@@ -49,6 +49,13 @@ Client::Client(ClientOptions options, CompletionHandler onComplete, LinkDownHand
                                               "be negative (0: no limit, the kernel's buffers)",
                                               options_.serverCreditBytes, options_.socketBufferBytes));
   }
+  if (!options_.receiveBufferBytes.empty() && options_.receiveBufferBytes.size() != n) {
+    throw Error(ErrorKind::kValue, formatText("receive_buffer_bytes has %zu entries for %zu servers",
+                                              options_.receiveBufferBytes.size(), n));
+  }
+  for (int bytes : options_.receiveBufferBytes) {
+    if (bytes < 0) throw Error(ErrorKind::kValue, formatText("receive_buffer_bytes has %d: must not be negative", bytes));
+  }
   if (options_.worker >= options_.numWorkers) {
     throw Error(ErrorKind::kValue,
                 formatText("worker %u is not below num_workers %u", options_.worker, options_.numWorkers));

@@ -61,6 +61,10 @@ struct ClientOptions {
   // has more unacknowledged bytes in flight than these allow, in either direction, whatever sits in
   // ZeroMQ's queues: it is what bounds the bytes n connections can pile into one link's queue.
   int socketBufferBytes = 0;
+  // SO_RCVBUF of each server's stream, one per server (empty: socketBufferBytes for all). Each bounds what that
+  // server's replies may have in flight toward this worker: weighted by the server's share of the bytes, the
+  // links carry each connection at its share's rate instead of all at an equal one (README, "Receive windows").
+  std::vector<int> receiveBufferBytes;
   // Failover (docs/protocol.md): batches go on past a lost server, each part's outcome is reported, and per
   // key the client counts completed rounds and keeps what its last completed round may still owe the other
   // workers (a copy of its whole result when it pulled the whole key, else of the bytes it pushed).

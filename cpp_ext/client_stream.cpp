@@ -35,7 +35,9 @@ void Client::openStream(size_t server, uint64_t port, bool forHello) {
     uint8_t packed[kHeaderSize];
     packHeader(h, packed);
     std::string host = address.substr(0, address.rfind(':'));
-    why = streams_[server]->open(host, static_cast<uint16_t>(port), options_.socketBufferBytes, keys,
+    int receiveBytes = options_.receiveBufferBytes.empty() ? options_.socketBufferBytes
+                                                           : options_.receiveBufferBytes[server];
+    why = streams_[server]->open(host, static_cast<uint16_t>(port), options_.socketBufferBytes, receiveBytes, keys,
                                  copyFrame(packed, kHeaderSize), h.requestId, ioIncarnations_[server]);
   }
   if (!why.empty()) {

@@ -154,7 +154,7 @@ void bindServerCore(py::module_& m) {
           py::arg("option"), py::arg("value"))
       .def("enable_zap", &ServerCore::enableZap)
       .def("bind", &ServerCore::bind, py::arg("endpoint"))
-      .def("listen_stream", &ServerCore::listenStream, py::arg("host"))
+      .def("listen_stream", &ServerCore::listenStream, py::arg("host"), py::arg("receive_buffer_bytes") = 0)
       .def(
           "run",
           [](ServerCore& core, py::object onRequest, py::object onDisconnect, py::object onZap, py::object tick,

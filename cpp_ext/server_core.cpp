@@ -89,7 +89,9 @@ std::string ServerCore::bind(const std::string& endpoint) {
   return std::string(last);
 }
 
-uint16_t ServerCore::listenStream(const std::string& host) { return streams_.listen(host); }
+uint16_t ServerCore::listenStream(const std::string& host, int receiveBufferBytes) {
+  return streams_.listen(host, receiveBufferBytes);
+}
 
 void ServerCore::run(ControlPlane& control, double tickSeconds) {
   // The monitor first: a disconnect must be seen before a message from a new connection that reuses its fd

@@ -78,7 +78,8 @@ class ServerCore {
   std::string bind(const std::string& endpoint);
   // Listen for streams (docs/protocol.md, "The stream transport") on host, any free port; returns the port.
   // Their AUTH goes to the same ZAP handler as the ROUTER's connections (mechanism PLAIN; NULL without it).
-  uint16_t listenStream(const std::string& host);
+  // receiveBufferBytes > 0: each stream's SO_RCVBUF, which bounds the pushes in flight toward this server.
+  uint16_t listenStream(const std::string& host, int receiveBufferBytes = 0);
   // Serve until control.tick() returns false (called every tickSeconds) or a callback throws (rethrown here,
   // after the sockets are closed).
   void run(ControlPlane& control, double tickSeconds);

@@ -37,9 +37,9 @@ bool isStreamIdentity(const void* data, size_t size) {
   return size == kStreamIdentitySize && std::memcmp(data, kStreamIdentityTag, sizeof(kStreamIdentityTag)) == 0;
 }
 
-uint16_t ServerStreams::listen(const std::string& host) {
+uint16_t ServerStreams::listen(const std::string& host, int receiveBufferBytes) {
   uint16_t port = 0;
-  listenFd_ = listenStream(host, 0, &port);
+  listenFd_ = listenStream(host, 0, &port, receiveBufferBytes);
   return port;
 }
 

@@ -51,8 +51,8 @@ class ServerStreams {
 
   ~ServerStreams() { closeAll(); }
 
-  // Listen on host (any free port); returns the port.
-  uint16_t listen(const std::string& host);
+  // Listen on host (any free port); returns the port. receiveBufferBytes > 0: every stream's SO_RCVBUF.
+  uint16_t listen(const std::string& host, int receiveBufferBytes = 0);
   bool listening() const { return listenFd_ >= 0; }
   // Frames of admitted streams may be this long (the ROUTER's ZMQ_MAXMSGSIZE).
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }

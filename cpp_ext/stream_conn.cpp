@@ -264,7 +264,7 @@ bool StreamConn::flush() {
   return true;
 }
 
-int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort) {
+int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort, int receiveBufferBytes) {
   std::string why;
   addrinfo* found = resolve(host, port, true, &why);
   if (!found) throw Error(ErrorKind::kTransport, "stream listener: " + why);
@@ -274,6 +274,7 @@ int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort) {
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (receiveBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receiveBufferBytes, sizeof(receiveBufferBytes));
     if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
       why = std::strerror(errno);
       ::close(fd);
@@ -291,17 +292,16 @@ int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort) {
   return fd;
 }
 
-int connectStream(const std::string& host, uint16_t port, int socketBufferBytes, std::string* why) {
+int connectStream(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
+                  std::string* why) {
   addrinfo* found = resolve(host, port, false, why);
   if (!found) return -1;
   int fd = -1;
   for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
     fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
-    if (socketBufferBytes > 0) {
-      setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &socketBufferBytes, sizeof(socketBufferBytes));
-      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &socketBufferBytes, sizeof(socketBufferBytes));
-    }
+    if (sendBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sendBufferBytes, sizeof(sendBufferBytes));
+    if (receiveBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receiveBufferBytes, sizeof(receiveBufferBytes));
     if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
       *why = formatText("cannot connect to %s:%u: %s", host.c_str(), port, std::strerror(errno));
       ::close(fd);

@@ -114,13 +114,15 @@ class StreamConn {
 };
 
 // Listen on host:port (port 0: any free one) for streams; returns the listening fd (non-blocking) and sets
-// *boundPort. Throws Error(kTransport) naming the address.
-int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort);
+// *boundPort. receiveBufferBytes > 0 sets SO_RCVBUF, which the accepted streams inherit. Throws
+// Error(kTransport) naming the address.
+int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort, int receiveBufferBytes = 0);
 
-// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); socketBufferBytes > 0 sets
-// SO_SNDBUF and SO_RCVBUF first. Returns the fd, connected or still connecting (poll it for writing, then
-// check connectResult); -1 with *why set if it failed at once.
-int connectStream(const std::string& host, uint16_t port, int socketBufferBytes, std::string* why);
+// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); a buffer size > 0 sets
+// SO_SNDBUF / SO_RCVBUF first (before the handshake, which fixes the window scale). Returns the fd, connected or
+// still connecting (poll it for writing, then check connectResult); -1 with *why set if it failed at once.
+int connectStream(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
+                  std::string* why);
 // After a connecting fd polled writable: "" if connected, else why not.
 std::string connectResult(int fd);
 

@@ -44,12 +44,12 @@ Message tensorFrame(const at::Tensor& tensor) {
   return m;
 }
 
-std::string StreamLink::open(const std::string& host, uint16_t port, int socketBufferBytes, const LinkKeys& keys,
-                             Message hello, uint64_t helloId, uint64_t incarnation) {
+std::string StreamLink::open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
+                             const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation) {
   close("reopened");
   ++generation_;
   std::string why;
-  int fd = connectStream(host, port, socketBufferBytes, &why);
+  int fd = connectStream(host, port, sendBufferBytes, receiveBufferBytes, &why);
   if (fd < 0) return why;
   conn_ = std::make_unique<StreamConn>(fd, kMaxReplyFrame);
   conn_->setPlacement(placement_);

@@ -47,8 +47,8 @@ class StreamLink {
   // Start opening a stream to host:port: connect, then AUTH with `keys` (a token: PLAIN; none: NULL), then the
   // HELLO `hello` (a packed header whose request id is helloId); ready once its reply carries `incarnation`.
   // Returns "" if under way, else why it failed at once (state none).
-  std::string open(const std::string& host, uint16_t port, int socketBufferBytes, const LinkKeys& keys,
-                   Message hello, uint64_t helloId, uint64_t incarnation);
+  std::string open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
+                   const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation);
 
   StreamState state() const { return state_; }
   bool ready() const { return ready_.load(std::memory_order_acquire); }

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import start_servers, stop_servers
 from torch_bps.client import Client
 from torch_bps.wire import Mode
 
@@ -92,8 +93,42 @@ def test_socket_buffers_are_set_on_every_server_connection(server, job_id):
     assert (48 << 10, 48 << 10) in mine, mine  # the kernel stores twice the value asked for
 
 
+def _loopback_sockets() -> list[tuple[int, int, int, int]]:
+    """(local port, peer port, rcvbuf, sndbuf) of every established TCP socket on loopback, from ss."""
+    out = subprocess.run(["ss", "-tnmH", "state", "established"], capture_output=True, text=True, timeout=10).stdout
+    found = re.findall(r"127\.0\.0\.1:(\d+)\s+127\.0\.0\.1:(\d+)\s+skmem:\(r\d+,rb(\d+),t\d+,tb(\d+)", out)
+    return [tuple(map(int, f)) for f in found]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
+    """A worker's receive buffer toward each server is its own (`receive_buffer_bytes`); the server's side of a
+    stream gets `--receive-buffer-bytes`. The kernel stores twice the value asked for."""
+    servers = start_servers(2, extra_args=("--receive-buffer-bytes", "20000"))
+    try:
+        before = set(_loopback_sockets())
+        with Client([s.address for s in servers], job_id, 0, 1, timeout=30, socket_buffer_bytes=24 << 10,
+                    receive_buffer_bytes=[14000, 30000]) as c:  # fmt: skip
+            assert c.stream_ready(0) and c.stream_ready(1)
+            for key, server in enumerate((0, 1)):
+                assert torch.equal(c.push_pull(torch.ones(1 << 14), key, server=server).wait(), torch.ones(1 << 14))
+            new = [s for s in _loopback_sockets() if s not in before]
+    finally:
+        stop_servers(servers)
+    zmq_ports = {s.port for s in servers}
+    streams = [s for s in new if s[0] not in zmq_ports and s[1] not in zmq_ports]  # (local, peer, rb, tb)
+    client_ends = sorted((rb, tb) for _, _, rb, tb in streams if (rb, tb) in {(28000, 48 << 10), (60000, 48 << 10)})
+    server_ends = [rb for _, _, rb, _ in streams if rb == 40000]
+    assert client_ends == [(28000, 48 << 10), (60000, 48 << 10)], streams
+    assert len(server_ends) == 2, streams
+
+
 def test_flow_settings_are_checked(server, job_id):
     with pytest.raises(ValueError, match="server_credit_bytes"):
         Client([server.address], job_id, 0, 1, server_credit_bytes=-1)
     with pytest.raises(ValueError, match="socket_buffer_bytes"):
         Client([server.address], job_id, 0, 1, socket_buffer_bytes=-5)
+    with pytest.raises(ValueError, match=r"one size in \[0, 2\^31\) per server \(1\)"):
+        Client([server.address], job_id, 0, 1, receive_buffer_bytes=[1, 2])
+    with pytest.raises(ValueError, match="receive_buffer_bytes"):
+        Client([server.address], job_id, 0, 1, receive_buffer_bytes=[-1])

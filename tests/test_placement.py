@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_MIN_PARTITION_BYTES, Config, default_credit_bytes
 from torch_bps.engine.partition import KeyBook, cut, cut_mixed
-from torch_bps.engine.placement import Placement, dedicated_fraction, server_weights, t_opt
+from torch_bps.engine.placement import (
+    MIN_RECEIVE_WINDOW,
+    Placement,
+    dedicated_fraction,
+    receive_buffers,
+    server_weights,
+    t_opt,
+)
 from torch_bps.errors import ConfigError
 from torch_bps.local.comm import split_range
 
@@ -194,3 +201,16 @@ def test_engine_places_bytes_by_the_papers_split(n, k, local_size, middle_factor
         target = (x / k if s.dedicated else (1 - x) / n) * total  # the paper's split, not the weights under test
         p = end * s.weight / lightest if got > target else end
         assert abs(got - target) <= max(0.02 * target, p), (s, got / total, target / total)
+
+
+def test_receive_buffers_follow_the_servers_shares():
+    """Equal shares: every server gets the base. Unequal: in proportion to the shares (n = 8, k = 2: dedicated 2.33x
+    a colocated one's), no window under 8 segments or the base, and none at all with the kernel's buffers (0)."""
+    assert receive_buffers(30_000, server_weights(["c"] * 8, [])) == [30_000] * 8
+    assert receive_buffers(30_000, server_weights([], ["d"] * 4)) == [30_000] * 4
+    two = receive_buffers(30_000, server_weights(["c"] * 8, ["d"] * 2))
+    assert two[0] / two[-1] == pytest.approx(7 / 3, rel=1e-3) and two[0] > 30_000 > two[-1], two
+    six = receive_buffers(30_000, server_weights(["c"] * 8, ["d"] * 6))
+    assert six[-1] == MIN_RECEIVE_WINDOW and six[0] > 30_000, six  # share alone: 4,967 bytes, 3 segments
+    assert receive_buffers(4096, server_weights(["c"] * 8, ["d"] * 6))[-1] == 4096
+    assert receive_buffers(0, server_weights(["c"] * 8, ["d"] * 2)) == [0] * 10

@@ -103,6 +103,8 @@ class Client:
             per server may always go, however big.
         socket_buffer_bytes: SO_SNDBUF and SO_RCVBUF of every server connection, which bound its bytes in
             flight both ways (pushes out, replies in); 0: the kernel's autotuned buffers.
+        receive_buffer_bytes: SO_RCVBUF of each server's stream, one per server, in place of
+            socket_buffer_bytes (0: the kernel's), e.g. `engine.placement.receive_buffers`; empty: all alike.
         failover: batches go on past a lost server and report each part's outcome (`push_pull_batch`), and per
             key the client keeps what failover needs (`kept`, `kept_bytes`; torch_bps/failover.py).
         on_link_down: called as `on_link_down(server_index, why)` on a completion thread whenever a server's
@@ -135,6 +137,7 @@ class Client:
         on_link_down: Callable[[int, str], None] | None = None,
         stream: bool | None = None,
         auto_credit: bool = False,
+        receive_buffer_bytes: Sequence[int] = (),
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -161,6 +164,14 @@ class Client:
                 f"server_credit_bytes={server_credit_bytes} and socket_buffer_bytes={socket_buffer_bytes} must not be "
                 "negative (0: no per-server limit, the kernel's buffers)"
             )
+        receive_buffer_bytes = [int(b) for b in receive_buffer_bytes]
+        if receive_buffer_bytes and (
+            len(receive_buffer_bytes) != len(self._servers) or not all(0 <= b < 1 << 31 for b in receive_buffer_bytes)
+        ):
+            raise ValueError(
+                f"receive_buffer_bytes {receive_buffer_bytes} must hold one size in [0, 2^31) per server "
+                f"({len(self._servers)})"
+            )
         if stream is None:
             stream = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT) == "stream"
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
@@ -184,7 +195,7 @@ class Client:
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
-                               **keys)  # fmt: skip
+                               receive_buffer_bytes=receive_buffer_bytes, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch_bps.config import Config
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
-from torch_bps.engine.placement import Placement, server_weights, t_opt
+from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
@@ -123,7 +123,12 @@ class Runtime:
                 config.placement == "optimal" and len(dedicated) < topology.num_nodes
             )
             if needs_colocated:
-                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
+                # The embedded servers' receive buffers, by their share as the placement below will give it.
+                share = server_weights(["?"] * topology.num_nodes, dedicated, config.placement)
+                receive = receive_buffers(config.socket_buffer_bytes, share)[-1]
+                server_proc, colocated = _colocated_servers(
+                    ns, topology, config, timeout, _store_host(store), secret, receive
+                )
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -132,7 +137,7 @@ class Runtime:
         failover = config.failover and num_workers > 1 and with_dedicated
         router_box: list = []  # the client's link-down handler reaches the router made after it
         client = _client(config, addresses, job_id, worker, num_workers, _client_keys(config, secret, weights),
-                         connect_timeout=timeout, dedicated=with_dedicated, failover=failover,
+                         connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
         local = None
@@ -182,8 +187,8 @@ class Runtime:
 
         def make_client(servers, new_job_id, on_link_down):
             return _client(config, [s.address for s in servers], new_job_id, worker, num_workers,
-                           _client_keys(config, self._secret, servers), dedicated=self._with_dedicated, failover=True,
-                           on_link_down=on_link_down)  # fmt: skip
+                           _client_keys(config, self._secret, servers), dedicated=self._with_dedicated, weights=servers,
+                           failover=True, on_link_down=on_link_down)  # fmt: skip
 
         def registry():
             return connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
@@ -197,8 +202,10 @@ class Runtime:
             return free
 
         def start_colocated(prefix: str) -> list[str]:
+            # Colocated servers alone share the bytes evenly: each receive buffer is the socket buffer.
             proc, addresses = _colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
-                                                 config.failover_timeout, store_host, self._secret)  # fmt: skip
+                                                 config.failover_timeout, store_host, self._secret,
+                                                 config.socket_buffer_bytes)  # fmt: skip
             if proc is not None:
                 self._fallback_procs.append(proc)
             self._fallback_colocated = addresses
@@ -323,9 +330,10 @@ class Runtime:
 
 
 def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_workers: int, auth,
-            connect_timeout: float | None = None, *, dedicated: bool, **failover):  # fmt: skip
+            connect_timeout: float | None = None, *, dedicated: bool, weights=(), **failover):  # fmt: skip
     """A Client with this config's timeouts, credit and socket buffers: the one place they are passed on.
-    `dedicated`: the job's bytes go to dedicated servers (its default credit depends on it)."""
+    `dedicated`: the job's bytes go to dedicated servers (its default credit depends on it). `weights`: the
+    servers' placement (engine.placement.Server), which sizes each one's receive buffer by its share."""
     from torch_bps.client import Client  # the C++ extension: imported when first needed
 
     return Client(addresses, job_id, worker, num_workers, timeout=config.timeout,
@@ -334,6 +342,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   credit_bytes=config.credit(dedicated=dedicated), auto_credit=config.auto_credit,
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, stream=config.transport == "stream",
+                  receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
                   **failover)  # fmt: skip
 
 
@@ -378,26 +387,28 @@ def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None
         raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
 
 
-def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str):
+def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str,
+                       receive_buffer_bytes: int):  # fmt: skip
     """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
         host = _advertised_host(config, store_host)
-        proc, port = _start_server(config, timeout, _bind_address(host), secret)
+        proc, port = _start_server(config, timeout, _bind_address(host), secret, receive_buffer_bytes)
         ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
 
 
-def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
+def _start_server(config: Config, timeout: float, bind: str, secret: str,
+                  receive_buffer_bytes: int = 0) -> tuple[subprocess.Popen, int]:  # fmt: skip
     # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
     # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
            "--heartbeat-timeout", str(config.heartbeat_timeout),
            "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
-           "--job-lease", "1e9"]  # fmt: skip
+           "--job-lease", "1e9", "--receive-buffer-bytes", str(receive_buffer_bytes)]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}
     cmd += ["--auth", config.auth]

@@ -30,6 +30,7 @@ from benchmarks.cluster import placement, procs
 from benchmarks.cluster.cpu import process_cpu_seconds, process_wait_seconds
 from benchmarks.cluster.errors import BackendUnavailable
 from benchmarks.cluster.topology import Cluster, Host
+from torch_bps.engine import placement as library_placement
 
 SERVER_READY = "bps-server listening"
 SERVER_START_TIMEOUT_S = 60.0
@@ -81,11 +82,12 @@ def probe(what: str) -> str:
 
 
 def start_servers(
-    cluster: Cluster, hosts: list[Host], port: int, trace_dir: str = ""
+    cluster: Cluster, hosts: list[Host], port: int, trace_dir: str = "", receive_buffers: list[int] | None = None
 ) -> tuple[list[procs.Proc], list[str]]:
     """Start one `python -m torch_bps.server` per host on `port`; wait until each listens.
 
-    `trace_dir`: each server records its timeline there (`bps-server --trace`).
+    `trace_dir`: each server records its timeline there (`bps-server --trace`). `receive_buffers`: each
+    server's `--receive-buffer-bytes`, one per host (None: the kernel's).
     Returns the server processes (kill them when done) and their addresses, "ip:port" per host.
     Authentication is on: the servers and every worker started after them (which inherit this process's
     environment) share one pool credential.
@@ -96,10 +98,11 @@ def start_servers(
             f"bps-server {h.name}",
             h,
             [sys.executable, "-m", "torch_bps.server", "--host", h.ip, "--port", str(port)]
-            + (["--trace", trace_dir] if trace_dir else []),
+            + (["--trace", trace_dir] if trace_dir else [])
+            + (["--receive-buffer-bytes", str(receive_buffers[i])] if receive_buffers else []),
             {"OMP_NUM_THREADS": "1"},
         )
-        for h in hosts
+        for i, h in enumerate(hosts)
     ]
     try:
         for proc in started:
@@ -119,6 +122,7 @@ def run_torch_bps(
     credit_bytes: int = 0,
     socket_buffer_bytes: int = -1,
     trace_dir: str = "",
+    equal_receive_buffers: bool = False,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 
@@ -129,7 +133,8 @@ def run_torch_bps(
     4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 sizes it from the links' queue
     (`socket_buffer_for`), 0 leaves the kernel's buffers. Bind the keywords with functools.partial to pass it
     as a runner. `trace_dir`: the workers' timed steps and the servers are recorded into trace_dir/kK
-    (torch_bps.timeline's files).
+    (torch_bps.timeline's files). Receive buffers go by the servers' shares, as the library sizes them;
+    `equal_receive_buffers`: every worker's the socket buffer and the servers' the kernel's (before 2026-11-26).
     """
     reason = probe("client")
     if reason:
@@ -141,11 +146,16 @@ def run_torch_bps(
     trace = os.path.join(trace_dir, f"k{k}") if trace_dir else ""
     if trace:
         os.makedirs(trace, exist_ok=True)
-    server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port, trace)
-    by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
-    server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
     if socket_buffer_bytes < 0:
         socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, n, k)
+    # Each server's receive buffer by its share, as the workers size theirs toward it (the same placement).
+    receive = None
+    if not equal_receive_buffers:
+        weights = library_placement.server_weights(["c"] * len(colocated), ["d"] * k)
+        receive = library_placement.receive_buffers(socket_buffer_bytes, weights)
+    server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port, trace, receive)
+    by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
+    server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
     # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
     server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
     server_wait0 = [process_wait_seconds(p.pid) for p in server_procs]
@@ -161,6 +171,7 @@ def run_torch_bps(
                 "--credit-bytes",
                 str(credit_bytes),
                 *(["--trace", trace] if trace else []),
+                *(["--equal-receive-buffers"] if equal_receive_buffers else []),
             ],
             {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes)},
         )
@@ -200,8 +211,7 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
     the dedicated servers' connections, which carry most bytes, of window (README, "What paces a mixed-k step").
     """
-    servers = 1.0 / sum(s * s for s in placement.server_shares(n, k))
-    return max(4096, int(link_queue_bytes / (3 * servers)))
+    return max(4096, int(link_queue_bytes / (3 * placement.effective_servers(n, k))))
 
 
 def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str]) -> list[dict]:

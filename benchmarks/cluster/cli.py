@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="plain TCP runners: each connection's socket buffers in proportion to its server's share of the bytes",
     )
     p.add_argument(
+        "--equal-receive-buffers",
+        action="store_true",
+        help="torch_bps: every connection's receive buffer the socket buffer, servers' the kernel's, instead of each "
+        "by its server's share of the bytes (the library's way, engine.placement.receive_buffers)",
+    )
+    p.add_argument(
         "--credit-bytes",
         type=int,
         default=0,
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.runner == "torch_bps":
         runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
                                    credit_bytes=args.credit_bytes,
-                                   socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace)  # fmt: skip
+                                   socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace,
+                                   equal_receive_buffers=args.equal_receive_buffers)  # fmt: skip
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
                                    socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace,
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         runner=args.runner,
         tcp_pace=args.tcp_pace,
         tcp_buffers_by_share=args.tcp_buffers_by_share,
+        equal_receive_buffers=args.equal_receive_buffers,
         placement=args.placement,
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,

@@ -33,6 +33,11 @@ def server_shares(n: int, k: int) -> list[float]:
     return [x / k] * k + [(1.0 - x) / n] * n if k else [1.0 / n] * n
 
 
+def effective_servers(n: int, k: int) -> float:
+    """Return 1 / sum(share^2): how many servers the bytes spread over, counted by share (about n at every k)."""
+    return 1.0 / sum(s * s for s in server_shares(n, k))
+
+
 def split(numel: int, element_size: int, n: int, k: int, partition_bytes: int = 4_096_000) -> list[Partition]:
     """Split `numel` elements over the k + n servers by `server_shares`; key = server << 16 | partition.
 

@@ -71,7 +71,7 @@ def run_tcp_matrix(
     pace_seconds = pace * theory.t_opt_s(n, k, job.size_bytes, job.cluster.shaping.rate_mbit * 1e6)
     common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
               "--partition-bytes", str(partition_bytes), "--pace-seconds", str(pace_seconds)]  # fmt: skip
-    effective = 1.0 / sum(share * share for share in shares)
+    effective = placement.effective_servers(n, k)
     buffers = [int(socket_buffer_bytes * share * effective) if buffers_by_share else socket_buffer_bytes
                for share in shares]  # fmt: skip
     servers = []

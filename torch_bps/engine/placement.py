@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("optimal", "dedicated", "colocated")
+MIN_RECEIVE_WINDOW = 8 * 1448  # bytes: 8 segments of an Ethernet MTU
 
 
 def dedicated_fraction(n: int, k: int) -> float:
@@ -63,6 +64,22 @@ def server_weights(colocated: list[str], dedicated: list[str], mode: str = "opti
     servers = [Server(a, True, x / k) for a in dedicated] if x > 0 else []
     servers += [Server(a, False, (1 - x) / n) for a in colocated] if x < 1 else []
     return servers
+
+
+def receive_buffers(base: int, servers: list[Server]) -> list[int]:
+    """Return each server connection's receive buffer: `base` x the server's weight x the effective server count.
+
+    TCP gives the connections through one link equal shares; t_opt needs each at its server's share (a dedicated
+    server's connection carries 3.5x a colocated one's at n = 8, k = 4). A receive window in proportion to the
+    share paces each connection near it, and counting 1 / sum(weight^2) servers keeps the bytes in flight about
+    what `base` for every server would allow. No window goes below 8 segments (or `base`): with fewer in
+    flight a loss cannot get 3 duplicate acknowledgements and waits for a timer. `base` 0 (the kernel's) gives 0s.
+    Example: equal weights give `base` for every server.
+    """
+    if base <= 0:
+        return [0] * len(servers)
+    effective = 1.0 / sum(s.weight * s.weight for s in servers)
+    return [max(min(base, MIN_RECEIVE_WINDOW), round(base * s.weight * effective)) for s in servers]
 
 
 class Placement:

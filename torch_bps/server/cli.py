@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _option(p, "--heartbeat-timeout", "BPS_HEARTBEAT_TIMEOUT", float, 10.0,
             "seconds a worker may stay silent after a heartbeat before it counts as lost")  # fmt: skip
     _option(p, "--heartbeat-interval", "BPS_HEARTBEAT_INTERVAL", float, 1.0, "seconds between heartbeats")
+    _option(p, "--receive-buffer-bytes", "BPS_SERVER_RECEIVE_BUFFER_BYTES", int, 0,
+            "SO_RCVBUF of each worker's stream, which bounds the pushes in flight toward this server; give a "
+            "server its share of the workers' BPS_SOCKET_BUFFER_BYTES (engine.placement.receive_buffers; 0: the "
+            "kernel's)")  # fmt: skip
     p.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
     )
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             limits=args.limits,
             security=args.security,
             stream=args.stream == "on",
+            receive_buffer_bytes=args.receive_buffer_bytes,
         )
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)

@@ -71,7 +71,10 @@ class SummationServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9000, *, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 10.0, limits: Limits | None = None,
-                 security: ServerSecurity | None = None, stream: bool = True):  # fmt: skip
+                 security: ServerSecurity | None = None, stream: bool = True,
+                 receive_buffer_bytes: int = 0):  # fmt: skip
+        if not 0 <= receive_buffer_bytes < 1 << 31:
+            raise ValueError(f"receive_buffer_bytes={receive_buffer_bytes} must be in [0, 2^31) (0: the kernel's)")
         self.incarnation = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no incarnation yet"
         self.limits = (limits or Limits()).resolved()
         self.limits.check()
@@ -91,7 +94,8 @@ class SummationServer:
         self.host, self.port = host, int(bound.rsplit(":", 1)[1])
         # The stream transport (docs/protocol.md): offered in the HELLO reply, never under CURVE (not encrypted).
         offer = stream and (security is None or security.mechanism == "token")
-        self.stream_port = core.listen_stream(host if host not in ("0.0.0.0", "*") else "") if offer else 0
+        listen_host = host if host not in ("0.0.0.0", "*") else ""
+        self.stream_port = core.listen_stream(listen_host, receive_buffer_bytes) if offer else 0
         self._connections: dict[int, list[tuple[int, int]]] = {}  # fd -> (job, worker) that said HELLO on it
         self._book = MemoryBook(self.limits)
         self._next_sweep = self._last_sweep = 0.0

@@ -27,6 +27,7 @@ import time
 from benchmarks.cluster import placement
 from benchmarks.cluster.cpu import CpuWindow
 from benchmarks.cluster.workers.common import emit, fail
+from torch_bps.engine.placement import receive_buffers, server_weights
 
 
 def exact_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
+    p.add_argument("--equal-receive-buffers", action="store_true",
+                   help="every server's receive buffer BPS_SOCKET_BUFFER_BYTES, not sized by its share")  # fmt: skip
     p.add_argument("--credit-bytes", type=int, default=0, help="0: the library's (BPS_CREDIT_BYTES, else sized)")
     p.add_argument("--job-id", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
@@ -108,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     # BPS_SERVER_CREDIT_BYTES, BPS_SOCKET_BUFFER_BYTES, BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR
     config = Config.resolve()
     credit = args.credit_bytes or config.credit(dedicated=k > 0)
+    receive = ()  # each server's receive buffer by its share, in library_partitions' order (the library's)
+    if args.placement != "exact" and not args.equal_receive_buffers:
+        weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
+        receive = receive_buffers(config.socket_buffer_bytes, weighted)
     auto_credit = not args.credit_bytes and config.auto_credit
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
                 credit_bytes=credit, auto_credit=auto_credit, server_credit_bytes=config.server_credit_bytes,
-                socket_buffer_bytes=config.socket_buffer_bytes) as client:  # fmt: skip
+                socket_buffer_bytes=config.socket_buffer_bytes, receive_buffer_bytes=receive) as client:  # fmt: skip
         if args.placement == "engine":
             engine = library_engine(client, n, k, servers, args.partition_bytes, config)
 
