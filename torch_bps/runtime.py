@@ -123,12 +123,7 @@ class Runtime:
                 config.placement == "optimal" and len(dedicated) < topology.num_nodes
             )
             if needs_colocated:
-                # The embedded servers' receive buffers, by their share as the placement below will give it.
-                share = server_weights(["?"] * topology.num_nodes, dedicated, config.placement)
-                receive = receive_buffers(config.socket_buffer_bytes, share)[-1]
-                server_proc, colocated = _colocated_servers(
-                    ns, topology, config, timeout, _store_host(store), secret, receive
-                )
+                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -202,10 +197,8 @@ class Runtime:
             return free
 
         def start_colocated(prefix: str) -> list[str]:
-            # Colocated servers alone share the bytes evenly: each receive buffer is the socket buffer.
             proc, addresses = _colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
-                                                 config.failover_timeout, store_host, self._secret,
-                                                 config.socket_buffer_bytes)  # fmt: skip
+                                                 config.failover_timeout, store_host, self._secret)  # fmt: skip
             if proc is not None:
                 self._fallback_procs.append(proc)
             self._fallback_colocated = addresses
@@ -387,28 +380,26 @@ def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None
         raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
 
 
-def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str,
-                       receive_buffer_bytes: int):  # fmt: skip
+def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str):
     """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
         host = _advertised_host(config, store_host)
-        proc, port = _start_server(config, timeout, _bind_address(host), secret, receive_buffer_bytes)
+        proc, port = _start_server(config, timeout, _bind_address(host), secret)
         ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
 
 
-def _start_server(config: Config, timeout: float, bind: str, secret: str,
-                  receive_buffer_bytes: int = 0) -> tuple[subprocess.Popen, int]:  # fmt: skip
+def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
     # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
     # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
     max_frame = max(16 << 20, config.partition_bytes)
     cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
            "--heartbeat-timeout", str(config.heartbeat_timeout),
            "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
-           "--job-lease", "1e9", "--receive-buffer-bytes", str(receive_buffer_bytes)]  # fmt: skip
+           "--job-lease", "1e9"]  # fmt: skip
     # The secret goes by environment, which only this user can read, never on the command line.
     env = {**os.environ, JOB_SECRET_ENV: secret}
     cmd += ["--auth", config.auth]

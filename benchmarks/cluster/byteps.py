@@ -123,6 +123,7 @@ def run_torch_bps(
     socket_buffer_bytes: int = -1,
     trace_dir: str = "",
     equal_receive_buffers: bool = False,
+    server_receive_buffers: bool = False,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 
@@ -133,8 +134,9 @@ def run_torch_bps(
     4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 sizes it from the links' queue
     (`socket_buffer_for`), 0 leaves the kernel's buffers. Bind the keywords with functools.partial to pass it
     as a runner. `trace_dir`: the workers' timed steps and the servers are recorded into trace_dir/kK
-    (torch_bps.timeline's files). Receive buffers go by the servers' shares, as the library sizes them;
-    `equal_receive_buffers`: every worker's the socket buffer and the servers' the kernel's (before 2026-11-26).
+    (torch_bps.timeline's files). Each worker's receive buffer toward a server goes by the server's share, as
+    the library sizes it; `equal_receive_buffers`: all the socket buffer (before 2026-11-26).
+    `server_receive_buffers`: the servers' too (`bps-server --receive-buffer-bytes`), else the kernel's.
     """
     reason = probe("client")
     if reason:
@@ -148,9 +150,8 @@ def run_torch_bps(
         os.makedirs(trace, exist_ok=True)
     if socket_buffer_bytes < 0:
         socket_buffer_bytes = socket_buffer_for(cluster.shaping.limit_bytes, n, k)
-    # Each server's receive buffer by its share, as the workers size theirs toward it (the same placement).
-    receive = None
-    if not equal_receive_buffers:
+    receive = None  # each server's receive buffer by its share, as the workers size theirs toward it
+    if server_receive_buffers:
         weights = library_placement.server_weights(["c"] * len(colocated), ["d"] * k)
         receive = library_placement.receive_buffers(socket_buffer_bytes, weights)
     server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port, trace, receive)

@@ -73,8 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--equal-receive-buffers",
         action="store_true",
-        help="torch_bps: every connection's receive buffer the socket buffer, servers' the kernel's, instead of each "
-        "by its server's share of the bytes (the library's way, engine.placement.receive_buffers)",
+        help="torch_bps: every worker connection's receive buffer the socket buffer, instead of each by its server's "
+        "share of the bytes (the library's way, engine.placement.receive_buffers)",
+    )
+    p.add_argument(
+        "--server-receive-buffers",
+        action="store_true",
+        help="torch_bps: each server's receive buffer by its share too (bps-server --receive-buffer-bytes; default: "
+        "the kernel's): no drops, for more CPU",
     )
     p.add_argument(
         "--credit-bytes",
@@ -169,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = functools.partial(run_torch_bps, placement_mode=args.placement, partition_bytes=args.partition_bytes,
                                    credit_bytes=args.credit_bytes,
                                    socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace,
-                                   equal_receive_buffers=args.equal_receive_buffers)  # fmt: skip
+                                   equal_receive_buffers=args.equal_receive_buffers,
+                                   server_receive_buffers=args.server_receive_buffers)  # fmt: skip
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
                                    socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace,
@@ -184,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         tcp_pace=args.tcp_pace,
         tcp_buffers_by_share=args.tcp_buffers_by_share,
         equal_receive_buffers=args.equal_receive_buffers,
+        server_receive_buffers=args.server_receive_buffers,
         placement=args.placement,
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,

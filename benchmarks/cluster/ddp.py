@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from benchmarks.cluster import byteps, procs
 from benchmarks.cluster.errors import BackendUnavailable
 from benchmarks.cluster.topology import IFNAME, Cluster, Host
-from torch_bps.engine import placement as library_placement
 
 WORKER = "benchmarks.cluster.workers.ddp_train"
 
@@ -99,13 +98,10 @@ def run_ddp_byteps(
     if reason:
         raise BackendUnavailable(f'"byteps" process group is not usable: {reason}')
     hosts = cluster.servers[:k]
+    server_procs, addresses = byteps.start_servers(cluster, hosts, server_port)
     n = len(cluster.workers)
     if socket_buffer_bytes < 0:
         socket_buffer_bytes = byteps.socket_buffer_for(cluster.shaping.limit_bytes, n, k)
-    # The dedicated servers' receive buffers by their share, as the ranks size theirs toward them (byteps.py).
-    weights = library_placement.server_weights(["c"] * n, ["d"] * k)
-    receive = library_placement.receive_buffers(socket_buffer_bytes, weights)[:k]
-    server_procs, addresses = byteps.start_servers(cluster, hosts, server_port, receive_buffers=receive)
 
     def env_of(rank: int, host: Host) -> dict:
         # One rank per emulated machine. Without torchrun's variables torch_bps takes all ranks for one
