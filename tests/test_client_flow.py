@@ -18,6 +18,9 @@ import torch
 
 from tests.helpers import start_servers, stop_servers
 from torch_bps.client import Client
+from torch_bps.config import Config
+from torch_bps.engine.placement import MIN_RECEIVE_WINDOW, Server, receive_buffers
+from torch_bps.runtime import _client
 from torch_bps.wire import Mode
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,6 +124,27 @@ def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
     server_ends = [rb for _, _, rb, _ in streams if rb == 40000]
     assert client_ends == [(28000, 48 << 10), (60000, 48 << 10)], streams
     assert len(server_ends) == 2, streams
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_runtime_sizes_each_receive_buffer_by_its_servers_share(job_id):
+    """The backend's client (runtime._client) turns BPS_SOCKET_BUFFER_BYTES and the placement's weights into one
+    receive buffer per server: 20,000 x 0.8 x 1.47 toward the dedicated server, the 8-segment floor toward the
+    colocated one; the send buffers stay 20,000 (the kernel doubles each)."""
+    servers = start_servers(2)
+    try:
+        weights = [Server(servers[0].address, True, 0.8), Server(servers[1].address, False, 0.2)]
+        before = set(_loopback_sockets())
+        config = Config.resolve(socket_buffer_bytes=20_000)
+        with _client(config, [w.address for w in weights], job_id, 0, 1, None, dedicated=True, weights=weights) as c:
+            assert c.stream_ready(0) and c.stream_ready(1)
+            new = [s for s in _loopback_sockets() if s not in before]
+    finally:
+        stop_servers(servers)
+    want = receive_buffers(20_000, weights)
+    assert want == [23_529, MIN_RECEIVE_WINDOW], want
+    client_ends = sorted(rb for _, _, rb, tb in new if tb == 40_000 and rb != 40_000)
+    assert client_ends == sorted(2 * b for b in want), new
 
 
 def test_flow_settings_are_checked(server, job_id):
