@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -145,6 +146,13 @@ def test_the_runtime_sizes_each_receive_buffer_by_its_servers_share(job_id):
     assert want == [23_529, MIN_RECEIVE_WINDOW], want
     client_ends = sorted(rb for _, _, rb, tb in new if tb == 40_000 and rb != 40_000)
     assert client_ends == sorted(2 * b for b in want), new
+
+
+def test_a_server_refuses_a_negative_receive_buffer_naming_the_flag():
+    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", "off",
+           "--receive-buffer-bytes", "-1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--receive-buffer-bytes -1 is not in [0, 2^31)" in done.stderr, done.stderr
 
 
 def test_flow_settings_are_checked(server, job_id):

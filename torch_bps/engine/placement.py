@@ -7,6 +7,7 @@ t_opt = 2n(n-1)M / ((n^2 + kn - 2k)B). k = 0 is all-reduce's traffic, k = n the 
 
 Placement is a pure function of the order in which partitions are first seen and their sizes, so every
 worker, seeing the same collectives in the same order, computes the same assignment with no messages.
+`receive_buffers` sizes each server connection's receive window by the same shares.
 May import: the standard library only.
 """
 

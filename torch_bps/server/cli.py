@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 0 < --heartbeat-interval < --heartbeat-timeout")
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
+    if not 0 <= args.receive_buffer_bytes < 1 << 31:
+        p.error(f"--receive-buffer-bytes {args.receive_buffer_bytes} is not in [0, 2^31) (0: the kernel's)")
     try:
         args.security = _security(args)
     except (OSError, ValueError) as e:

@@ -27,7 +27,7 @@ import time
 from benchmarks.cluster import placement
 from benchmarks.cluster.cpu import CpuWindow
 from benchmarks.cluster.workers.common import emit, fail
-from torch_bps.engine.placement import receive_buffers, server_weights
+from torch_bps.engine.placement import Placement, receive_buffers, server_weights
 
 
 def exact_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
@@ -40,11 +40,14 @@ def exact_partitions(numel: int, n: int, k: int, servers: list[str], partition_b
     return [servers[s] for s in used], [(index[p.server], p.key, p.start, p.length) for p in parts]
 
 
+def library_servers(servers: list[str], k: int) -> list:
+    """The servers of `--servers` (k dedicated, then one per worker or "-") as the library weights them."""
+    return server_weights([s for s in servers[k:] if s != "-"], servers[:k])
+
+
 def library_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
     """Return (server addresses, [(server index, key, start, length)]) as torch_bps's placement puts them."""
-    from torch_bps.engine.placement import Placement, server_weights
-
-    weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
+    weighted = library_servers(servers, k)
     where = Placement(weighted)
     per_partition = max(1, partition_bytes // 4)
     parts = []
@@ -59,11 +62,9 @@ def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: 
     order, cut as `config` says (BPS_MIN_PARTITION_BYTES, BPS_MIDDLE_PARTITION_FACTOR)."""
     from torch_bps.engine.partition import KeyBook
     from torch_bps.engine.pipeline import PushPullEngine
-    from torch_bps.engine.placement import Placement, server_weights
 
-    weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
     keys = KeyBook(
-        Placement(weighted),
+        Placement(library_servers(servers, k)),
         partition_bytes,
         lambda numel: [(0, numel)],
         min_partition_bytes=config.min_partition_bytes,
@@ -113,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     credit = args.credit_bytes or config.credit(dedicated=k > 0)
     receive = ()  # each server's receive buffer by its share, in library_partitions' order (the library's)
     if args.placement != "exact" and not args.equal_receive_buffers:
-        weighted = server_weights([s for s in servers[k:] if s != "-"], servers[:k])
-        receive = receive_buffers(config.socket_buffer_bytes, weighted)
+        receive = receive_buffers(config.socket_buffer_bytes, library_servers(servers, k))
     auto_credit = not args.credit_bytes and config.auto_credit
     with Client(addresses, args.job_id, args.worker, n, timeout=args.timeout, connect_timeout=args.timeout,
                 credit_bytes=credit, auto_credit=auto_credit, server_credit_bytes=config.server_credit_bytes,
