@@ -207,6 +207,23 @@ def test_repeated_points_report_the_median_run_and_keep_every_run():
     assert cli.make_plan(cli.parse_args([])).gloo and not cli.make_plan(cli.parse_args(["--no-gloo"])).gloo
 
 
+def test_the_report_gives_cpu_seconds_per_step_against_gloo():
+    def point(seconds, *cores):
+        return {"seconds_per_step": seconds, "cpu": {f"h{i}": {"process_cores": c} for i, c in enumerate(cores)}}
+
+    report = {"sweep": [], "errors": [], "gloo": point(2.0, 0.1, 0.2),
+              "byteps": {"points": {"0": point(1.5, 0.3, 0.1), "4": point(1.0, 0.5, 0.4)}}}  # fmt: skip
+    measured = report_mod.cpu_summary(report)["measurements"]
+    assert measured["gloo all_reduce"]["cpu_s_per_step"] == pytest.approx(0.6)  # (0.1 + 0.2) cores x 2 s
+    assert measured["byteps k=0"]["cpu_s_per_step"] == pytest.approx(0.6)  # a faster step at more cores
+    assert measured["byteps k=0"]["cpu_vs_gloo"] == pytest.approx(1.0)
+    assert measured["byteps k=4"]["cpu_vs_gloo"] == pytest.approx(1.5)
+    report["cpu"] = report_mod.cpu_summary(report)
+    assert "0.900 CPU-s per step, 1.50x gloo's" in report_mod.format_table(report)
+    del report["gloo"]
+    assert "cpu_vs_gloo" not in report_mod.cpu_summary(report)["measurements"]["byteps k=4"]
+
+
 def test_fsdp_flag_trains_the_ddp_model_sharded_and_reports_one_row():
     plan = cli.make_plan(cli.parse_args(["--ks", "0,4", "--fsdp"]))
     assert plan.fsdp == dataclasses.replace(plan.ddp, wrap="fsdp")

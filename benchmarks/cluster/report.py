@@ -10,20 +10,26 @@ import os
 
 
 def cpu_summary(report: dict) -> dict:
-    """Summarise CPU use per measurement: our processes' cores, machine-wide busy and softirq shares.
+    """Summarise CPU use per measurement: our processes' cores and CPU-seconds per step (against gloo's), machine-wide
+    busy and softirq shares, drops and TCP's losses.
 
     All hosts share the machine's cores. `processes_cores` (sum over hosts) well below the core count
     while the step time sits at the link's theory means the link set the pace; `machine_busy` near 1.0
     with little of it ours means something else on the machine competed (see `background_busy`).
     """
-    # name -> (cpu per host, tbf drops per link, TCP losses per host and counter)
-    windows: dict[str, tuple[list[dict], dict | None, dict | None]] = {}
+    # name -> (cpu per host, tbf drops per link, TCP losses per host and counter, seconds per step or None)
+    windows: dict[str, tuple[list[dict], dict | None, dict | None, float | None]] = {}
     if report.get("gloo"):
         gloo = report["gloo"]
-        windows["gloo all_reduce"] = (list(gloo["cpu"].values()), gloo.get("tbf_drops"), gloo.get("tcp_losses"))
+        windows["gloo all_reduce"] = (
+            list(gloo["cpu"].values()), gloo.get("tbf_drops"), gloo.get("tcp_losses"), gloo.get("seconds_per_step"),
+        )  # fmt: skip
     for k, point in (report.get("byteps") or {}).get("points", {}).items():
         if "cpu" in point:
-            windows[f"byteps k={k}"] = (list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"))
+            windows[f"byteps k={k}"] = (
+                list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"),
+                point.get("seconds_per_step"),
+            )  # fmt: skip
     ddp = report.get("ddp") or {}
     for backend, cpu in (ddp.get("cpu") or {}).items():
         if cpu:
@@ -31,10 +37,14 @@ def cpu_summary(report: dict) -> dict:
                 list(cpu.values()),
                 (ddp.get("tbf_drops") or {}).get(backend),
                 (ddp.get("tcp_losses") or {}).get(backend),
+                None,
             )
     for name, point in ((report.get("fsdp") or {}).get("points") or {}).items():
         if point:
-            windows[f"fsdp {name}"] = (list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"))
+            windows[f"fsdp {name}"] = (
+                list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"),
+                point.get("seconds_per_step"),
+            )  # fmt: skip
     measurements = {
         name: {
             "processes_cores": round(sum(c["process_cores"] for c in cpus), 3),
@@ -45,9 +55,15 @@ def cpu_summary(report: dict) -> dict:
             "tcp_retransmitted": tcp_total(tcp, "retransmitted segments"),
             "tcp_spurious": tcp_total(tcp, "spurious (D-SACKed)"),
             "tcp_timeouts": tcp_total(tcp, "timeouts"),
+            # Issue 15's measure: cores x seconds per step, the CPU a step costs whatever the step's length.
+            "cpu_s_per_step": round(sum(c["process_cores"] for c in cpus) * step, 4) if step else None,
         }
-        for name, (cpus, drops, tcp) in windows.items()
+        for name, (cpus, drops, tcp, step) in windows.items()
     }
+    gloo_cpu = measurements.get("gloo all_reduce", {}).get("cpu_s_per_step")
+    for name, m in measurements.items():
+        if name.startswith("byteps") and gloo_cpu and m["cpu_s_per_step"]:
+            m["cpu_vs_gloo"] = round(m["cpu_s_per_step"] / gloo_cpu, 3)
     return {
         "cores": os.cpu_count(),
         "background_busy": report.get("background_busy"),
@@ -114,7 +130,10 @@ def format_table(report: dict) -> str:
         for name, m in cpu["measurements"].items():
             lines.append(
                 f"  {name}: our processes {m['processes_cores']:.2f} cores "
-                f"({_f(m.get('processes_waiting'), '.2f')} threads waiting for one); "
+                f"({_f(m.get('processes_waiting'), '.2f')} threads waiting for one"
+                + (f"; {m['cpu_s_per_step']:.3f} CPU-s per step" if m.get("cpu_s_per_step") else "")
+                + (f", {m['cpu_vs_gloo']:.2f}x gloo's" if m.get("cpu_vs_gloo") else "")
+                + "); "
                 f"machine {m['machine_busy']:.0%} busy ({m['machine_softirq']:.0%} softirq); "
                 f"tbf drops {_f(m['tbf_drops'], 'd')}; TCP retransmitted "
                 f"{_f(m.get('tcp_retransmitted'), 'd')} ({_f(m.get('tcp_spurious'), 'd')} spurious), timeouts "
