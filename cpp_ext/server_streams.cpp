@@ -40,6 +40,7 @@ bool isStreamIdentity(const void* data, size_t size) {
 uint16_t ServerStreams::listen(const std::string& host, int receiveBufferBytes) {
   uint16_t port = 0;
   listenFd_ = listenStream(host, 0, &port, receiveBufferBytes);
+  receiveBufferBytes_ = receiveBufferBytes;
   return port;
 }
 
@@ -92,6 +93,7 @@ void ServerStreams::accept(double now) {
     peer->address = peerAddress(fd);
     peer->authDeadline = now + kAuthSeconds;
     peer->conn = std::make_unique<StreamConn>(fd, kAuthFrameBytes);
+    if (receiveBufferBytes_ > 0) peer->conn->lockedReceiveBuffer();  // inherited from the listener
     streams_.emplace(peer->number, std::move(peer));
   }
 }

@@ -80,6 +80,7 @@ class ServerStreams {
   void reap(const Closed& closed);  // drop the closed streams
 
   int listenFd_ = -1;
+  int receiveBufferBytes_ = 0;  // every accepted stream's SO_RCVBUF (0: the kernel's)
   uint64_t maxFrameBytes_ = 16 << 20;
   uint64_t nextNumber_ = 1;
   std::map<uint64_t, std::unique_ptr<StreamPeer>> streams_;  // by number: poll order is stable

@@ -65,7 +65,8 @@ addrinfo* resolve(const std::string& host, uint16_t port, bool passive, std::str
 
 }  // namespace
 
-StreamConn::StreamConn(int fd, uint64_t maxFrameBytes) : fd_(fd), maxFrameBytes_(maxFrameBytes), in_(kStaging) {
+StreamConn::StreamConn(int fd, uint64_t maxFrameBytes)
+    : fd_(fd), maxFrameBytes_(maxFrameBytes), in_(kStaging), maxLowWater_(kMaxLowWater) {
   setNonBlocking(fd_);
   setNoDelay(fd_);
 }
@@ -141,9 +142,21 @@ bool StreamConn::takeFrameBytes() {
   return true;
 }
 
+void StreamConn::lockedReceiveBuffer() {
+  // A low-water mark near what the window lets in keeps the receive queue full, and on a locked buffer the
+  // kernel counts each packet's whole allocation (more than its payload) against SO_RCVBUF: past it,
+  // it collapses the queue (CPU), prunes it and drops packets, and a lost retransmission waits 200 ms for a timer
+  // (README, "A low-water mark under the locked receive buffer"). A quarter of the buffer never gets there.
+  int kernel = 0;
+  socklen_t len = sizeof(kernel);
+  if (getsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &kernel, &len) == 0 && kernel > 0) {
+    maxLowWater_ = std::max<size_t>(1, std::min<size_t>(kMaxLowWater, static_cast<size_t>(kernel) / 4));
+  }
+}
+
 void StreamConn::setLowWater(size_t bytes) {
   // The kernel caps it at half the receive buffer (and poll still reports end of stream and errors at once).
-  int want = static_cast<int>(std::min<size_t>(std::max<size_t>(bytes, 1), kMaxLowWater));
+  int want = static_cast<int>(std::min<size_t>(std::max<size_t>(bytes, 1), maxLowWater_));
   if (want == lowWater_) return;
   if (setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowWater_ = want;
 }

@@ -42,6 +42,9 @@ class StreamConn {
 
   int fd() const { return fd_; }
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
+  // The socket's SO_RCVBUF was set (locked: the kernel will not grow it): SO_RCVLOWAT stays under a quarter
+  // of it from now on.
+  void lockedReceiveBuffer();
   bool closed() const { return fd_ < 0; }
   // Why it closed ("" while open).
   const std::string& why() const { return why_; }
@@ -95,6 +98,7 @@ class StreamConn {
   bool drained_ = false;  // this read()'s last recv came back short: no point asking again before poll
   bool writeBlocked_ = false;
   int lowWater_ = 1;
+  size_t maxLowWater_;  // SO_RCVLOWAT's ceiling
 
   // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight
   // into the frame.

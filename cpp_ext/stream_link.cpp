@@ -52,6 +52,7 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int sendBuf
   int fd = connectStream(host, port, sendBufferBytes, receiveBufferBytes, &why);
   if (fd < 0) return why;
   conn_ = std::make_unique<StreamConn>(fd, kMaxReplyFrame);
+  if (receiveBufferBytes > 0) conn_->lockedReceiveBuffer();
   conn_->setPlacement(placement_);
   state_ = StreamState::kConnecting;
   deadline_ = Clock::now() + kStreamOpenTimeout;

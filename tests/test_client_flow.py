@@ -8,10 +8,13 @@ back from the kernel with `ss`. Nothing is mocked.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -125,6 +128,51 @@ def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
     server_ends = [rb for _, _, rb, _ in streams if rb == 40000]
     assert client_ends == [(28000, 48 << 10), (60000, 48 << 10)], streams
     assert len(server_ends) == 2, streams
+
+
+def _stream_socket(receive_buffer: int) -> socket.socket:
+    """A duplicate of this process's one loopback TCP socket whose kernel receive buffer is `receive_buffer`."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # not a socket
+        if s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == receive_buffer:
+            return s
+        s.close()
+    raise AssertionError(f"no socket with a {receive_buffer}-byte receive buffer")
+
+
+def test_a_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(job_id):
+    """While a pull's reply arrives, the client waits for its missing bytes (SO_RCVLOWAT), but on a receive buffer
+    it set (locked) never for more than a quarter of it: the kernel would allow half, and a queue that full
+    overflows the buffer's accounting and drops packets (README, "A low-water mark under the locked receive
+    buffer"). Sampled from a duplicate of the client's stream socket during a 12 MiB reply."""
+    servers = start_servers(1)
+    marks: list[int] = []
+    try:
+        with Client([servers[0].address], job_id, 0, 1, timeout=60, receive_buffer_bytes=[24_000]) as c:
+            assert c.stream_ready(0)
+            stream = _stream_socket(48_000)  # the kernel stores twice the value asked for
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    marks.append(stream.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                big = torch.ones(3 << 20)  # 12 MiB: one frame, under the server's 16 MiB bound
+                assert torch.equal(c.push_pull(big, 0, server=0).wait(), big)
+            finally:
+                done.set()
+                sampler.join()
+                stream.close()
+    finally:
+        stop_servers(servers)
+    assert max(marks) > 1, "never sampled the client waiting for a frame's rest"
+    assert max(marks) <= 12_000, sorted(set(marks))[-5:]
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")

@@ -38,6 +38,9 @@ TCP_LOSS_COUNTERS = {
     "TcpExt:TCPLossProbes": "loss probes",
     "TcpExt:TCPTimeouts": "timeouts",
     "TcpExt:TCPDSACKRecvSegs": "spurious (D-SACKed)",  # segments the receiver already had
+    # A receive queue past its buffer's accounting: compacted (a copy), then packets dropped at the receiver.
+    "TcpExt:TCPRcvCollapsed": "collapsed",
+    "TcpExt:TCPRcvQDrop": "receive-queue drops",
 }
 
 
@@ -177,7 +180,8 @@ class Cluster:
         Beside the tbf drops they say what a drop cost: a fast retransmission, a tail-loss probe, or a timeout (an
         RTO, 200 ms or more of a flow's silence); and which retransmissions were not needed, the peer reporting a
         duplicate (D-SACK): a probe fired while its segment waited in a queue, or a fast retransmission after a
-        veth reordered a flow's packets between the CPUs' backlog queues.
+        veth reordered a flow's packets between the CPUs' backlog queues. And drops no tbf counts: a receiver whose
+        queue outgrew its locked buffer's accounting collapses it, then drops.
         """
         losses = {}
         for host in self.hosts:
