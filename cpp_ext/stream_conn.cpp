@@ -66,7 +66,7 @@ addrinfo* resolve(const std::string& host, uint16_t port, bool passive, std::str
 }  // namespace
 
 StreamConn::StreamConn(int fd, uint64_t maxFrameBytes)
-    : fd_(fd), maxFrameBytes_(maxFrameBytes), in_(kStaging), maxLowWater_(kMaxLowWater) {
+    : fd_(fd), maxFrameBytes_(maxFrameBytes), maxLowWater_(kMaxLowWater), in_(kStaging) {
   setNonBlocking(fd_);
   setNoDelay(fd_);
 }
