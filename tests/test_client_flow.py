@@ -134,9 +134,14 @@ def _stream_socket(receive_buffer: int) -> socket.socket:
     """A duplicate of this process's one loopback TCP socket whose kernel receive buffer is `receive_buffer`."""
     for name in os.listdir("/proc/self/fd"):
         try:
-            s = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:
-            continue  # not a socket
+            continue  # closed since (the listing's own)
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not a socket; a leaked copy of, say, the forkserver's pipe would keep it alive
+            continue
         if s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == receive_buffer:
             return s
         s.close()
