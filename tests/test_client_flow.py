@@ -8,6 +8,8 @@ back from the kernel with `ss`. Nothing is mocked.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -30,6 +32,7 @@ from torch_bps.wire import Mode
 pytestmark = pytest.mark.timeout(120)
 
 PART = 16 << 10  # bytes per partition
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture
 
 
 def _parts(t: torch.Tensor, numel: int) -> list[tuple]:
@@ -130,12 +133,30 @@ def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
     assert len(server_ends) == 2, streams
 
 
-def _stream_socket(receive_buffer: int) -> socket.socket:
-    """A duplicate of this process's one loopback TCP socket whose kernel receive buffer is `receive_buffer`."""
-    for name in os.listdir("/proc/self/fd"):
+def _duplicate_fd(pid: int, fd: int) -> int:
+    """A duplicate of process `pid`'s file descriptor `fd` in this one (pidfd_getfd: Linux 5.6, ptrace rights)."""
+    if pid == os.getpid():
+        return os.dup(fd)
+    pidfd = os.pidfd_open(pid)
+    try:
+        dup = ctypes.CDLL(None, use_errno=True).syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if dup < 0:
+            raise OSError(ctypes.get_errno(), f"pidfd_getfd({pid}, {fd})")
+        return dup
+    finally:
+        os.close(pidfd)
+
+
+def _stream_socket(receive_buffer: int, pid: int | None = None) -> socket.socket:
+    """A duplicate of process `pid`'s (default: this one's) one connected TCP socket whose kernel receive buffer
+    is `receive_buffer`."""
+    pid = pid or os.getpid()
+    for name in os.listdir(f"/proc/{pid}/fd"):
         try:
-            fd = os.dup(int(name))
-        except OSError:
+            fd = _duplicate_fd(pid, int(name))
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                raise
             continue  # closed since (the listing's own)
         try:
             s = socket.socket(fileno=fd)
@@ -143,9 +164,37 @@ def _stream_socket(receive_buffer: int) -> socket.socket:
             os.close(fd)  # not a socket; a leaked copy of, say, the forkserver's pipe would keep it alive
             continue
         if s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == receive_buffer:
-            return s
+            try:
+                s.getpeername()  # a listener has none
+                return s
+            except OSError:
+                pass
         s.close()
-    raise AssertionError(f"no socket with a {receive_buffer}-byte receive buffer")
+    raise AssertionError(f"no connected socket with a {receive_buffer}-byte receive buffer in process {pid}")
+
+
+def _check_push_pull(client: Client, t: torch.Tensor) -> None:
+    assert torch.equal(client.push_pull(t, 0, server=0).wait(), t)
+
+
+def _sample_low_water(stream: socket.socket, push_pull) -> list[int]:
+    """Every SO_RCVLOWAT of `stream` read while `push_pull()` runs (then `stream` is closed)."""
+    marks: list[int] = []
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            marks.append(stream.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        push_pull()
+    finally:
+        done.set()
+        sampler.join()
+        stream.close()
+    return marks
 
 
 def test_a_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(job_id):
@@ -154,29 +203,32 @@ def test_a_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(
     overflows the buffer's accounting and drops packets (README, "A low-water mark under the locked receive
     buffer"). Sampled from a duplicate of the client's stream socket during a 12 MiB reply."""
     servers = start_servers(1)
-    marks: list[int] = []
+    big = torch.ones(3 << 20)  # 12 MiB: one frame, under the server's 16 MiB bound
     try:
         with Client([servers[0].address], job_id, 0, 1, timeout=60, receive_buffer_bytes=[24_000]) as c:
             assert c.stream_ready(0)
             stream = _stream_socket(48_000)  # the kernel stores twice the value asked for
-            done = threading.Event()
-
-            def sample():
-                while not done.is_set():
-                    marks.append(stream.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
-
-            sampler = threading.Thread(target=sample)
-            sampler.start()
-            try:
-                big = torch.ones(3 << 20)  # 12 MiB: one frame, under the server's 16 MiB bound
-                assert torch.equal(c.push_pull(big, 0, server=0).wait(), big)
-            finally:
-                done.set()
-                sampler.join()
-                stream.close()
+            marks = _sample_low_water(stream, lambda: _check_push_pull(c, big))
     finally:
         stop_servers(servers)
     assert max(marks) > 1, "never sampled the client waiting for a frame's rest"
+    assert max(marks) <= 12_000, sorted(set(marks))[-5:]
+
+
+def test_a_servers_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(job_id):
+    """The same cap on the server's side (`bps-server --receive-buffer-bytes`): while a 12 MiB push arrives, the
+    server's stream waits for at most a quarter of its locked buffer. Sampled from a duplicate of the server
+    process's accepted socket (pidfd_getfd)."""
+    servers = start_servers(1, extra_args=("--receive-buffer-bytes", "24000"))
+    big = torch.ones(3 << 20)
+    try:
+        with Client([servers[0].address], job_id, 0, 1, timeout=60) as c:
+            assert c.stream_ready(0)
+            stream = _stream_socket(48_000, servers[0].proc.pid)
+            marks = _sample_low_water(stream, lambda: _check_push_pull(c, big))
+    finally:
+        stop_servers(servers)
+    assert max(marks) > 1, "never sampled the server waiting for a frame's rest"
     assert max(marks) <= 12_000, sorted(set(marks))[-5:]
 
 

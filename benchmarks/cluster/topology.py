@@ -41,6 +41,9 @@ TCP_LOSS_COUNTERS = {
     # A receive queue past its buffer's accounting: compacted (a copy), then packets dropped at the receiver.
     "TcpExt:TCPRcvCollapsed": "collapsed",
     "TcpExt:TCPRcvQDrop": "receive-queue drops",
+    # Not a loss: a receiver advertised a zero window, its reading thread behind the bytes (small locked windows).
+    "TcpExt:TCPToZeroWindowAdv": "zero windows",
+    "TcpExt:TCPZeroWindowDrop": "zero-window drops",  # segments a full receive window turned away
 }
 
 
