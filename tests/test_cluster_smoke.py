@@ -129,14 +129,15 @@ def test_scaling_model_interpolates_the_measured_worker_costs():
 
 @needs_netns
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode,by_share", [("rounds", False), ("free", False), ("free", True)])
-def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode, by_share):
+@pytest.mark.parametrize("mode,by_share,lead", [("rounds", False, 0), ("free", False, 0), ("free", True, 0),
+                                                ("rounds", True, 128 << 10)])  # fmt: skip
+def test_plain_tcp_runner_moves_a_steps_bytes_at_the_links_pace(mode, by_share, lead):
     """The step's bytes over the shaped links can take no less than t_opt (minus the tbf burst); a runner that
-    dropped a flow or a step would come in under it."""
+    dropped a flow or a step would come in under it, and one whose servers' lead locked them up would time out."""
     size, rate = 4 << 20, 500
     with Cluster(n_workers=2, n_servers=1, rate_mbit=rate) as cluster:
         job = byteps.BytepsJob(cluster, tuple(cluster.workers), tuple(cluster.servers), size, 3, 1, 60.0)
-        got = tcp_matrix.run_tcp_matrix(job, mode=mode, buffers_by_share=by_share)
+        got = tcp_matrix.run_tcp_matrix(job, mode=mode, buffers_by_share=by_share, lead_bytes=lead)
     ratio = got.seconds_per_step / theory.t_opt_s(2, 1, size, rate * 1e6)
     assert 0.9 < ratio < 3.0, ratio
     assert set(got.cpu) == {"w0", "w1", *(f"{h} server (whole run)" for h in ("s0", "w0", "w1"))}
@@ -152,6 +153,38 @@ def test_plain_tcp_worker_names_the_server_it_cannot_reach():
         port = s.getsockname()[1]
     done = _tcp_matrix("push", "--servers", f"127.0.0.1:{port}:1000", "--timeout", "1")
     assert done.returncode != 0 and f"no connection to server 127.0.0.1:{port}" in done.stderr
+
+
+def test_plain_tcp_server_reads_no_worker_further_than_the_lead_ahead_of_the_slowest():
+    """With --lead-bytes a server stops reading a worker that far ahead of another which sent nothing yet: the
+    unread bytes fill both ends' buffers and the worker's writes stop, well short of its step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lead, buffer = 64 << 10, 16 << 10
+    argv = [tcp_matrix.program(), "serve", "--port", str(port), "--workers", "2", "--bytes", str(8 << 20), "--steps",
+            "1", "--warmup", "0", "--lead-bytes", str(lead), "--socket-buffer-bytes", str(buffer), "--timeout", "5"]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "tcp_matrix serving"
+        fast = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)  # connected, sends nothing
+        fast.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+        fast.setblocking(False)
+        sent, chunk, end = 0, b"x" * (64 << 10), time.monotonic() + 2.0
+        while time.monotonic() < end:
+            try:
+                sent += fast.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.01)
+        _, err = server.communicate(timeout=20)
+        fast.close()
+        slow.close()
+    finally:
+        server.kill()
+    assert "not done by the deadline" in err, err  # the slow worker never pushed: the server gives up, naming it
+    # The lead, the two ends' buffers (the kernel doubles each) and what loopback's skb accounting lets in over them.
+    assert 0 < sent <= lead + 8 * buffer + (256 << 10), sent
 
 
 def test_plain_tcp_server_names_a_worker_that_quits_early():

@@ -66,6 +66,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 0: not paced)",
     )
     p.add_argument(
+        "--tcp-lead",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="tcp-rounds: a server reads no worker's pushes more than BYTES ahead of the slowest worker's (default 0: "
+        "no limit)",
+    )
+    p.add_argument(
+        "--tcp-partition-bytes",
+        type=int,
+        default=128 << 10,
+        metavar="BYTES",
+        help="plain TCP runners: the partition whose replies a round releases (default 131072, the library's floor)",
+    )
+    p.add_argument(
         "--tcp-buffers-by-share",
         action="store_true",
         help="plain TCP runners: each connection's socket buffers in proportion to its server's share of the bytes",
@@ -180,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
                                    socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace,
-                                   buffers_by_share=args.tcp_buffers_by_share)  # fmt: skip
+                                   buffers_by_share=args.tcp_buffers_by_share, lead_bytes=args.tcp_lead,
+                                   partition_bytes=args.tcp_partition_bytes)  # fmt: skip
     try:
         result = run(plan, runner)
     except KeyboardInterrupt:  # the cluster's __exit__ has already removed everything by now
@@ -190,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         runner=args.runner,
         tcp_pace=args.tcp_pace,
         tcp_buffers_by_share=args.tcp_buffers_by_share,
+        tcp_lead=args.tcp_lead,
+        tcp_partition_bytes=args.tcp_partition_bytes,
         equal_receive_buffers=args.equal_receive_buffers,
         server_receive_buffers=args.server_receive_buffers,
         placement=args.placement,

@@ -47,7 +47,7 @@ def program() -> str:
 
 def run_tcp_matrix(
     job: BytepsJob, mode: str = "rounds", partition_bytes: int = 128 << 10, socket_buffer_bytes: int = -1,
-    port: int = 9100, pace: float = 0.0, buffers_by_share: bool = False,
+    port: int = 9100, pace: float = 0.0, buffers_by_share: bool = False, lead_bytes: int = 0,
 ) -> StepTime:  # fmt: skip
     """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.c).
 
@@ -57,6 +57,8 @@ def run_tcp_matrix(
     TCP's sharing of a link between its connections does not give them (README, "Plain TCP on a step's bytes").
     `buffers_by_share` sizes each connection's buffers (both ends) in proportion to its server's share of the bytes
     instead: socket_buffer_bytes x share x effective servers (1 / sum share^2), so that the windows share each link.
+    `lead_bytes` > 0 (rounds): a server reads no worker's pushes more than that ahead of the slowest worker's, and
+    the unread bytes close that worker's window: the server's receive window as a grant.
     """
     binary = program()
     n, k = len(job.workers), job.k
@@ -70,7 +72,8 @@ def run_tcp_matrix(
     steps = job.warmup + job.steps
     pace_seconds = pace * theory.t_opt_s(n, k, job.size_bytes, job.cluster.shaping.rate_mbit * 1e6)
     common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
-              "--partition-bytes", str(partition_bytes), "--pace-seconds", str(pace_seconds)]  # fmt: skip
+              "--partition-bytes", str(partition_bytes), "--pace-seconds", str(pace_seconds),
+              "--lead-bytes", str(lead_bytes)]  # fmt: skip
     effective = placement.effective_servers(n, k)
     buffers = [int(socket_buffer_bytes * share * effective) if buffers_by_share else socket_buffer_bytes
                for share in shares]  # fmt: skip

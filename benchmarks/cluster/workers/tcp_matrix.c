@@ -6,6 +6,7 @@
 //   tcp_matrix push --servers 10.77.0.101:9100:4194304[:buffer bytes],... [common options]
 //   common: --mode rounds|free --steps 7 --warmup 2 --partition-bytes 131072 --socket-buffer-bytes 0 --timeout 300
 //           --pace-seconds 0 (> 0: every connection paced at its step bytes / this, SO_MAX_PACING_RATE)
+//           --lead-bytes 0 (serve, > 0: read no worker's pushes more than this ahead of the slowest worker's)
 //
 // A `serve` process stands where a summation server stands and a `push` process where a worker does, one
 // connection per worker and server (as ours). Every step, a worker writes each server its share of the bytes and
@@ -13,6 +14,8 @@
 // - rounds: a server sends back a partition of a step only once every worker on another host has pushed it (the
 //   worker on its own host never crosses a link), and a worker pushes a step once it has every reply of the one
 //   before: a round's dependency and nothing else of ours.
+//   With --lead-bytes a server also stops reading a worker that is that far ahead of the slowest one: the
+//   unread bytes close its window, and its link's share goes to the others (a grant, in TCP's terms).
 // - free: servers send back from the start and workers push every step at once: the traffic matrix alone. Every
 //   step is timed, from the worker's first reply byte (the servers start once every worker is connected).
 // Prints "tcp_matrix serving" once listening, then one `RESULT {json}` line: the worker's seconds per timed step
@@ -40,7 +43,7 @@ enum { kMaxFlows = 512, kChunk = 1 << 18 };
 typedef struct {
   int fd;
   char name[96];
-  int64_t sent, received, may_send, expect, share;
+  int64_t sent, received, may_send, may_receive, expect, share;
 } Flow;
 
 static char zeros[kChunk], sink[kChunk];
@@ -91,8 +94,9 @@ static void tune(int fd, int buffer_bytes) {
 // Move all a flow's socket takes and gives now; a peer that closes early is an error naming it.
 static void pump(Flow* f, short revents) {
   if (revents & (POLLIN | POLLHUP | POLLERR)) {
-    while (f->received < f->expect) {
-      ssize_t got = recv(f->fd, sink, kChunk, MSG_DONTWAIT);
+    while (f->received < f->may_receive) {
+      int64_t room = f->may_receive - f->received;
+      ssize_t got = recv(f->fd, sink, room < kChunk ? room : kChunk, MSG_DONTWAIT);
       if (got == 0) die("%s closed after %lld bytes", f->name, (long long)f->received);
       if (got < 0) {
         if (errno == EAGAIN || errno == EINTR) break;
@@ -119,7 +123,7 @@ typedef struct {
   const char* mode;
   const char* servers;
   int port, workers, steps, warmup, buffer_bytes;
-  int64_t bytes, partition;
+  int64_t bytes, partition, lead;
   double timeout, pace_seconds;
 } Args;
 
@@ -139,7 +143,7 @@ static void run(Flow* flows, int n, const Args* a, Rule rule, void* state, doubl
     if (rule(flows, n, a, state)) return;
     for (int i = 0; i < n; ++i) {
       p[i].fd = flows[i].fd;
-      p[i].events = (flows[i].received < flows[i].expect ? POLLIN : 0) | (flows[i].sent < flows[i].may_send ? POLLOUT : 0);
+      p[i].events = (flows[i].received < flows[i].may_receive ? POLLIN : 0) | (flows[i].sent < flows[i].may_send ? POLLOUT : 0);
       if (!p[i].events) p[i].fd = -1;  // nothing to read or write: its peer's close is no error
     }
     double left = deadline - now();
@@ -172,6 +176,7 @@ static int serve_rule(Flow* flows, int n, const Args* a, void* state) {
   int done = 1;
   for (int i = 0; i < n; ++i) {
     flows[i].may_send = allowed;
+    flows[i].may_receive = a->lead > 0 && least + a->lead < total ? least + a->lead : total;
     done &= flows[i].sent == total && flows[i].received == total;
   }
   return done;
@@ -206,6 +211,7 @@ static int push_rule(Flow* flows, int n, const Args* a, void* state) {
   int done = s->ended == a->steps;
   for (int i = 0; i < n; ++i) {
     flows[i].may_send = (int64_t)pushed * flows[i].share;
+    flows[i].may_receive = flows[i].expect;
     done &= flows[i].sent == flows[i].may_send;
   }
   return done;
@@ -312,12 +318,14 @@ int main(int argc, char** argv) {
     else if (!strcmp(k, "--socket-buffer-bytes")) a.buffer_bytes = atoi(v);
     else if (!strcmp(k, "--timeout")) a.timeout = atof(v);
     else if (!strcmp(k, "--pace-seconds")) a.pace_seconds = atof(v);
+    else if (!strcmp(k, "--lead-bytes")) a.lead = atoll(v);
     else die("unknown option %s", k);
   }
   if (strcmp(a.mode, "rounds") && strcmp(a.mode, "free")) die("--mode %s: want rounds or free", a.mode);
   if (a.steps < 1 || a.steps > 1024 || a.warmup < 0 || a.warmup >= a.steps)
     die("--steps %d, --warmup %d: want 0 <= warmup < steps <= 1024", a.steps, a.warmup);
-  if (a.partition <= 0 || !(a.timeout > 0)) die("--partition-bytes and --timeout must be positive");
+  if (a.partition <= 0 || !(a.timeout > 0) || a.lead < 0)
+    die("--partition-bytes and --timeout must be positive, --lead-bytes not negative");
   if (!strcmp(a.role, "serve")) {
     if (a.port <= 0 || a.workers <= 0 || a.workers > kMaxFlows || a.bytes <= 0)
       die("serve needs --port, --workers (1..%d) and --bytes", kMaxFlows);
