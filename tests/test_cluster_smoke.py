@@ -162,8 +162,9 @@ def test_plain_tcp_server_reads_no_worker_further_than_the_lead_ahead_of_the_slo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     lead, buffer = 64 << 10, 16 << 10
-    argv = [tcp_matrix.program(), "serve", "--port", str(port), "--workers", "2", "--bytes", str(8 << 20), "--steps",
-            "1", "--warmup", "0", "--lead-bytes", str(lead), "--socket-buffer-bytes", str(buffer), "--timeout", "5"]  # fmt: skip
+    argv = [tcp_matrix.program(), "serve", "--port", str(port), "--workers", "2", "--bytes", str(8 << 20),
+            "--steps", "1", "--warmup", "0", "--lead-bytes", str(lead), "--socket-buffer-bytes", str(buffer),
+            "--timeout", "5"]  # fmt: skip
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "tcp_matrix serving"
