@@ -9,7 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_MIN_PARTITION_BYTES, Config, default_credit_bytes
+from torch_bps.config import (
+    DEFAULT_CREDIT_BYTES,
+    DEFAULT_MIN_PARTITION_BYTES,
+    SMALLEST_PARTITION_BYTES,
+    Config,
+    default_credit_bytes,
+)
 from torch_bps.engine.partition import KeyBook, cut, cut_mixed
 from torch_bps.engine.placement import (
     MIN_RECEIVE_WINDOW,
@@ -141,8 +147,24 @@ def test_partition_size_shrinks_so_every_server_pipelines():
 def test_the_partition_floor_is_a_setting(monkeypatch):
     monkeypatch.setenv("BPS_MIN_PARTITION_BYTES", "65536")
     assert Config.resolve().min_partition_bytes == 65536
+    assert Config.resolve(socket_buffer_bytes=30_000).partition_floor() == 65536  # set, it wins
     with pytest.raises(ConfigError, match="min_partition_bytes=10"):
         Config.resolve(min_partition_bytes=10)
+
+
+def test_the_partition_floor_follows_the_socket_buffers_when_they_are_set():
+    """Unset, 128 KiB; under socket buffers of a link's queue share, that share (not under 16 KiB): a partition in
+    flight toward every server then fits what the buffers were sized to. At n = 8, k = 4 (29.7 KB buffers, a
+    colocated server's share 4.5% of 32 MiB) the engine cuts 29.7 KB partitions where it cut 128 KiB."""
+    assert Config.resolve().partition_floor() == DEFAULT_MIN_PARTITION_BYTES
+    assert Config.resolve(socket_buffer_bytes=29_700).partition_floor() == 29_700
+    assert Config.resolve(socket_buffer_bytes=4096).partition_floor() == SMALLEST_PARTITION_BYTES
+    assert Config.resolve(socket_buffer_bytes=1 << 20).partition_floor() == DEFAULT_MIN_PARTITION_BYTES
+    servers = server_weights([f"c{i}:1" for i in range(8)], [f"d{i}:1" for i in range(4)])
+    floor = Config.resolve(socket_buffer_bytes=29_700).partition_floor()
+    book = KeyBook(Placement(servers), 4_096_000, lambda n: [(0, n)], min_partition_bytes=floor)
+    assert book.partition_size(32 << 20) == 29_700
+    assert KeyBook(Placement(servers), 4_096_000, lambda n: [(0, n)]).partition_size(32 << 20) == 128 << 10
 
 
 def test_the_middle_factor_is_a_setting_and_the_credit_grows_with_it_with_dedicated_servers(monkeypatch):

@@ -19,8 +19,11 @@ from torch_bps.errors import ConfigError
 # fixed size serves every link: 1 MiB suits 250-500 Mbit/s and starves 2 Gbit/s, where 2 MiB suits (README,
 # "Credit and partition size, measured on the links").
 DEFAULT_CREDIT_BYTES = 2 << 20
-# The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen).
+# The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen), unless
+# socket buffers are set (Config.partition_floor).
 DEFAULT_MIN_PARTITION_BYTES = 128 << 10
+# The floor's floor when the socket buffers set it: under this, messages cost more CPU than fill and drain.
+SMALLEST_PARTITION_BYTES = 16 << 10
 
 
 def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
@@ -91,9 +94,8 @@ class Config:
     partition_bytes: int = field(default=4_096_000, metadata={"env": "BPS_PARTITION_BYTES", "parse": int})
     # Tensors are cut finer than partition_bytes so every server gets many partitions (the pipeline fills
     # and drains sooner), but never below this: each message costs CPU (torch_bps.engine.partition).
-    min_partition_bytes: int = field(
-        default=DEFAULT_MIN_PARTITION_BYTES, metadata={"env": "BPS_MIN_PARTITION_BYTES", "parse": int}
-    )
+    # 0: partition_floor() chooses.
+    min_partition_bytes: int = field(default=0, metadata={"env": "BPS_MIN_PARTITION_BYTES", "parse": int})
     # A tensor's middle partitions are this many times the size of its first and last ones (up to
     # partition_bytes): fewer messages, the same fill and drain (torch_bps.engine.partition). 1: all one size.
     middle_partition_factor: int = field(default=1, metadata={"env": "BPS_MIDDLE_PARTITION_FACTOR", "parse": int})
@@ -138,6 +140,24 @@ class Config:
     )
     # How long a failover waits for a standby server to register when none is free (0: take what remains).
     standby_wait: float = field(default=0.0, metadata={"env": "BPS_STANDBY_WAIT", "parse": float})
+
+    def partition_floor(self) -> int:
+        """Return the smallest partition: min_partition_bytes if set; else DEFAULT_MIN_PARTITION_BYTES, or the socket
+        buffer if one is set and smaller (not under SMALLEST_PARTITION_BYTES).
+
+        Why, measured rather than derived: socket buffers are set where a link's queue is small for its
+        connections (about queue / (3 x connections)), and there the partitions' size paced the step. At n = 8,
+        250 Mbit/s (buffers of 29.7-31.5 KB) a 32 KiB floor took k = 4 and 6 from 1.17-1.21 to 1.10-1.13 x t_opt in
+        five runs each, k = 0 and 8 unchanged, for 50-100% more of our CPU there; 48 KiB did not, nor 64 KiB at
+        k = 6 (README, "A partition floor under the socket buffer"). Each worker's credit keeps a partition in
+        flight toward every server, and smaller ones made it 0.6 MB instead of 1.8-2.2. With the kernel's
+        buffers nothing changes: on fast links messages cost more than fill and drain (docs/scaling.md).
+        """
+        if self.min_partition_bytes:
+            return self.min_partition_bytes
+        if self.socket_buffer_bytes:
+            return max(SMALLEST_PARTITION_BYTES, min(DEFAULT_MIN_PARTITION_BYTES, self.socket_buffer_bytes))
+        return DEFAULT_MIN_PARTITION_BYTES
 
     def credit(self, *, dedicated: bool) -> int:
         """Return the credit of bytes in flight per worker: credit_bytes, else the default for this cut and servers.
@@ -193,9 +213,10 @@ class Config:
             raise ConfigError(
                 f"heartbeat_interval={self.heartbeat_interval} must be below heartbeat_timeout={self.heartbeat_timeout}"
             )
-        if self.partition_bytes < 64 or self.min_partition_bytes < 64:
+        if self.partition_bytes < 64 or not (self.min_partition_bytes == 0 or self.min_partition_bytes >= 64):
             raise ConfigError(
-                f"partition_bytes={self.partition_bytes}, min_partition_bytes={self.min_partition_bytes}: at least 64"
+                f"partition_bytes={self.partition_bytes}, min_partition_bytes={self.min_partition_bytes}: at least 64 "
+                "(min_partition_bytes 0: chosen by partition_floor())"
             )
         if self.middle_partition_factor < 1:
             raise ConfigError(f"middle_partition_factor={self.middle_partition_factor}: at least 1 (1: one size)")

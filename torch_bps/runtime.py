@@ -158,7 +158,7 @@ class Runtime:
             Placement(weights),
             config.partition_bytes,
             (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
-            min_partition_bytes=config.min_partition_bytes,
+            min_partition_bytes=config.partition_floor(),
             middle_factor=config.middle_partition_factor,
         )
         engine = PushPullEngine(client, keys, local=local, local_rank=topology.local_rank, timeout=config.timeout,

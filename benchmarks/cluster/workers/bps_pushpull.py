@@ -67,7 +67,7 @@ def library_engine(client, n: int, k: int, servers: list[str], partition_bytes: 
         Placement(library_servers(servers, k)),
         partition_bytes,
         lambda numel: [(0, numel)],
-        min_partition_bytes=config.min_partition_bytes,
+        min_partition_bytes=config.partition_floor(),
         middle_factor=config.middle_partition_factor,
     )
     return PushPullEngine(client, keys)
