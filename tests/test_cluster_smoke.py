@@ -168,19 +168,19 @@ def test_plain_tcp_server_reads_no_worker_further_than_the_lead_ahead_of_the_slo
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "tcp_matrix serving"
-        fast = socket.create_connection(("127.0.0.1", port), timeout=10)
-        slow = socket.create_connection(("127.0.0.1", port), timeout=10)  # connected, sends nothing
-        fast.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-        fast.setblocking(False)
-        sent, chunk, end = 0, b"x" * (64 << 10), time.monotonic() + 2.0
-        while time.monotonic() < end:
-            try:
-                sent += fast.send(chunk)
-            except BlockingIOError:
-                time.sleep(0.01)
-        _, err = server.communicate(timeout=20)
-        fast.close()
-        slow.close()
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as fast,
+            socket.create_connection(("127.0.0.1", port), timeout=10),  # the slow one: connected, sends nothing
+        ):
+            fast.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
+            fast.setblocking(False)
+            sent, chunk, end = 0, b"x" * (64 << 10), time.monotonic() + 2.0
+            while time.monotonic() < end:
+                try:
+                    sent += fast.send(chunk)
+                except BlockingIOError:
+                    time.sleep(0.01)
+            _, err = server.communicate(timeout=20)
     finally:
         server.kill()
     assert "not done by the deadline" in err, err  # the slow worker never pushed: the server gives up, naming it
