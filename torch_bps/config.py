@@ -213,7 +213,7 @@ class Config:
             raise ConfigError(
                 f"heartbeat_interval={self.heartbeat_interval} must be below heartbeat_timeout={self.heartbeat_timeout}"
             )
-        if self.partition_bytes < 64 or not (self.min_partition_bytes == 0 or self.min_partition_bytes >= 64):
+        if self.partition_bytes < 64 or self.min_partition_bytes < 0 or 0 < self.min_partition_bytes < 64:
             raise ConfigError(
                 f"partition_bytes={self.partition_bytes}, min_partition_bytes={self.min_partition_bytes}: at least 64 "
                 "(min_partition_bytes 0: chosen by partition_floor())"
