@@ -186,12 +186,14 @@ def run_torch_bps(
     finally:
         for p in server_procs:
             p.kill()
-    # Per worker host, beside its CPU: how many of its servers it reached over a stream, and its credit at the end.
+    # Per worker host, beside its CPU: how many of its servers it reached over a stream, its credit at the end and
+    # its timed steps' seconds.
     cpu = {
         h.name: {
             **r["cpu"],
             "streams_ready": sum(r.get("streams", [])),
             "credit_bytes": r.get("scheduler", {}).get("credit_bytes"),
+            "steps_s": r.get("steps"),
         }
         for h, r in zip(job.workers, results, strict=True)
     }

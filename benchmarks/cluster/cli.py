@@ -22,6 +22,9 @@ from benchmarks.cluster.ddp import DdpSpec
 from benchmarks.cluster.sweep import Plan, run
 from benchmarks.cluster.tcp_matrix import run_tcp_matrix
 
+# Untimed steps: torch_bps's KeyBook gives 4 concurrent calls of one size distinct keys (slots), so the first rounds of
+# every slot (new keys on the servers, new plans and the garbage collection they bring) are over after 5.
+WARMUP = 5
 QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "repeats": 1, "calibration_s": 2.0, "ddp_layers": 3}
 
 
@@ -37,7 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-mb", type=float, help="MiB summed per step (default 64; --quick 16)")
     p.add_argument("--rate", type=float, default=500.0, help="link rate B in Mbit/s, each direction (default 500)")
     p.add_argument("--steps", type=int, help="timed steps per measurement (default 5; --quick 3)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (default 2; --quick 1)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help="untimed steps first (default 5: every torch_bps key slot has had its first round; --quick 1)",
+    )
     p.add_argument(
         "--repeats", type=int, help="runs per gloo, byteps and DDP point, the median is reported (default 3; --quick 1)"
     )
@@ -155,7 +162,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ks = (0, n) if args.quick else tuple(range(n + 1))
     if any(k < 0 for k in ks):
         raise SystemExit(f"--ks {args.ks}: k must be >= 0")
-    steps, warmup = pick(args.steps, "steps", 5), pick(args.warmup, "warmup", 2)
+    steps, warmup = pick(args.steps, "steps", 5), pick(args.warmup, "warmup", WARMUP)
     model = DdpSpec(hidden=args.ddp_hidden, layers=pick(args.ddp_layers, "ddp_layers", 6), batch=args.ddp_batch,
                     steps=steps, warmup=warmup)  # fmt: skip
     return Plan(

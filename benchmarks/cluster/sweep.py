@@ -36,7 +36,7 @@ class Plan:
     size_bytes: int = 64 << 20
     rate_mbit: float = 500.0
     steps: int = 5
-    warmup: int = 2
+    warmup: int = 5
     repeats: int = 3  # runs per gloo, byteps and DDP point (fresh processes each); the median run is reported
     gloo: bool = True  # the gloo all_reduce point (off: A/B runs of byteps settings, ~30 s less at n = 8)
     calibration_s: float = 3.0
@@ -127,7 +127,7 @@ def measure_gloo(cluster: Cluster, plan: Plan, store_port: int = 29500) -> dict:
     return {
         "seconds_per_step": max(r["seconds_per_step"] for r in results),
         "machine_busy": max(r["cpu"]["machine_busy"] for r in results),
-        "cpu": {h.name: r["cpu"] for h, r in zip(cluster.workers, results, strict=True)},
+        "cpu": {h.name: {**r["cpu"], "steps_s": r["steps"]} for h, r in zip(cluster.workers, results, strict=True)},
     }
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 
 from benchmarks.cluster import placement
 from benchmarks.cluster.cpu import CpuWindow
-from benchmarks.cluster.workers.common import emit, fail
+from benchmarks.cluster.workers.common import emit, fail, settle, timed_steps
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights
 
 
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", required=True, help="comma-separated ip:port: k dedicated, then n colocated")
     p.add_argument("--size-bytes", type=int, required=True)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps, the sum's check included")
     p.add_argument("--placement", choices=["engine", "exact", "library"], default="engine")
     p.add_argument("--equal-receive-buffers", action="store_true",
                    help="every server's receive buffer BPS_SOCKET_BUFFER_BYTES, not sized by its share")  # fmt: skip
@@ -137,15 +136,14 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"worker {args.worker}: push_pull summed wrong: want {want}, got e.g. {tensor[0].item()}")
         for _ in range(args.warmup - 1):
             step()
+        settle()
         path = os.path.join(args.trace, f"worker-{args.worker}.json")
         with recording(client, path, f"worker {args.worker}") if args.trace else contextlib.nullcontext():
             cpu = CpuWindow().start()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            elapsed = time.perf_counter() - start
+            steps = timed_steps(step, args.steps)
             cpu = cpu.stop()
-        result = {"worker": args.worker, "seconds_per_step": elapsed / args.steps, "cpu": cpu}
+        result = {"worker": args.worker, "seconds_per_step": sum(steps) / args.steps, "cpu": cpu}
+        result["steps"] = [round(s, 4) for s in steps]
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
                       scheduler=client.scheduler_stats(),
                       streams=[client.stream_ready(i) for i in range(len(addresses))])  # fmt: skip

@@ -5,8 +5,12 @@ May import: the standard library, torch (lazily) and benchmarks.cluster.cpu.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 
@@ -21,6 +25,27 @@ def store(addr: str, rank: int, world: int, timeout_s: float):
 
     host, _, port = addr.rpartition(":")
     return dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+
+
+def settle() -> None:
+    """Collect Python's garbage before the timed steps, as `timeit` does, in every runner alike.
+
+    Why: the warm-up builds what the timed steps reuse (torch_bps's partition plans, one per key slot), and the
+    objects it leaves behind make a full collection due soon after. One ran in a worker's main thread while it
+    handed a step's partitions down and held that step back ~340 ms at n = 8, 250 Mbit/s (a 166k-object heap, ~75
+    ms on an idle machine): once per run, 4% of five steps. A training job pays it once, not once in five steps.
+    """
+    gc.collect()
+
+
+def timed_steps(step: Callable[[], None], count: int) -> list[float]:
+    """Run step() count times; return each one's seconds (a step slowed by something passing shows in them:
+    on these machines one every ~10 s, in gloo's runs as in ours)."""
+    ends = [time.perf_counter()]
+    for _ in range(count):
+        step()
+        ends.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(ends)]
 
 
 def fail(message: str, code: int = 2) -> None:

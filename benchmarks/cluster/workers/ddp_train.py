@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 
 from benchmarks.cluster.cpu import CpuWindow
-from benchmarks.cluster.workers.common import emit, fail, store
+from benchmarks.cluster.workers.common import emit, fail, settle, store
 
 UNAVAILABLE_EXIT = 3
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp", help="DDP, or FSDP2 fully_shard")
     args = p.parse_args(argv)
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for _ in range(args.warmup):
         step()
+    settle()
     dist.barrier(group=sync)
     calls.clear()
     servers0 = fsdp_bytes.server_bytes() if counts_servers else 0

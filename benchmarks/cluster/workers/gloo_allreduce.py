@@ -11,11 +11,10 @@ May import: the standard library, torch and benchmarks.cluster.{cpu,workers.comm
 from __future__ import annotations
 
 import argparse
-import time
 from datetime import timedelta
 
 from benchmarks.cluster.cpu import CpuWindow
-from benchmarks.cluster.workers.common import emit, store
+from benchmarks.cluster.workers.common import emit, settle, store, timed_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True, help="ip:port of the TCPStore, hosted by rank 0")
     p.add_argument("--size-bytes", type=int, required=True)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
 
@@ -41,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     tensor = torch.ones(args.size_bytes // 4, dtype=torch.float32)
     for _ in range(args.warmup):
         dist.all_reduce(tensor)
+    settle()
     dist.barrier()
     cpu = CpuWindow().start()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        dist.all_reduce(tensor)
-    elapsed = time.perf_counter() - start
-    emit({"rank": args.rank, "seconds_per_step": elapsed / args.steps, "cpu": cpu.stop()})
+    steps = timed_steps(lambda: dist.all_reduce(tensor), args.steps)
+    cpu = cpu.stop()
+    emit({"rank": args.rank, "seconds_per_step": sum(steps) / args.steps, "steps": [round(s, 4) for s in steps],
+          "cpu": cpu})  # fmt: skip
     dist.destroy_process_group()
     return 0
 
