@@ -32,6 +32,7 @@ from benchmarks.cluster import (
 )
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
+from benchmarks.cluster.errors import NamespaceError
 from benchmarks.cluster.topology import Cluster
 from benchmarks.cluster.workers import ddp_train
 
@@ -58,6 +59,25 @@ def test_two_workers_one_server_exchange_bytes_and_leave_nothing():
     spaces, links = _ours(run_id)
     assert spaces == [] and links == ""
     assert not os.path.exists(netns.pidfile_path(run_id))
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_every_host_runs_the_congestion_control_asked_for_and_a_refused_one_is_named():
+    machine = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    allowed = open("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read().split()
+    wanted = next((cc for cc in allowed if cc != machine), None)
+    if wanted is None:
+        pytest.skip(f"no congestion control other than the machine's {machine} may be chosen in a namespace")
+    with Cluster(n_workers=2, n_servers=1, tcp_congestion=wanted) as cluster:
+        assert cluster.congestion_control() == wanted
+        for host in cluster.hosts:
+            path = "/proc/sys/net/ipv4/tcp_congestion_control"
+            assert netns.ip("netns", "exec", host.netns, "cat", path).strip() == wanted, host
+    assert open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip() == machine  # the root is untouched
+    with pytest.raises(NamespaceError, match="'no-such-cc' cannot be set in bps-w0-.*tcp_allowed_congestion_control"):
+        with Cluster(n_workers=1, n_servers=0, tcp_congestion="no-such-cc"):
+            pass
 
 
 @needs_netns

@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", help="comma-separated k values to sweep (default 0..n; --quick 0,n)")
     p.add_argument("--size-mb", type=float, help="MiB summed per step (default 64; --quick 16)")
     p.add_argument("--rate", type=float, default=500.0, help="link rate B in Mbit/s, each direction (default 500)")
+    p.add_argument(
+        "--tcp-congestion",
+        default="reno",
+        help="every host's TCP congestion control (default reno; '' keeps the machine's: bbr here, as in every run "
+        "before 2026-11-27)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per measurement (default 5; --quick 3)")
     p.add_argument(
         "--warmup",
@@ -170,6 +176,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ks=ks,
         size_bytes=int(pick(args.size_mb, "size_mb", 64.0) * 2**20) // 4 * 4,
         rate_mbit=args.rate,
+        tcp_congestion=args.tcp_congestion,
         steps=steps,
         warmup=warmup,
         repeats=max(1, pick(args.repeats, "repeats", 3)),

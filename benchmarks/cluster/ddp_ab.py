@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--workers", type=int, default=4)
     p.add_argument("-k", "--servers", type=int, default=4, help="dedicated server hosts (default 4)")
     p.add_argument("--rate", type=float, default=500.0, help="link rate in Mbit/s (default 500)")
+    p.add_argument("--tcp-congestion", default="reno", help="as benchmarks.cluster's (default reno; '': the machine's)")
     args = p.parse_args(argv)
     spec = DdpSpec(timeout_s=300.0)
     runs: dict[str, list[float]] = {name: [] for name, _ in args.variants}
-    with Cluster(args.workers, args.servers, args.rate) as cluster:
+    with Cluster(args.workers, args.servers, args.rate, tcp_congestion=args.tcp_congestion) as cluster:
         port = 29700
         print(f"gloo {run_ddp(cluster, 'gloo', spec, port)['seconds_per_step']:.3f} s/step", flush=True)
         for r in range(args.rounds):

@@ -44,6 +44,10 @@ class Plan:
     ddp_k: int = 4  # server hosts of the byteps DDP run
     fsdp: DdpSpec | None = None  # the same MLP sharded with fully_shard: gloo once, byteps at every k of `ks`
     socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: sized to the queue)
+    # Every host's TCP congestion control ("": the machine's). Reno, loss-based as datacenter TCP (CUBIC, DCTCP)
+    # is: this machine's default, BBR, drains every flow to 4 packets for 200 ms every 10 s (PROBE_RTT) when the
+    # queues keep the RTT up, which slowed one step of ~6 in every runner, gloo's and plain TCP's included.
+    tcp_congestion: str = "reno"
 
     @property
     def rate_bps(self) -> float:
@@ -70,11 +74,13 @@ def run(plan: Plan, byteps_runner: BytepsRunner = run_torch_bps, progress: Calla
     # Other jobs on the machine compete for its cores: measure them once so the report can say so.
     report: dict = {"plan": _plan_dict(plan), "errors": [], "background_busy": machine_busy_over(1.0)}
     n_servers = max([*plan.ks, plan.ddp_k if plan.ddp else 0])
-    with Cluster(plan.n, n_servers, plan.rate_mbit) as cluster:
+    with Cluster(plan.n, n_servers, plan.rate_mbit, tcp_congestion=plan.tcp_congestion) as cluster:
         s = cluster.shaping
+        report["tcp_congestion"] = cluster.congestion_control()
         say(
             f"cluster {cluster.run_id}: {plan.n} workers + {len(cluster.servers)} server hosts, tbf "
-            f"{s.rate_mbit:g} Mbit/s burst {s.burst_bytes} B limit {s.limit_bytes} B per direction"
+            f"{s.rate_mbit:g} Mbit/s burst {s.burst_bytes} B limit {s.limit_bytes} B per direction, TCP "
+            f"{report['tcp_congestion']}"
         )
         report["calibration"] = _guard(report, "calibration", lambda: calibrate(cluster, plan.calibration_s))
         if report["calibration"]:

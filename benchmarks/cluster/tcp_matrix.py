@@ -98,7 +98,9 @@ def run_tcp_matrix(
     finally:
         for proc in servers:
             proc.kill()
-    cpu = {h.name: r["cpu"] for h, r in zip(job.workers, results[: len(workers)], strict=True)}
+    cpu = {
+        h.name: {**r["cpu"], "steps_s": r["steps"]} for h, r in zip(job.workers, results[: len(workers)], strict=True)
+    }
     for proc, r in zip(servers, results[len(workers) :], strict=True):
         cpu[f"{proc.host} server (whole run)"] = r["cpu"]
     return StepTime(max(r["seconds_per_step"] for r in results[: len(workers)]), cpu)

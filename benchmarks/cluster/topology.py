@@ -7,7 +7,8 @@
 The bridge lives in a namespace of its own and every veth is created inside our namespaces, so the
 root namespace (the machine's real interfaces, routes, firewall) is never touched and the private
 subnet exists only inside the run. Each link is shaped with tc tbf in both directions (host egress on
-`bps0`, bridge egress on the host's port) to the same rate, like a full-duplex NIC.
+`bps0`, bridge egress on the host's port) to the same rate, like a full-duplex NIC. Each host may be given
+its own TCP congestion control (a namespace's own sysctl): the machine's default may not be a datacenter's.
 
 `Cluster` is a context manager; leaving it by any path (exception, Ctrl-C, SIGTERM, SIGHUP, interpreter
 exit) kills the processes it started and deletes every namespace it created.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pathlib
 import shutil
 import signal
 import sys
@@ -91,8 +93,10 @@ class Cluster:
     """
 
     def __init__(self, n_workers: int, n_servers: int, rate_mbit: float = 500.0, subnet: str = "10.77.0",
-                 rates: dict[str, float] | None = None):  # fmt: skip
-        """rates: host name ("w1", "s0") -> its link's rate in Mbit/s, where it differs from rate_mbit."""
+                 rates: dict[str, float] | None = None, tcp_congestion: str = ""):  # fmt: skip
+        """rates: host name ("w1", "s0") -> its link's rate in Mbit/s, where it differs from rate_mbit.
+        tcp_congestion: every host's TCP congestion control (net.ipv4.tcp_congestion_control of its namespace);
+        "": the machine's. A namespace may only choose one of the machine's tcp_allowed_congestion_control."""
         if not 1 <= n_workers <= 99 or not 0 <= n_servers <= 99:
             raise ValueError(f"need 1..99 workers and 0..99 servers, got {n_workers} and {n_servers}")
         self.run_id = netns.new_run_id()
@@ -103,6 +107,7 @@ class Cluster:
         self.servers = [self._host(f"s{j}", "server", f"{subnet}.{101 + j}") for j in range(n_servers)]
         if unknown := set(self._shapings) - {h.name for h in self.hosts}:
             raise ValueError(f"rates name hosts this cluster does not have: {sorted(unknown)}")
+        self.tcp_congestion = tcp_congestion
         self.logdir = ""
         self._created: list[str] = []
         self._procs: list[procs.Proc] = []
@@ -161,9 +166,27 @@ class Cluster:
         netns.ip("link", "set", IFNAME, "up", netns=host.netns)
         netns.ip("link", "set", port, "master", BRIDGE, netns=self.bridge_ns)
         netns.ip("link", "set", port, "up", netns=self.bridge_ns)
+        if self.tcp_congestion:
+            self._set_congestion_control(host)
         tbf = self._shapings.get(host.name, self.shaping).tbf_args()
         netns.tc("qdisc", "replace", "dev", IFNAME, "root", *tbf, netns=host.netns)  # host -> bridge
         netns.tc("qdisc", "replace", "dev", port, "root", *tbf, netns=self.bridge_ns)  # bridge -> host
+
+    def _set_congestion_control(self, host: Host) -> None:
+        try:
+            netns.ip("netns", "exec", host.netns, "sysctl", "-qw",
+                     f"net.ipv4.tcp_congestion_control={self.tcp_congestion}")  # fmt: skip
+        except NamespaceError as e:
+            allowed = pathlib.Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+            raise NamespaceError(
+                f"TCP congestion control {self.tcp_congestion!r} cannot be set in {host.netns}: a namespace of its "
+                f"own may choose one of the machine's tcp_allowed_congestion_control, here {allowed} ({e})"
+            ) from e
+
+    def congestion_control(self) -> str:
+        """The TCP congestion control the hosts' connections use (read in the first host's namespace)."""
+        path = "/proc/sys/net/ipv4/tcp_congestion_control"
+        return netns.ip("netns", "exec", self.hosts[0].netns, "cat", path).strip()
 
     def link_drops(self) -> dict[str, int]:
         """Return the packets each link's tbf dropped so far, per host and direction ("w0 up", "w0 down").

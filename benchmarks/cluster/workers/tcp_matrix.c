@@ -295,9 +295,12 @@ static void push(const Args* a) {
   double cores = (cpu_seconds() - cpu0) / (now() - wall0);
   machine_jiffies(&busy1, &total1);
   int timed = strcmp(a->mode, "free") == 0 ? a->steps : a->steps - a->warmup;
-  printf("RESULT {\"seconds_per_step\": %.6f, \"cpu\": {\"process_cores\": %.3f, \"machine_busy\": %.3f}}\n",
+  printf("RESULT {\"seconds_per_step\": %.6f, \"cpu\": {\"process_cores\": %.3f, \"machine_busy\": %.3f}, \"steps\": [",
          (steps.ends[a->steps - 1] - steps.timed_from) / timed, cores,
          (double)(busy1 - busy0) / (total1 > total0 ? total1 - total0 : 1));
+  for (int i = a->steps - timed; i < a->steps && timed < a->steps; ++i)  // rounds: each timed step's seconds
+    printf("%s%.4f", i > a->steps - timed ? ", " : "", steps.ends[i] - (i ? steps.ends[i - 1] : steps.timed_from));
+  printf("]}\n");
 }
 
 int main(int argc, char** argv) {
