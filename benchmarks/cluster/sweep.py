@@ -44,9 +44,9 @@ class Plan:
     ddp_k: int = 4  # server hosts of the byteps DDP run
     fsdp: DdpSpec | None = None  # the same MLP sharded with fully_shard: gloo once, byteps at every k of `ks`
     socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: sized to the queue)
-    # Every host's TCP congestion control ("": the machine's). Reno, loss-based as datacenter TCP (CUBIC, DCTCP)
-    # is: this machine's default, BBR, drains every flow to 4 packets for 200 ms every 10 s (PROBE_RTT) when the
-    # queues keep the RTT up, which slowed one step of ~6 in every runner, gloo's and plain TCP's included.
+    # Every host's TCP congestion control ("": the machine's). Reno is loss-based, as datacenter TCP (CUBIC, DCTCP)
+    # is. This machine's default, BBR, holds every flow at 4 packets for 200 ms every 10 s (PROBE_RTT) when the
+    # queues keep the RTT up: one step of ~6 ran 0.1-0.2 s longer in every runner, gloo's and plain TCP's included.
     tcp_congestion: str = "reno"
 
     @property

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup - 2):
             step()
         settle()
-        if args.warmup > 1:  # after the collection: a step ends for every worker at once, so the timed ones start so
+        if args.warmup > 1:  # a step ends for every worker at once: the timed steps start together
             step()
         path = os.path.join(args.trace, f"worker-{args.worker}.json")
         with recording(client, path, f"worker {args.worker}") if args.trace else contextlib.nullcontext():

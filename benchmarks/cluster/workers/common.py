@@ -39,8 +39,8 @@ def settle() -> None:
 
 
 def timed_steps(step: Callable[[], None], count: int) -> list[float]:
-    """Run step() count times; return each one's seconds (a step slowed by something passing shows in them:
-    on these machines one every ~10 s, in gloo's runs as in ours)."""
+    """Run step() count times; return each one's seconds (what slows one step shows in them: BBR's PROBE_RTT
+    every 10 s did, in every runner, until the benchmark chose Reno)."""
     ends = [time.perf_counter()]
     for _ in range(count):
         step()
