@@ -53,6 +53,11 @@ class BytepsJob:
         return len(self.servers)
 
 
+# Untimed steps of every runner: torch_bps's KeyBook gives 4 concurrent calls of one size distinct keys (slots), so
+# the first rounds of every slot (new keys on the servers, new plans and the garbage they leave) are over after 5.
+WARMUP = 5
+
+
 @dataclass(frozen=True)
 class StepTime:
     """A runner's answer: mean seconds per step of the slowest worker, CPU use per host."""

@@ -17,14 +17,11 @@ import os
 import sys
 
 from benchmarks.cluster import netns, report
-from benchmarks.cluster.byteps import run_torch_bps
+from benchmarks.cluster.byteps import WARMUP, run_torch_bps
 from benchmarks.cluster.ddp import DdpSpec
 from benchmarks.cluster.sweep import Plan, run
 from benchmarks.cluster.tcp_matrix import run_tcp_matrix
 
-# Untimed steps: torch_bps's KeyBook gives 4 concurrent calls of one size distinct keys (slots), so the first rounds of
-# every slot (new keys on the servers, new plans and the garbage collection they bring) are over after 5.
-WARMUP = 5
 QUICK = {"n": 2, "size_mb": 16.0, "steps": 3, "warmup": 1, "repeats": 1, "calibration_s": 2.0, "ddp_layers": 3}
 
 

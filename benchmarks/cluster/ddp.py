@@ -34,7 +34,7 @@ class DdpSpec:
     layers: int = 6
     batch: int = 16
     steps: int = 5
-    warmup: int = 5
+    warmup: int = byteps.WARMUP
     timeout_s: float = 300.0
 
     @property

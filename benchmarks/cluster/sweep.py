@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from benchmarks.cluster import procs, theory
-from benchmarks.cluster.byteps import BytepsJob, BytepsRunner, run_torch_bps
+from benchmarks.cluster.byteps import WARMUP, BytepsJob, BytepsRunner, run_torch_bps
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.cpu import machine_busy_over
 from benchmarks.cluster.ddp import DdpSpec, run_ddp, run_ddp_byteps
@@ -36,7 +36,7 @@ class Plan:
     size_bytes: int = 64 << 20
     rate_mbit: float = 500.0
     steps: int = 5
-    warmup: int = 5
+    warmup: int = WARMUP
     repeats: int = 3  # runs per gloo, byteps and DDP point (fresh processes each); the median run is reported
     gloo: bool = True  # the gloo all_reduce point (off: A/B runs of byteps settings, ~30 s less at n = 8)
     calibration_s: float = 3.0

@@ -298,8 +298,9 @@ static void push(const Args* a) {
   printf("RESULT {\"seconds_per_step\": %.6f, \"cpu\": {\"process_cores\": %.3f, \"machine_busy\": %.3f}, \"steps\": [",
          (steps.ends[a->steps - 1] - steps.timed_from) / timed, cores,
          (double)(busy1 - busy0) / (total1 > total0 ? total1 - total0 : 1));
-  for (int i = a->steps - timed; i < a->steps && timed < a->steps; ++i)  // rounds: each timed step's seconds
-    printf("%s%.4f", i > a->steps - timed ? ", " : "", steps.ends[i] - (i ? steps.ends[i - 1] : steps.timed_from));
+  double from = steps.timed_from;  // rounds: each timed step's seconds (free mode has no steps)
+  for (int i = a->steps - timed; strcmp(a->mode, "free") != 0 && i < a->steps; from = steps.ends[i++])
+    printf("%s%.4f", i > a->steps - timed ? ", " : "", steps.ends[i] - from);
   printf("]}\n");
 }
 
