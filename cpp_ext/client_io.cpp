@@ -2,6 +2,7 @@
 // touch the submission queue and the HELLO results, each under its mutex.
 #include <poll.h>
 #include <pthread.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,47 +17,103 @@
 
 namespace bps {
 
+namespace {
+
+// What an epoll event is about: its kind, the server (low 32 bits) and, for a stream, which of the server's
+// streams (its generation's low 24 bits: an event of a stream closed meanwhile must not act on the one opened
+// after it, maybe on the same fd number).
+enum EventKind : uint64_t { kWakeEvent = 0, kDealerEvent = 1, kMonitorEvent = 2, kStreamEvent = 3 };
+
+uint64_t eventTag(EventKind kind, size_t server, uint64_t generation = 0) {
+  return (uint64_t{kind} << 56) | ((generation & 0xffffff) << 32) | static_cast<uint32_t>(server);
+}
+
+void watchFd(int epollFd, int fd, uint64_t tag) {
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.u64 = tag;
+  if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
+    throw Error(ErrorKind::kTransport, std::string("epoll_ctl failed: ") + std::strerror(errno));
+  }
+}
+
+}  // namespace
+
 void Client::ioLoop() {
   // Named so that top -H, perf and /proc tell it from the completion threads and Python's.
   pthread_setname_np(pthread_self(), "bps-client-io");
   size_t n = links_.size();
-  // Poll order: the wake-up eventfd, then per server the signal fds of its DEALER and its monitor (zmq_fd.h),
-  // then the open streams' fds.
-  std::vector<pollfd> items(1 + 2 * n);
-  items[0] = {wakeFd_, POLLIN, 0};
-  for (size_t i = 0; i < n; ++i) {
-    items[1 + 2 * i] = {links_[i]->socketFd(), POLLIN, 0};
-    items[2 + 2 * i] = {links_[i]->monitorFd(), POLLIN, 0};
-  }
-  // The server of each stream item, and which of its streams was polled.
-  std::vector<std::pair<size_t, uint64_t>> streamServers;
+  // epoll, not poll: a wake-up costs the same whatever the number of servers (poll walked 1 + 3n fds on every
+  // one: the wake-up eventfd, per server its DEALER's and its monitor's signal fds (zmq_fd.h) and its stream).
+  // Level-triggered, as poll is.
+  int epollFd = epoll_create1(EPOLL_CLOEXEC);
+  std::vector<epoll_event> events(1 + 3 * n);
+  // Per server, what this wait reported: its DEALER or monitor readable, its stream's events (and generation).
+  std::vector<char> dealerReady(n), monitorReady(n);
+  std::vector<short> streamEvents(n);
+  std::vector<uint64_t> streamGeneration(n);
+  std::vector<char> streamWatched(n);
   bool first = true;  // nothing is known of the sockets before the first look
   try {
+    if (epollFd < 0) throw Error(ErrorKind::kTransport, std::string("epoll_create1 failed: ") + std::strerror(errno));
+    watchFd(epollFd, wakeFd_, eventTag(kWakeEvent, 0));
+    for (size_t i = 0; i < n; ++i) {
+      watchFd(epollFd, links_[i]->socketFd(), eventTag(kDealerEvent, i));
+      watchFd(epollFd, links_[i]->monitorFd(), eventTag(kMonitorEvent, i));
+    }
     for (;;) {
-      // Streams: write what was queued since the last poll (one writev for a burst of requests), check their
-      // opening deadlines, then poll those still open (POLLOUT only while connecting or while writes wait).
-      items.resize(1 + 2 * n);
-      streamServers.clear();
+      // Streams: write what was queued since the last wait (one writev for a burst of requests), check their
+      // opening deadlines, then watch those still open (POLLOUT only while connecting or while writes wait).
       for (size_t i = 0; i < n; ++i) {
+        streamWatched[i] = false;
         if (!streams_[i]->active()) continue;
         stepStream(i, 0);
         if (!streams_[i]->active()) continue;
-        items.push_back({streams_[i]->fd(), streams_[i]->pollEvents(), 0});
-        streamServers.emplace_back(i, streams_[i]->generation());
+        uint64_t generation = streams_[i]->generation();
+        if (!streams_[i]->watch(epollFd, eventTag(kStreamEvent, i, generation))) {
+          throw Error(ErrorKind::kTransport, std::string("epoll_ctl failed on a stream: ") + std::strerror(errno));
+        }
+        streamWatched[i] = true;
+        streamGeneration[i] = generation;
       }
       // A DEALER sent on since it was last read must be read before blocking (zmq_fd.h). And replies the stream
       // steps above read may have returned credit: a part it admits goes now, not after a wait that may have no
       // deadline left to end it.
       bool now = first || (!stopping_ && credit_.ready());
       for (size_t i = 0; i < n && !now; ++i) now = links_[i]->sentSinceRead();
-      int rc = ::poll(items.data(), items.size(), now ? 0 : pollTimeoutMs());
-      if (rc < 0) {
-        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("poll failed: ") + std::strerror(errno));
-        for (auto& item : items) item.revents = 0;
+      int count = epoll_wait(epollFd, events.data(), static_cast<int>(events.size()), now ? 0 : pollTimeoutMs());
+      if (count < 0) {
+        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("epoll_wait failed: ") + std::strerror(errno));
+        count = 0;
       }
-      if (items[0].revents & POLLIN) {
-        uint64_t count;
-        ssize_t got = ::read(wakeFd_, &count, sizeof(count));
+      std::fill(dealerReady.begin(), dealerReady.end(), 0);
+      std::fill(monitorReady.begin(), monitorReady.end(), 0);
+      std::fill(streamEvents.begin(), streamEvents.end(), 0);
+      bool woken = false;
+      for (int e = 0; e < count; ++e) {
+        uint64_t tag = events[e].data.u64;
+        size_t server = static_cast<uint32_t>(tag);
+        switch (static_cast<EventKind>(tag >> 56)) {
+          case kWakeEvent:
+            woken = true;
+            break;
+          case kDealerEvent:
+            dealerReady[server] = 1;
+            break;
+          case kMonitorEvent:
+            monitorReady[server] = 1;
+            break;
+          case kStreamEvent:
+            // Closed and reopened since it was watched: not this stream's events.
+            if (((tag >> 32) & 0xffffff) == (streamGeneration[server] & 0xffffff)) {
+              streamEvents[server] = static_cast<short>(events[e].events);
+            }
+            break;
+        }
+      }
+      if (woken) {
+        uint64_t wakes;
+        ssize_t got = ::read(wakeFd_, &wakes, sizeof(wakes));
         (void)got;
         {
           std::lock_guard<std::mutex> lock(submitMutex_);
@@ -66,7 +123,7 @@ void Client::ioLoop() {
       }
       for (size_t i = 0; i < n; ++i) {
         // Replies first: those that arrived before a disconnect still count. Each read runs to EAGAIN.
-        if (first || links_[i]->sentSinceRead() || (items[1 + 2 * i].revents & POLLIN)) {
+        if (first || links_[i]->sentSinceRead() || dealerReady[i]) {
           for (;;) {
             LinkMessage message;
             if (!links_[i]->receive(message)) break;
@@ -74,7 +131,7 @@ void Client::ioLoop() {
                                  message.payload.size(), message.frames});
           }
         }
-        if (!first && !(items[2 + 2 * i].revents & POLLIN)) continue;
+        if (!first && !monitorReady[i]) continue;
         LinkEvent event;
         while ((event = links_[i]->readMonitor()) != LinkEvent::kNothing) {
           if (event == LinkEvent::kDisconnected) onDisconnect(i);
@@ -82,11 +139,11 @@ void Client::ioLoop() {
         }
       }
       first = false;
-      for (size_t k = 0; k < streamServers.size(); ++k) {
-        auto [i, generation] = streamServers[k];
-        short revents = items[1 + 2 * n + k].revents;
+      for (size_t i = 0; i < n; ++i) {
         // Closed above (a dropped link closes its stream), maybe reopened on the same fd number: not this one.
-        if (streams_[i]->active() && streams_[i]->generation() == generation) stepStream(i, revents);
+        if (streamWatched[i] && streams_[i]->active() && streams_[i]->generation() == streamGeneration[i]) {
+          stepStream(i, streamEvents[i]);
+        }
       }
       expireDeadlines();
       sendQueued();  // acknowledgements and failures above may have returned credit
@@ -100,6 +157,7 @@ void Client::ioLoop() {
                                     : "the torch_bps client failed (" + ioFailure_ + ")");
   for (auto& link : links_) link->close();
   for (size_t i = 0; i < n; ++i) closeStream(i, "the client was closed");
+  if (epollFd >= 0) ::close(epollFd);  // after the streams: each left the set as it closed
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     streamsOpening_ = 0;  // nobody waits for a stream after the IO thread is gone

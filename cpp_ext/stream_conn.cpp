@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -75,10 +76,25 @@ StreamConn::~StreamConn() { close("closed"); }
 
 void StreamConn::close(const std::string& why) {
   if (why_.empty()) why_ = why;
+  if (fd_ >= 0 && epollFd_ >= 0) epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd_, nullptr);
+  epollFd_ = -1;
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   out_.clear();  // releases the queued payloads
   queuedBytes_ = 0;
+}
+
+bool StreamConn::watch(int epollFd, uint32_t events, uint64_t tag) {
+  if (closed()) return true;
+  if (epollFd == epollFd_ && events == watchedEvents_ && tag == watchedTag_) return true;
+  epoll_event event{};
+  event.events = events;
+  event.data.u64 = tag;
+  if (epoll_ctl(epollFd, epollFd == epollFd_ ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, fd_, &event) != 0) return false;
+  epollFd_ = epollFd;
+  watchedEvents_ = events;
+  watchedTag_ = tag;
+  return true;
 }
 
 bool StreamConn::fail(const std::string& why) {
@@ -163,8 +179,16 @@ void StreamConn::setLowWater(size_t bytes) {
 
 bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages) {
   if (closed()) return false;
-  setLowWater(1);
   wouldBlock_ = drained_ = false;
+  bool open = readMessages(out, maxMessages);
+  // Readable for poll once what comes next is there: a frame's rest (one wake-up per big frame, not one per
+  // segment), else any byte. Set here only, when it changes: a system call per wake-up at most (a non-blocking
+  // recv returns what there is, whatever the mark).
+  if (open) setLowWater(haveLength_ ? frame_.size() - frameFilled_ : 1);
+  return open;
+}
+
+bool StreamConn::readMessages(std::vector<std::vector<Message>>& out, size_t maxMessages) {
   size_t done = 0;
   while (done < maxMessages) {
     if (!haveLength_) {
@@ -191,11 +215,7 @@ bool StreamConn::read(std::vector<std::vector<Message>>& out, size_t maxMessages
     }
     if (!takeFrameBytes()) return false;
     if (frameFilled_ < frame_.size()) {
-      if (wouldBlock_) {
-        // Not readable until the frame's rest is there: one wake-up per big frame, not one per segment.
-        setLowWater(frame_.size() - frameFilled_);
-        return true;
-      }
+      if (wouldBlock_) return true;
       if (!fill()) return !closed();
       continue;
     }

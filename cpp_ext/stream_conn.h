@@ -41,6 +41,10 @@ class StreamConn {
   bool placing() const { return placing_; }
 
   int fd() const { return fd_; }
+  // Keep this socket in epoll set `epollFd` for `events` (level-triggered) under `tag`: a system call only when
+  // they changed. The socket leaves the set before it closes: a forked child still holding it would keep its
+  // events coming otherwise. Returns false if epoll refused it (errno set).
+  bool watch(int epollFd, uint32_t events, uint64_t tag);
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
   // The socket's SO_RCVBUF was set (locked: the kernel will not grow it): SO_RCVLOWAT stays under a quarter
   // of it from now on.
@@ -84,6 +88,7 @@ class StreamConn {
   // set either way), or the connection closed.
   size_t receive(void* into, size_t n);
   bool takeFrameBytes();
+  bool readMessages(std::vector<std::vector<Message>>& out, size_t maxMessages);  // read()'s loop
   void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
 
   struct Piece {
@@ -98,7 +103,10 @@ class StreamConn {
   bool drained_ = false;  // this read()'s last recv came back short: no point asking again before poll
   bool writeBlocked_ = false;
   int lowWater_ = 1;
-  size_t maxLowWater_;  // SO_RCVLOWAT's ceiling
+  size_t maxLowWater_;
+  int epollFd_ = -1;  // the set watch() put this socket in, with what
+  uint32_t watchedEvents_ = 0;
+  uint64_t watchedTag_ = 0;  // SO_RCVLOWAT's ceiling
 
   // Reading: a staging buffer for length words and small frames; a frame's bytes beyond it are read straight
   // into the frame.

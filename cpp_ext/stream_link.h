@@ -60,6 +60,9 @@ class StreamLink {
   uint64_t generation() const { return generation_; }
   // POLLIN/POLLOUT to ask for: POLLOUT only while connecting or while writes wait.
   short pollEvents() const;
+  // Keep the open stream in epoll set `epollFd` for pollEvents() under `tag` (StreamConn::watch); false if epoll
+  // refused it (errno set).
+  bool watch(int epollFd, uint64_t tag) { return !conn_ || conn_->watch(epollFd, static_cast<uint16_t>(pollEvents()), tag); }
   // Bytes already read but not parsed: step() must run again without waiting for poll.
   bool hasBuffered() const { return conn_ && conn_->hasBuffered(); }
   Clock::time_point deadline() const { return deadline_; }

@@ -390,6 +390,26 @@ def test_process_cpu_seconds_reads_another_process_to_the_millisecond():
     assert cpu.process_cpu_seconds(children[0].pid) == 0.0  # gone
 
 
+def test_cpu_window_measures_watched_processes_over_its_own_window_only():
+    # The servers' CPU is read over the workers' timed steps: one child burns 0.3 s before the window and then
+    # idles (a whole-life figure would count it), the other spins through the window.
+    burned = "import sys, time\nwhile time.process_time() < 0.3: pass\nprint(flush=True)\nsys.stdin.read()"
+    spin = "import time\nprint(flush=True)\nt = time.monotonic()\nwhile time.monotonic() - t < 5: pass"
+    children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                for code in (burned, spin)]  # fmt: skip
+    try:
+        for c in children:
+            c.stdout.readline()
+        window = cpu.CpuWindow({"burned": children[0].pid, "spinning": children[1].pid}).start()
+        time.sleep(0.5)
+        got = window.stop()["watched"]
+    finally:
+        for c in children:
+            c.kill()
+            c.wait(timeout=30)
+    assert got["burned"]["process_cores"] < 0.05 < 0.3 < got["spinning"]["process_cores"] <= 1.05, got
+
+
 def test_process_wait_seconds_counts_time_runnable_without_a_core():
     # Three busy processes pinned to one core: each runs about a third of the time and waits the rest.
     spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.5: pass"

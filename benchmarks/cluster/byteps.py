@@ -22,12 +22,10 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.cluster import placement, procs
-from benchmarks.cluster.cpu import process_cpu_seconds, process_wait_seconds
 from benchmarks.cluster.errors import BackendUnavailable
 from benchmarks.cluster.topology import Cluster, Host
 from torch_bps.engine import placement as library_placement
@@ -162,9 +160,8 @@ def run_torch_bps(
     server_procs, addresses = start_servers(cluster, list(job.servers) + colocated, port, trace, receive)
     by_host = dict(zip(list(job.servers) + colocated, addresses, strict=True))
     server_list = ",".join(by_host.get(h, "-") for h in list(job.servers) + list(job.workers))
-    # Servers run for the whole measurement, so their CPU is averaged over it (start-up and warm-up too).
-    server_cpu0, start = [process_cpu_seconds(p.pid) for p in server_procs], time.monotonic()
-    server_wait0 = [process_wait_seconds(p.pid) for p in server_procs]
+    # Worker 0 measures the servers' CPU over its timed steps, the window of every worker's own figure.
+    watch = ",".join(f"{p.host} server={p.pid}" for p in server_procs)
     try:
         results = _run_workers(
             job,
@@ -180,17 +177,14 @@ def run_torch_bps(
                 *(["--equal-receive-buffers"] if equal_receive_buffers else []),
             ],
             {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes)},
+            watch,
         )
-        wall = time.monotonic() - start
-        server_cores = [
-            (process_cpu_seconds(p.pid) - c0) / wall for p, c0 in zip(server_procs, server_cpu0, strict=True)
-        ]
-        server_waiting = [
-            (process_wait_seconds(p.pid) - w0) / wall for p, w0 in zip(server_procs, server_wait0, strict=True)
-        ]
     finally:
         for p in server_procs:
             p.kill()
+    servers_cpu = {}  # worker 0's (`--watch`); the others watched nothing
+    for r in results:
+        servers_cpu.update(r["cpu"].pop("watched"))
     # Per worker host, beside its CPU: how many of its servers it reached over a stream, its credit at the end and
     # its timed steps' seconds.
     cpu = {
@@ -202,8 +196,7 @@ def run_torch_bps(
         }
         for h, r in zip(job.workers, results, strict=True)
     }
-    for p, cores, waiting in zip(server_procs, server_cores, server_waiting, strict=True):
-        cpu[f"{p.host} server (whole run)"] = {"process_cores": round(cores, 3), "process_waiting": round(waiting, 3)}
+    cpu.update(servers_cpu)
     return StepTime(max(r["seconds_per_step"] for r in results), cpu)
 
 
@@ -222,7 +215,8 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     return max(4096, int(link_queue_bytes / (3 * placement.effective_servers(n, k))))
 
 
-def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str]) -> list[dict]:
+def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str], watch: str) -> list[dict]:
+    """Run the workers; worker 0 measures the `watch` processes' CPU too (`--watch`)."""
     n, k = len(job.workers), job.k
     workers = [
         job.cluster.spawn(
@@ -232,7 +226,7 @@ def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[s
                 sys.executable, "-m", "benchmarks.cluster.workers.bps_pushpull",
                 "--worker", str(i), "--num-workers", str(n), "--k", str(k), "--servers", server_list,
                 "--size-bytes", str(job.size_bytes), "--steps", str(job.steps), "--warmup", str(job.warmup),
-                "--timeout", str(job.timeout_s), *extra,
+                "--timeout", str(job.timeout_s), *extra, *(["--watch", watch] if i == 0 else []),
             ],
             {"OMP_NUM_THREADS": "1", **env},
         )

@@ -71,18 +71,26 @@ class CpuWindow:
     process used 0.4 cores on average, and on average 0.3 of its threads were ready to run with no core
     free (`process_wait_seconds`); all cores together were busy 55% of the time, 10% of it in
     softirq (packet processing of the emulated links lands there). Machine-wide figures include
-    whatever else runs on the machine.
+    whatever else runs on the machine. `watch` ({name: pid}): other processes (the servers) measured over the
+    same window, under "watched".
     """
+
+    def __init__(self, watch: dict[str, int] | None = None):
+        self._watch = dict(watch or {})  # name -> pid of another process measured over the same window
 
     def start(self) -> CpuWindow:
         self._wall = time.monotonic()
         self._proc = time.process_time()
         self._wait = process_wait_seconds()
+        self._watched = {
+            name: (process_cpu_seconds(pid), process_wait_seconds(pid)) for name, pid in self._watch.items()
+        }
         self._busy, self._softirq, self._total = machine_jiffies()
         return self
 
     def stop(self) -> dict:
-        wall = max(time.monotonic() - self._wall, 1e-9)
+        end = time.monotonic()
+        wall = max(end - self._wall, 1e-9)
         busy, softirq, total = machine_jiffies()
         jiffies = max(total - self._total, 1)
         return {
@@ -91,4 +99,12 @@ class CpuWindow:
             "machine_busy": round((busy - self._busy) / jiffies, 3),
             "machine_softirq": round((softirq - self._softirq) / jiffies, 3),
             "machine_cores": os.cpu_count(),
+            "window": [round(self._wall, 3), round(end, 3)],  # CLOCK_MONOTONIC, as `perf record -k mono` stamps
+            "watched": {
+                name: {
+                    "process_cores": round((process_cpu_seconds(pid) - cpu0) / wall, 3),
+                    "process_waiting": round((process_wait_seconds(pid) - wait0) / wall, 3),
+                }
+                for (name, pid), (cpu0, wait0) in zip(self._watch.items(), self._watched.values(), strict=True)
+            },
         }

@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition-bytes", type=int, default=4_096_000)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--trace", metavar="DIR", default="", help="record the timed steps into DIR/worker-WORKER.json")
+    p.add_argument("--watch", default="", metavar="NAME=PID,...",
+                   help="other processes (the servers) whose CPU to measure over the timed steps too")  # fmt: skip
     args = p.parse_args(argv)
+    watch = {name: int(pid) for name, _, pid in (w.rpartition("=") for w in args.watch.split(",") if w)}
 
     import torch
 
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             step()
         path = os.path.join(args.trace, f"worker-{args.worker}.json")
         with recording(client, path, f"worker {args.worker}") if args.trace else contextlib.nullcontext():
-            cpu = CpuWindow().start()
+            cpu = CpuWindow(watch).start()
             steps = timed_steps(step, args.steps)
             cpu = cpu.stop()
         result = {"worker": args.worker, "seconds_per_step": sum(steps) / args.steps, "cpu": cpu}
