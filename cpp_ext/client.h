@@ -73,6 +73,9 @@ struct ClientOptions {
   // stream port a server offers in its HELLO reply, read and written by the IO thread itself (ZeroMQ's
   // I/O thread and wake-ups cost 70-130 us of CPU per message). Never under CURVE (a stream is not encrypted).
   bool stream = false;
+  // Where a server offers its local stream (stream_conn.h: an abstract unix socket, reachable from its own
+  // machine only), try it first: no TCP stack on the bytes a colocated server sums.
+  bool localStream = true;
 };
 
 // One received message as onReply reads it, whichever connection it came on.
@@ -182,6 +185,7 @@ class Client {
   // Streams: whether server's stream is ready now (its operations' requests go on it), and the bytes (message
   // frames, as in bytesSent) each stream carried; both also count in bytesSent()/bytesReceived().
   bool streamReady(size_t server) const;
+  bool streamLocal(size_t server) const;  // ready, on the server's local stream (not TCP)
   std::vector<uint64_t> streamBytesSent() const;
   std::vector<uint64_t> streamBytesReceived() const;
   size_t completionThreadsPeak() { return pool_.peakThreadCount(); }

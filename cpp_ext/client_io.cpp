@@ -83,7 +83,9 @@ void Client::ioLoop() {
       for (size_t i = 0; i < n && !now; ++i) now = links_[i]->sentSinceRead();
       int count = epoll_wait(epollFd, events.data(), static_cast<int>(events.size()), now ? 0 : pollTimeoutMs());
       if (count < 0) {
-        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("epoll_wait failed: ") + std::strerror(errno));
+        if (errno != EINTR) {
+          throw Error(ErrorKind::kTransport, std::string("epoll_wait failed: ") + std::strerror(errno));
+        }
         count = 0;
       }
       std::fill(dealerReady.begin(), dealerReady.end(), 0);

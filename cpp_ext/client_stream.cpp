@@ -21,6 +21,9 @@ void Client::openStream(size_t server, uint64_t port, bool forHello) {
   if (!options_.stream || port == 0 || keys.usesCurve() || stopping_) return;  // never a stream under CURVE
   const std::string& address = links_[server]->address();
   std::string why;
+  // The offer: the TCP port, and whether the server also listens on its local stream (wire.h, kStreamLocal).
+  bool local = options_.localStream && (port & kStreamLocal);
+  port &= ~kStreamLocal;
   if (port > 0xffff) {
     why = formatText("the server offered port %" PRIu64, port);
   } else {
@@ -37,8 +40,10 @@ void Client::openStream(size_t server, uint64_t port, bool forHello) {
     std::string host = address.substr(0, address.rfind(':'));
     int receiveBytes = options_.receiveBufferBytes.empty() ? options_.socketBufferBytes
                                                            : options_.receiveBufferBytes[server];
+    uint64_t incarnation = ioIncarnations_[server];
     why = streams_[server]->open(host, static_cast<uint16_t>(port), options_.socketBufferBytes, receiveBytes, keys,
-                                 copyFrame(packed, kHeaderSize), h.requestId, ioIncarnations_[server]);
+                                 copyFrame(packed, kHeaderSize), h.requestId, incarnation,
+                                 local ? localStreamName(incarnation) : "");
   }
   if (!why.empty()) {
     std::fprintf(stderr, "torch_bps: no stream to server %s (%s); its requests stay on ZeroMQ\n", address.c_str(),
@@ -149,6 +154,10 @@ bool Client::streamReady(size_t server) const {
     throw Error(ErrorKind::kValue, formatText("server index %zu is out of range: %zu servers", server, streams_.size()));
   }
   return streams_[server]->ready();
+}
+
+bool Client::streamLocal(size_t server) const {
+  return streamReady(server) && streams_[server]->local();
 }
 
 std::vector<uint64_t> Client::streamBytesSent() const {

@@ -155,6 +155,7 @@ void bindServerCore(py::module_& m) {
       .def("enable_zap", &ServerCore::enableZap)
       .def("bind", &ServerCore::bind, py::arg("endpoint"))
       .def("listen_stream", &ServerCore::listenStream, py::arg("host"), py::arg("receive_buffer_bytes") = 0)
+      .def_property_readonly("local_stream", &ServerCore::localStream)
       .def(
           "run",
           [](ServerCore& core, py::object onRequest, py::object onDisconnect, py::object onZap, py::object tick,

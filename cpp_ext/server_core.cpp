@@ -2,6 +2,7 @@
 #include "server_core.h"
 
 #include <poll.h>
+#include <sys/epoll.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -90,7 +91,9 @@ std::string ServerCore::bind(const std::string& endpoint) {
 }
 
 uint16_t ServerCore::listenStream(const std::string& host, int receiveBufferBytes) {
-  return streams_.listen(host, receiveBufferBytes);
+  uint16_t port = streams_.listen(host, receiveBufferBytes);
+  streams_.listenLocal(localStreamName(incarnation_));  // EADDRINUSE: another holds the name (not ours): TCP only
+  return port;
 }
 
 void ServerCore::run(ControlPlane& control, double tickSeconds) {
@@ -101,7 +104,26 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
   const int monitorFd = zmqSignalFd(monitor_, "the server's monitor");
   const int zapFd = zap_ ? zmqSignalFd(zap_, "the server's ZAP handler") : -1;
   const int routerFd = zmqSignalFd(router_, "the server's ROUTER");
-  std::vector<pollfd> items;
+  // epoll, not poll: a wake-up costs the same whatever the number of workers' streams (poll walked them all on
+  // every one). Level-triggered, as poll is.
+  int epollFd = epoll_create1(EPOLL_CLOEXEC);
+  if (epollFd < 0) throw Error(ErrorKind::kTransport, std::string("epoll_create1: ") + std::strerror(errno));
+  struct CloseAfter {  // after close(): the streams leave the set as they close
+    int fd;
+    ~CloseAfter() { ::close(fd); }
+  } closeEpoll{epollFd};
+  enum : uint64_t { kMonitorEvent = 0, kZapEvent = 1, kRouterEvent = 2 };  // below ServerStreams' kinds
+  for (auto [fd, kind] :
+       {std::pair<int, uint64_t>{monitorFd, kMonitorEvent}, {zapFd, kZapEvent}, {routerFd, kRouterEvent}}) {
+    if (fd < 0) continue;  // no ZAP handler
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.u64 = kind << kEventKindShift;
+    if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
+      throw Error(ErrorKind::kTransport, std::string("epoll_ctl: ") + std::strerror(errno));
+    }
+  }
+  std::vector<epoll_event> events(256);
   std::vector<Message> frames;
   frames.reserve(4);
   auto admit = [&](StreamPeer& peer, std::vector<Message>& auth) { return admitStream(peer, auth, control); };
@@ -115,23 +137,22 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
   bool readRouter = true, readMonitor = true, readZap = zap_ != nullptr;  // unknown before the first look
   try {
     for (;;) {
-      items.clear();
-      items.push_back({monitorFd, POLLIN, 0});
-      items.push_back({zapFd, POLLIN, 0});  // fd -1: ignored by poll
-      items.push_back({routerFd, POLLIN, 0});
-      streams_.addPollItems(items);
+      streams_.watch(epollFd);
       double wait = std::min(nextTick, nextExpire) - monotonicSeconds();
       bool noWait = streams_.hasBuffered() || readRouter || routerSent_ || readMonitor || readZap;
       int timeoutMs = noWait ? 0 : wait > 0 ? static_cast<int>(std::min(wait * 1000, 1e9)) + 1 : 0;
-      int ready = ::poll(items.data(), items.size(), timeoutMs);
+      int ready = epoll_wait(epollFd, events.data(), static_cast<int>(events.size()), timeoutMs);
       if (ready < 0) {
-        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("poll: ") + std::strerror(errno));
+        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("epoll_wait: ") + std::strerror(errno));
         nextTick = 0;  // a signal: let the control plane look at it now (its handler may have asked to stop)
-        for (auto& item : items) item.revents = 0;
+        ready = 0;
       }
-      readMonitor |= (items[0].revents & POLLIN) != 0;
-      readZap |= (items[1].revents & POLLIN) != 0;
-      readRouter |= (items[2].revents & POLLIN) != 0;
+      for (int e = 0; e < ready; ++e) {
+        uint64_t kind = events[e].data.u64 >> kEventKindShift;
+        readMonitor |= kind == kMonitorEvent;
+        readZap |= kind == kZapEvent;
+        readRouter |= kind == kRouterEvent;
+      }
       if (readMonitor) drainMonitor(control);  // each reads until EAGAIN
       if (readZap) serveZap(control);
       readMonitor = readZap = false;
@@ -147,7 +168,7 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         }
         readRouter = read == kBatch;  // more may wait: look again without blocking
       }
-      streams_.serve(items, 3, monotonicSeconds(), admit, deliver, closed);
+      streams_.serve(events.data(), ready, monotonicSeconds(), admit, deliver, closed);
       uint64_t read = counters_.requests - before;
       if (read > 0) {
         ++counters_.wakeups;

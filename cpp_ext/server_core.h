@@ -80,6 +80,8 @@ class ServerCore {
   // Their AUTH goes to the same ZAP handler as the ROUTER's connections (mechanism PLAIN; NULL without it).
   // receiveBufferBytes > 0: each stream's SO_RCVBUF, which bounds the pushes in flight toward this server.
   uint16_t listenStream(const std::string& host, int receiveBufferBytes = 0);
+  // listenStream also listens on the local stream (stream_conn.h), to be offered in HELLO replies.
+  bool localStream() const { return streams_.listeningLocal(); }
   // Serve until control.tick() returns false (called every tickSeconds) or a callback throws (rethrown here,
   // after the sockets are closed).
   void run(ControlPlane& control, double tickSeconds);

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "errors.h"
@@ -24,6 +25,7 @@ std::string peerAddress(int fd) {
   sockaddr_storage addr{};
   socklen_t len = sizeof(addr);
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "";
+  if (addr.ss_family == AF_UNIX) return "this machine (local stream)";
   char text[INET6_ADDRSTRLEN] = {0};
   const void* raw = addr.ss_family == AF_INET6 ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr)
                                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&addr)->sin_addr);
@@ -44,12 +46,29 @@ uint16_t ServerStreams::listen(const std::string& host, int receiveBufferBytes) 
   return port;
 }
 
-void ServerStreams::addPollItems(std::vector<pollfd>& items) const {
-  if (listenFd_ < 0) return;
-  items.push_back({listenFd_, POLLIN, 0});
+bool ServerStreams::listenLocal(const std::string& name) {
+  if (localFd_ < 0) localFd_ = listenLocalStream(name);
+  return localFd_ >= 0;
+}
+
+void ServerStreams::watch(int epollFd) {
+  if (epollFd_ != epollFd) {
+    epollFd_ = epollFd;
+    for (auto [fd, kind] : {std::pair<int, uint64_t>{listenFd_, kListenEvent}, {localFd_, kLocalListenEvent}}) {
+      if (fd < 0) continue;
+      epoll_event event{};
+      event.events = EPOLLIN;
+      event.data.u64 = kind << kEventKindShift;
+      if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
+        throw Error(ErrorKind::kTransport, std::string("epoll_ctl on a stream listener: ") + std::strerror(errno));
+      }
+    }
+  }
   for (const auto& [number, peer] : streams_) {
-    short events = static_cast<short>(POLLIN | (peer->conn->wantsWrite() ? POLLOUT : 0));
-    items.push_back({peer->conn->fd(), events, 0});
+    uint32_t events = EPOLLIN | (peer->conn->wantsWrite() ? EPOLLOUT : 0);
+    if (!peer->conn->watch(epollFd, events, (uint64_t{kPeerEvent} << kEventKindShift) | number)) {
+      throw Error(ErrorKind::kTransport, std::string("epoll_ctl on a stream: ") + std::strerror(errno));
+    }
   }
 }
 
@@ -60,26 +79,39 @@ bool ServerStreams::hasBuffered() const {
   return false;
 }
 
-void ServerStreams::serve(const std::vector<pollfd>& items, size_t first, double now, const Admit& admit,
+void ServerStreams::serve(const epoll_event* events, int count, double now, const Admit& admit,
                           const Deliver& deliver, const Closed& closed) {
-  if (listenFd_ < 0) return;
-  // The streams in poll order, as addPollItems listed them (accepting below adds streams after them).
-  size_t i = first + 1;
-  for (auto& [number, peer] : streams_) {
-    if (i >= items.size()) break;
-    const pollfd& item = items[i++];
-    StreamConn& conn = *peer->conn;
-    if (item.fd != peer->fd || conn.closed()) continue;
-    if ((item.revents & POLLOUT) && !conn.flush()) continue;
-    if ((item.revents & (POLLIN | POLLERR | POLLHUP)) || conn.hasBuffered()) read(*peer, admit, deliver);
+  bool acceptTcp = false, acceptLocal = false;
+  ready_.clear();
+  constexpr uint64_t kNumber = (uint64_t{1} << kEventKindShift) - 1;
+  for (int e = 0; e < count; ++e) {
+    uint64_t tag = events[e].data.u64;
+    switch (tag >> kEventKindShift) {
+      case kListenEvent: acceptTcp = true; break;
+      case kLocalListenEvent: acceptLocal = true; break;
+      case kPeerEvent: ready_.emplace_back(tag & kNumber, events[e].events); break;
+      default: break;  // the core's sockets
+    }
   }
-  if (items[first].revents & POLLIN) accept(now);
+  std::sort(ready_.begin(), ready_.end());
+  // Every stream in number order, with what epoll said of it (a stream with bytes buffered reads on regardless).
+  auto said = ready_.begin();
+  for (auto& [number, peer] : streams_) {
+    while (said != ready_.end() && said->first < number) ++said;
+    uint32_t revents = said != ready_.end() && said->first == number ? said->second : 0;
+    StreamConn& conn = *peer->conn;
+    if (conn.closed()) continue;
+    if ((revents & EPOLLOUT) && !conn.flush()) continue;
+    if ((revents & (EPOLLIN | EPOLLERR | EPOLLHUP)) || conn.hasBuffered()) read(*peer, admit, deliver);
+  }
+  if (acceptTcp) accept(listenFd_, now);
+  if (acceptLocal) accept(localFd_, now);
   flush(closed);
 }
 
-void ServerStreams::accept(double now) {
+void ServerStreams::accept(int listenFd, double now) {
   for (;;) {
-    int fd = ::accept4(listenFd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;  // EAGAIN, or a connection that died before it was taken
     if (streams_.size() >= kMaxStreams) {
       ::close(fd);
@@ -93,7 +125,12 @@ void ServerStreams::accept(double now) {
     peer->address = peerAddress(fd);
     peer->authDeadline = now + kAuthSeconds;
     peer->conn = std::make_unique<StreamConn>(fd, kAuthFrameBytes);
-    if (receiveBufferBytes_ > 0) peer->conn->lockedReceiveBuffer();  // inherited from the listener
+    if (peer->conn->local()) {
+      int bytes = kLocalStreamBufferBytes;  // replies: fewer, bigger pieces per partition
+      setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+    } else if (receiveBufferBytes_ > 0) {
+      peer->conn->lockedReceiveBuffer();  // inherited from the listener
+    }
     streams_.emplace(peer->number, std::move(peer));
   }
 }
@@ -161,9 +198,12 @@ void ServerStreams::reap(const Closed& closed) {
 }
 
 void ServerStreams::closeAll() {
-  streams_.clear();
-  if (listenFd_ >= 0) ::close(listenFd_);
-  listenFd_ = -1;
+  streams_.clear();  // each stream leaves the epoll set as it closes
+  for (int fd : {listenFd_, localFd_}) {
+    if (fd >= 0 && epollFd_ >= 0) epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd, nullptr);
+    if (fd >= 0) ::close(fd);
+  }
+  listenFd_ = localFd_ = epollFd_ = -1;
 }
 
 }  // namespace bps

@@ -8,7 +8,7 @@
 // Thread contract: everything runs on the core's loop thread (listen() before run()).
 #pragma once
 
-#include <poll.h>
+#include <sys/epoll.h>
 #include <zmq.h>
 
 #include <cstdint>
@@ -22,6 +22,11 @@
 #include "stream_conn.h"
 
 namespace bps {
+
+// epoll tags (epoll_event.data.u64): the kind in the top byte, a stream's number below it. The core's own
+// sockets use the kinds below kListenEvent.
+constexpr int kEventKindShift = 56;
+enum StreamsEvent : uint64_t { kListenEvent = 3, kLocalListenEvent = 4, kPeerEvent = 5 };
 
 // A stream's identity: these two bytes, then its number (u64). ROUTER-made identities are 5 bytes.
 constexpr char kStreamIdentityTag[2] = {'\0', 'S'};
@@ -54,16 +59,20 @@ class ServerStreams {
   // Listen on host (any free port); returns the port. receiveBufferBytes > 0: every stream's SO_RCVBUF.
   uint16_t listen(const std::string& host, int receiveBufferBytes = 0);
   bool listening() const { return listenFd_ >= 0; }
+  // Also listen on the local stream `name` (localStreamName): false if it cannot (errno set), and then only TCP.
+  bool listenLocal(const std::string& name);
+  bool listeningLocal() const { return localFd_ >= 0; }
   // Frames of admitted streams may be this long (the ROUTER's ZMQ_MAXMSGSIZE).
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
 
-  // Append the listener's and every stream's poll items; serve() takes the same items back.
-  void addPollItems(std::vector<pollfd>& items) const;
-  // Bytes already read and not yet served: poll without waiting.
+  // Keep the listeners and every stream in epoll set `epollFd` (level-triggered; POLLOUT only while a stream's
+  // writes wait): system calls only for what changed since the last call.
+  void watch(int epollFd);
+  // Bytes already read and not yet served: wait without blocking.
   bool hasBuffered() const;
-  // Accept, read and write what the poll reported, from items[first] on.
-  void serve(const std::vector<pollfd>& items, size_t first, double now, const Admit& admit,
-             const Deliver& deliver, const Closed& closed);
+  // Accept, read and write what epoll reported (events[0..count), those of the kinds above; others ignored).
+  void serve(const epoll_event* events, int count, double now, const Admit& admit, const Deliver& deliver,
+             const Closed& closed);
   // Queue a message (without identity) to the stream named by identity; false if no such stream is open.
   bool send(const std::string& identity, std::vector<Message>& frames);
   // Write every stream with something queued; close those that failed or stopped reading.
@@ -75,11 +84,14 @@ class ServerStreams {
   size_t count() const { return streams_.size(); }
 
  private:
-  void accept(double now);
+  void accept(int listenFd, double now);
   void read(StreamPeer& peer, const Admit& admit, const Deliver& deliver);
   void reap(const Closed& closed);  // drop the closed streams
 
   int listenFd_ = -1;
+  int localFd_ = -1;  // the local stream's listener (listenLocal)
+  int epollFd_ = -1;  // the set watch() put the listeners in
+  std::vector<std::pair<uint64_t, uint32_t>> ready_;  // serve(): the streams epoll reported, by number
   int receiveBufferBytes_ = 0;  // every accepted stream's SO_RCVBUF (0: the kernel's)
   uint64_t maxFrameBytes_ = 16 << 20;
   uint64_t nextNumber_ = 1;

@@ -9,10 +9,13 @@
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cinttypes>
+#include <cstddef>
 #include <cstring>
 #include <new>
 
@@ -69,7 +72,10 @@ addrinfo* resolve(const std::string& host, uint16_t port, bool passive, std::str
 StreamConn::StreamConn(int fd, uint64_t maxFrameBytes)
     : fd_(fd), maxFrameBytes_(maxFrameBytes), maxLowWater_(kMaxLowWater), in_(kStaging) {
   setNonBlocking(fd_);
-  setNoDelay(fd_);
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  tcp_ = getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || addr.ss_family != AF_UNIX;
+  if (tcp_) setNoDelay(fd_);
 }
 
 StreamConn::~StreamConn() { close("closed"); }
@@ -172,6 +178,7 @@ void StreamConn::lockedReceiveBuffer() {
 
 void StreamConn::setLowWater(size_t bytes) {
   // The kernel caps it at half the receive buffer (and poll still reports end of stream and errors at once).
+  if (!tcp_) return;
   int want = static_cast<int>(std::min<size_t>(std::max<size_t>(bytes, 1), maxLowWater_));
   if (want == lowWater_) return;
   if (setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowWater_ = want;
@@ -350,6 +357,52 @@ std::string connectResult(int fd) {
   socklen_t len = sizeof(error);
   if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) error = errno;
   return error == 0 ? std::string() : std::string(std::strerror(error));
+}
+
+namespace {
+
+socklen_t abstractAddress(const std::string& name, sockaddr_un* addr) {
+  *addr = sockaddr_un{};
+  addr->sun_family = AF_UNIX;
+  size_t n = std::min(name.size(), sizeof(addr->sun_path) - 1);
+  std::memcpy(addr->sun_path + 1, name.data(), n);  // sun_path[0] = 0: the abstract namespace, no file
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
+}  // namespace
+
+std::string localStreamName(uint64_t incarnation) { return formatText("torch_bps/stream/%016" PRIx64, incarnation); }
+
+int listenLocalStream(const std::string& name) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -1;
+  sockaddr_un addr;
+  socklen_t len = abstractAddress(name, &addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd, 512) != 0) {
+    int error = errno;
+    ::close(fd);
+    errno = error;
+    return -1;
+  }
+  return fd;
+}
+
+int connectLocalStream(const std::string& name, std::string* why) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    *why = std::string("no unix socket: ") + std::strerror(errno);
+    return -1;
+  }
+  int bytes = kLocalStreamBufferBytes;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  sockaddr_un addr;
+  socklen_t len = abstractAddress(name, &addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {  // a unix connect is done at once, or not
+    *why = formatText("no local stream %s here: %s", name.c_str(), std::strerror(errno));
+    ::close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 }  // namespace bps

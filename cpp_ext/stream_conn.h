@@ -41,6 +41,7 @@ class StreamConn {
   bool placing() const { return placing_; }
 
   int fd() const { return fd_; }
+  bool local() const { return !tcp_; }  // a unix socket (connectLocalStream), not TCP
   // Keep this socket in epoll set `epollFd` for `events` (level-triggered) under `tag`: a system call only when
   // they changed. The socket leaves the set before it closes: a forked child still holding it would keep its
   // events coming otherwise. Returns false if epoll refused it (errno set).
@@ -102,6 +103,7 @@ class StreamConn {
   bool wouldBlock_ = false;  // read() stopped for want of bytes
   bool drained_ = false;  // this read()'s last recv came back short: no point asking again before poll
   bool writeBlocked_ = false;
+  bool tcp_ = true;  // SO_RCVLOWAT and TCP_NODELAY mean something (a unix socket's poll ignores the mark)
   int lowWater_ = 1;
   size_t maxLowWater_;
   int epollFd_ = -1;  // the set watch() put this socket in, with what
@@ -137,5 +139,19 @@ int connectStream(const std::string& host, uint16_t port, int sendBufferBytes, i
                   std::string* why);
 // After a connecting fd polled writable: "" if connected, else why not.
 std::string connectResult(int fd);
+
+// The local stream (docs/protocol.md, "The stream transport"): a server also listens on an abstract unix socket
+// named after its incarnation. Abstract names are scoped by network namespace, so a worker reaches it only from
+// the server's own machine (or container), where it saves the TCP stack's work on every byte; elsewhere the
+// connect finds nothing and the worker takes TCP. Its buffers: the link's sizing means nothing there, and bigger
+// ones mean fewer wake-ups per partition.
+constexpr int kLocalStreamBufferBytes = 1 << 20;
+std::string localStreamName(uint64_t incarnation);
+// Listen on the abstract name (non-blocking); -1 if it cannot (errno set: EADDRINUSE if another holds it).
+int listenLocalStream(const std::string& name);
+// Connect to the abstract name (non-blocking; SO_SNDBUF kLocalStreamBufferBytes): the fd, connected (poll it for
+// writing, then check connectResult, as connectStream's), or -1 with *why set if none listens in this network
+// namespace (or its backlog is full).
+int connectLocalStream(const std::string& name, std::string* why);
 
 }  // namespace bps

@@ -45,14 +45,18 @@ Message tensorFrame(const at::Tensor& tensor) {
 }
 
 std::string StreamLink::open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
-                             const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation) {
+                             const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
+                             const std::string& localName) {
   close("reopened");
   ++generation_;
   std::string why;
-  int fd = connectStream(host, port, sendBufferBytes, receiveBufferBytes, &why);
+  int fd = localName.empty() ? -1 : connectLocalStream(localName, &why);  // not on this machine: TCP
+  bool local = fd >= 0;
+  if (!local) fd = connectStream(host, port, sendBufferBytes, receiveBufferBytes, &why);
   if (fd < 0) return why;
   conn_ = std::make_unique<StreamConn>(fd, kMaxReplyFrame);
-  if (receiveBufferBytes > 0) conn_->lockedReceiveBuffer();
+  local_.store(local, std::memory_order_release);
+  if (receiveBufferBytes > 0 && !local) conn_->lockedReceiveBuffer();
   conn_->setPlacement(placement_);
   state_ = StreamState::kConnecting;
   deadline_ = Clock::now() + kStreamOpenTimeout;
@@ -190,6 +194,7 @@ void StreamLink::close(const std::string& why) {
   conn_.reset();  // releases queued payloads (their tensors) now
   state_ = StreamState::kNone;
   ready_.store(false, std::memory_order_release);
+  local_.store(false, std::memory_order_release);
   hello_ = Message();
 }
 

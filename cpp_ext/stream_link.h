@@ -47,11 +47,14 @@ class StreamLink {
   // Start opening a stream to host:port: connect, then AUTH with `keys` (a token: PLAIN; none: NULL), then the
   // HELLO `hello` (a packed header whose request id is helloId); ready once its reply carries `incarnation`.
   // Returns "" if under way, else why it failed at once (state none).
+  // localName not empty: try that local stream first (connectLocalStream), TCP if none listens here.
   std::string open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
-                   const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation);
+                   const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
+                   const std::string& localName = "");
 
   StreamState state() const { return state_; }
   bool ready() const { return ready_.load(std::memory_order_acquire); }
+  bool local() const { return local_.load(std::memory_order_acquire); }  // open on the local stream, not TCP
   bool active() const { return conn_ != nullptr; }  // a socket to poll
   bool opening() const { return active() && state_ != StreamState::kReady; }
   int fd() const { return conn_ ? conn_->fd() : -1; }
@@ -62,7 +65,9 @@ class StreamLink {
   short pollEvents() const;
   // Keep the open stream in epoll set `epollFd` for pollEvents() under `tag` (StreamConn::watch); false if epoll
   // refused it (errno set).
-  bool watch(int epollFd, uint64_t tag) { return !conn_ || conn_->watch(epollFd, static_cast<uint16_t>(pollEvents()), tag); }
+  bool watch(int epollFd, uint64_t tag) {
+    return !conn_ || conn_->watch(epollFd, static_cast<uint16_t>(pollEvents()), tag);
+  }
   // Bytes already read but not parsed: step() must run again without waiting for poll.
   bool hasBuffered() const { return conn_ && conn_->hasBuffered(); }
   Clock::time_point deadline() const { return deadline_; }
@@ -93,6 +98,7 @@ class StreamLink {
   StreamConn::Placement placement_;
   StreamState state_ = StreamState::kNone;
   std::atomic<bool> ready_{false};
+  std::atomic<bool> local_{false};
   Clock::time_point deadline_{};
   uint16_t port_ = 0;
   uint64_t generation_ = 0;

@@ -25,6 +25,10 @@ constexpr size_t kStatsCounters = 14;  // torch_bps.wire.STATS_FIELDS
 
 enum Command : uint16_t { kHello = 1, kInit = 2, kPush = 3, kPull = 4, kStats = 5 };
 
+// A HELLO reply's `length`: the stream port (bits 0-15), and this bit if the server also listens on its local
+// stream (stream_conn.h). torch_bps.wire.STREAM_LOCAL.
+constexpr uint64_t kStreamLocal = uint64_t{1} << 32;
+
 // What a key's rounds do with pushes, fixed by its INIT: sum whole-key pushes, or copy byte ranges.
 enum Mode : uint32_t { kModeSum = 0, kModeCopy = 1 };
 

@@ -118,7 +118,7 @@ def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
     try:
         before = set(_loopback_sockets())
         with Client([s.address for s in servers], job_id, 0, 1, timeout=30, socket_buffer_bytes=24 << 10,
-                    receive_buffer_bytes=[14000, 30000]) as c:  # fmt: skip
+                    receive_buffer_bytes=[14000, 30000], local_stream=False) as c:  # TCP's buffers  # fmt: skip
             assert c.stream_ready(0) and c.stream_ready(1)
             for key, server in enumerate((0, 1)):
                 assert torch.equal(c.push_pull(torch.ones(1 << 14), key, server=server).wait(), torch.ones(1 << 14))
@@ -205,7 +205,8 @@ def test_a_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(
     servers = start_servers(1)
     big = torch.ones(3 << 20)  # 12 MiB: one frame, under the server's 16 MiB bound
     try:
-        with Client([servers[0].address], job_id, 0, 1, timeout=60, receive_buffer_bytes=[24_000]) as c:
+        with Client([servers[0].address], job_id, 0, 1, timeout=60, receive_buffer_bytes=[24_000],
+                    local_stream=False) as c:  # TCP's low-water mark  # fmt: skip
             assert c.stream_ready(0)
             stream = _stream_socket(48_000)  # the kernel stores twice the value asked for
             marks = _sample_low_water(stream, lambda: _check_push_pull(c, big))
@@ -222,7 +223,7 @@ def test_a_servers_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarte
     servers = start_servers(1, extra_args=("--receive-buffer-bytes", "24000"))
     big = torch.ones(3 << 20)
     try:
-        with Client([servers[0].address], job_id, 0, 1, timeout=60) as c:
+        with Client([servers[0].address], job_id, 0, 1, timeout=60, local_stream=False) as c:
             assert c.stream_ready(0)
             stream = _stream_socket(48_000, servers[0].proc.pid)
             marks = _sample_low_water(stream, lambda: _check_push_pull(c, big))
@@ -241,7 +242,7 @@ def test_the_runtime_sizes_each_receive_buffer_by_its_servers_share(job_id):
     try:
         weights = [Server(servers[0].address, True, 0.8), Server(servers[1].address, False, 0.2)]
         before = set(_loopback_sockets())
-        config = Config.resolve(socket_buffer_bytes=20_000)
+        config = Config.resolve(socket_buffer_bytes=20_000, transport="tcp")  # TCP's buffers
         with _client(config, [w.address for w in weights], job_id, 0, 1, None, dedicated=True, weights=weights) as c:
             assert c.stream_ready(0) and c.stream_ready(1)
             new = [s for s in _loopback_sockets() if s not in before]

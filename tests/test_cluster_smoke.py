@@ -61,6 +61,38 @@ def test_two_workers_one_server_exchange_bytes_and_leave_nothing():
     assert not os.path.exists(netns.pidfile_path(run_id))
 
 
+_LOCAL_STREAM_WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from torch_bps.client import Client
+    worker = int(sys.argv[2])
+    t = torch.full((1 << 18,), float(worker + 1))
+    with Client([sys.argv[1]], 77, worker, 2, timeout=60) as c:
+        c.push_pull(t, 0).wait()
+        print("RESULT " + json.dumps({"local": c.stream_local(0), "ready": c.stream_ready(0), "sum": t[0].item()}))
+""")
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_the_local_stream_reaches_a_server_in_its_own_network_namespace_only():
+    """A server's local stream is an abstract unix socket, scoped by network namespace: the worker on the
+    server's host takes it, the worker on another host (namespace) finds nothing there and takes TCP, and the
+    sum is right on both."""
+    with Cluster(n_workers=2, n_servers=0, rate_mbit=500) as cluster:
+        w0, w1 = cluster.workers
+        servers, addresses = byteps.start_servers(cluster, [w0], 9100)
+        try:
+            workers = [cluster.spawn(f"local-stream worker {i}", h, [sys.executable, "-c", _LOCAL_STREAM_WORKER,
+                                                                     addresses[0], str(i)])
+                       for i, h in enumerate((w0, w1))]  # fmt: skip
+            got = procs.wait_all(workers, 90, "local-stream workers")
+        finally:
+            for p in servers:
+                p.kill()
+    assert [r["local"] for r in got] == [True, False], got
+    assert all(r["ready"] and r["sum"] == 3.0 for r in got), got
+
+
 @needs_netns
 @pytest.mark.timeout(60)
 def test_every_host_runs_the_congestion_control_asked_for_and_a_refused_one_is_named():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import RawPeer, ServerProcess, StreamPeer
 from torch_bps.security import ClientKeys, new_secret
-from torch_bps.wire import Command, Header, Status
+from torch_bps.wire import STREAM_LOCAL, Command, Header, Status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +65,8 @@ def test_the_hello_reply_offers_a_stream_port_unless_curve_or_off():
     curve = ServerProcess(extra_args=("--auth", "curve"))
     off = ServerProcess(extra_args=("--stream", "off"))
     try:
-        assert 0 < stream_port(plain) < 65536 and stream_port(plain) != plain.port
+        offer = stream_port(plain)
+        assert 0 < offer & 0xFFFF != plain.port and offer & ~0xFFFF == STREAM_LOCAL, hex(offer)  # + the local one
         keys = ClientKeys.for_servers(os.environ["BPS_POOL_CREDENTIAL"], [os.environ["BPS_POOL_CREDENTIAL"]], "curve")
         peer = RawPeer(curve.address, 0x7E57, auth=keys)
         assert peer.hello().length == 0, "a stream is not encrypted: none under curve"

@@ -509,11 +509,12 @@ def test_a_server_with_streams_off_is_used_over_zmq(capfd):
         server.stop()
 
 
-def test_a_killed_server_fails_the_rounds_on_its_stream_at_once():
+@pytest.mark.parametrize("local", [True, False], ids=["local-stream", "tcp-stream"])
+def test_a_killed_server_fails_the_rounds_on_its_stream_at_once(local):
     server = ServerProcess()
     try:
-        with Client([server.address], 7, 0, 2, stream=True, timeout=60) as c:
-            assert c.stream_ready(0)
+        with Client([server.address], 7, 0, 2, stream=True, local_stream=local, timeout=60) as c:
+            assert c.stream_ready(0) and c.stream_local(0) == local
             waiting = [c.push_pull(torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
             time.sleep(0.3)
             t0 = time.monotonic()
@@ -527,6 +528,50 @@ def test_a_killed_server_fails_the_rounds_on_its_stream_at_once():
         server.kill()
 
 
+def test_a_server_on_this_machine_is_reached_over_its_local_stream():
+    """The server offers its local stream (a unix socket named after its incarnation) beside the TCP port: a client
+    on the same machine takes it, and the sums are those over TCP; BPS_TRANSPORT=tcp (local_stream=False) keeps
+    the TCP stream."""
+    server = ServerProcess()
+    t = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: a frame longer than the socket buffers
+    try:
+        for local in (True, False):
+            with Client([server.address], job_id_from_name(f"local-{local}"), 0, 1, local_stream=local) as c:
+                assert c.stream_ready(0) and c.stream_local(0) == local
+                for key in range(3):
+                    assert torch.equal(c.push_pull(t.clone(), key).wait(), t)
+                sent, received = c.stream_bytes()[0]
+                assert sent > 3 * t.nbytes and received > 3 * t.nbytes  # the payloads went on the stream
+    finally:
+        server.stop()
+
+
+def _local_stream_socket(server: ServerProcess) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(f"\0torch_bps/stream/{server.incarnation:016x}")
+    return s
+
+
+def test_the_local_stream_closes_on_garbage_and_on_a_wrong_token_and_serves_on():
+    """Anyone on the machine can connect to an abstract socket: the local stream admits only what the TCP stream
+    admits (AUTH first, the same token), and a stranger's garbage or wrong token costs its own connection only."""
+    server = ServerProcess()
+    try:
+        garbage = _local_stream_socket(server)
+        garbage.sendall(struct.pack("<Q", 1 << 40) + os.urandom(64))  # a 1 TiB frame, before AUTH
+        assert garbage.recv(64) == b"", "the server should close a connection whose first frame is absurd"
+        wrong = _local_stream_socket(server)
+        frames = [b"BPS-STREAM-1", b"PLAIN", b"worker", b"not-the-token"]
+        wrong.sendall(b"".join(struct.pack("<Q", len(f) | (1 << 63 if i < 3 else 0)) + f for i, f in enumerate(frames)))
+        assert wrong.recv(64) == b"", "the server should refuse a wrong token on the local stream, as on TCP"
+        with Client([server.address], job_id_from_name("local-after-garbage"), 0, 1) as c:
+            assert c.stream_local(0)
+            assert torch.equal(c.push_pull(torch.ones(1000), 0).wait(), torch.ones(1000))
+    finally:
+        server.stop()
+
+
 def test_transport_setting(monkeypatch):
     monkeypatch.delenv("BPS_TRANSPORT", raising=False)
     assert Config.resolve().transport == "stream"
@@ -534,9 +579,11 @@ def test_transport_setting(monkeypatch):
     monkeypatch.setenv("BPS_TRANSPORT", "zmq")
     assert Config.resolve().transport == "zmq"
     monkeypatch.setenv("BPS_TRANSPORT", "tcp")
-    with pytest.raises(ConfigError, match=r"BPS_TRANSPORT='tcp'.*stream.*zmq"):
+    assert Config.resolve().transport == "tcp"
+    monkeypatch.setenv("BPS_TRANSPORT", "quic")
+    with pytest.raises(ConfigError, match=r"BPS_TRANSPORT='quic'.*stream.*tcp.*zmq"):
         Config.resolve()
-    with pytest.raises(ConfigError, match="'tcp'"):
+    with pytest.raises(ConfigError, match="'quic'"):
         Client(["127.0.0.1:1"], 1, 0, 1)  # the Client's default comes from BPS_TRANSPORT too
     monkeypatch.delenv("BPS_TRANSPORT")
     with pytest.raises(ConfigError, match="'udp'"):

@@ -111,7 +111,10 @@ class Client:
             connection goes down (or it comes back as another incarnation).
         stream: beside each ZeroMQ connection, use the plain TCP stream a server offers (not under CURVE;
             docs/protocol.md, "The stream transport"); a server offering none, or whose stream fails to open,
-            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream", the default, or "zmq").
+            is reached over ZeroMQ. None: BPS_TRANSPORT ("stream", the default, or "tcp"; not "zmq").
+        local_stream: a server on this machine (in this network namespace) is reached over its local stream, a
+            unix socket, where it offers one (docs/protocol.md): no TCP stack on the bytes. None: BPS_TRANSPORT is
+            "stream" (not "tcp").
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -138,6 +141,7 @@ class Client:
         stream: bool | None = None,
         auto_credit: bool = False,
         receive_buffer_bytes: Sequence[int] = (),
+        local_stream: bool | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -172,8 +176,9 @@ class Client:
                 f"receive_buffer_bytes {receive_buffer_bytes} must hold one size in [0, 2^31) per server "
                 f"({len(self._servers)})"
             )
-        if stream is None:
-            stream = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT) == "stream"
+        transport = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT)
+        stream = transport != "zmq" if stream is None else stream
+        local_stream = transport == "stream" if local_stream is None else local_stream
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -195,7 +200,8 @@ class Client:
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
-                               receive_buffer_bytes=receive_buffer_bytes, **keys)  # fmt: skip
+                               receive_buffer_bytes=receive_buffer_bytes, local_stream=local_stream,
+                               **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -416,6 +422,10 @@ class Client:
     def stream_ready(self, server: int) -> bool:
         """Whether `server`'s stream is ready now: operations started now send their requests on it, not ZeroMQ."""
         return self._impl.stream_ready(server)
+
+    def stream_local(self, server: int) -> bool:
+        """Whether `server`'s stream is ready and is its local stream (a unix socket on this machine), not TCP."""
+        return self._impl.stream_local(server)
 
     def stream_bytes(self) -> list[tuple[int, int]]:
         """Per server, the bytes (headers and payloads) sent and received on its streams; counted in `bytes_sent`

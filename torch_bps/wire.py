@@ -37,6 +37,11 @@ class Command(enum.IntEnum):
     STATS = 5  # server counters, for tests and benchmarks
 
 
+# A HELLO reply's `length`: the stream port (bits 0-15), and this bit if the server also listens on its local
+# stream, an abstract unix socket named after its incarnation (docs/protocol.md, "The stream transport").
+STREAM_LOCAL = 1 << 32
+
+
 class Status(enum.IntEnum):
     OK = 0
     BAD_FRAME = 1  # malformed header, wrong magic, wrong frame count

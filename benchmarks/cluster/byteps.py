@@ -185,12 +185,13 @@ def run_torch_bps(
     servers_cpu = {}  # worker 0's (`--watch`); the others watched nothing
     for r in results:
         servers_cpu.update(r["cpu"].pop("watched"))
-    # Per worker host, beside its CPU: how many of its servers it reached over a stream, its credit at the end and
-    # its timed steps' seconds.
+    # Per worker host, beside its CPU: how many of its servers it reached over a stream (and a local one), its credit
+    # at the end and its timed steps' seconds.
     cpu = {
         h.name: {
             **r["cpu"],
             "streams_ready": sum(r.get("streams", [])),
+            "streams_local": sum(r.get("local_streams", [])),  # of them, on a server's local stream (unix socket)
             "credit_bytes": r.get("scheduler", {}).get("credit_bytes"),
             "steps_s": r.get("steps"),
         }

@@ -44,7 +44,7 @@ from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
 from torch_bps.server.metrics import resident_bytes
 from torch_bps.server.rounds import Job
 from torch_bps.server.timeline import ServerTimeline
-from torch_bps.wire import REPLY, STATS_FIELDS, Command, Header, Mode, Status
+from torch_bps.wire import REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
 
@@ -96,6 +96,8 @@ class SummationServer:
         offer = stream and (security is None or security.mechanism == "token")
         listen_host = host if host not in ("0.0.0.0", "*") else ""
         self.stream_port = core.listen_stream(listen_host, receive_buffer_bytes) if offer else 0
+        # What HELLO replies offer: the port, and the local stream if it listens on one.
+        self._stream_offer = self.stream_port | (STREAM_LOCAL if self.stream_port and core.local_stream else 0)
         self._connections: dict[int, list[tuple[int, int]]] = {}  # fd -> (job, worker) that said HELLO on it
         self._book = MemoryBook(self.limits)
         self._next_sweep = self._last_sweep = 0.0
@@ -286,7 +288,7 @@ class SummationServer:
         job.lost.pop(h.worker, None)
         self._book.touch(h.job_id, time.monotonic())
         self._core.hello(h.job_id, h.worker, h.num_workers, job.peers[h.worker], identity)
-        return [ident, h.reply(incarnation=self.incarnation, length=self.stream_port).pack()]
+        return [ident, h.reply(incarnation=self.incarnation, length=self._stream_offer).pack()]
 
     def _init(self, ident: bytes, h: Header) -> list:
         check_init(h)

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         result["steps"] = [round(s, 4) for s in steps]
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
                       scheduler=client.scheduler_stats(),
-                      streams=[client.stream_ready(i) for i in range(len(addresses))])  # fmt: skip
+                      streams=[client.stream_ready(i) for i in range(len(addresses))],
+                      local_streams=[client.stream_local(i) for i in range(len(addresses))])  # fmt: skip
     emit(result)
     return 0
 
