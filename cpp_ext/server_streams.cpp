@@ -25,7 +25,7 @@ std::string peerAddress(int fd) {
   sockaddr_storage addr{};
   socklen_t len = sizeof(addr);
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "";
-  if (addr.ss_family == AF_UNIX) return "this machine (local stream)";
+  if (addr.ss_family == AF_UNIX) return "local";  // torch_bps.wire.LOCAL_PEER
   char text[INET6_ADDRSTRLEN] = {0};
   const void* raw = addr.ss_family == AF_INET6 ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr)
                                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&addr)->sin_addr);

@@ -40,6 +40,8 @@ class Command(enum.IntEnum):
 # A HELLO reply's `length`: the stream port (bits 0-15), and this bit if the server also listens on its local
 # stream, an abstract unix socket named after its incarnation (docs/protocol.md, "The stream transport").
 STREAM_LOCAL = 1 << 32
+# The peer address a server's core gives a request that came on its local stream (no IP: a unix socket).
+LOCAL_PEER = "local"
 
 
 class Status(enum.IntEnum):

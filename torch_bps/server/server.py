@@ -44,7 +44,7 @@ from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
 from torch_bps.server.metrics import resident_bytes
 from torch_bps.server.rounds import Job
 from torch_bps.server.timeline import ServerTimeline
-from torch_bps.wire import REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status
+from torch_bps.wire import LOCAL_PEER, REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status
 
 log = logging.getLogger("torch_bps.server")
 
@@ -284,6 +284,8 @@ class SummationServer:
         # Which connection this worker is on, to know it lost when that connection drops. A worker that
         # says HELLO again (after a reconnection) is back.
         self._connections.setdefault(fd, []).append((h.job_id, h.worker))
+        if peer == LOCAL_PEER:  # its HELLO on the local stream: the address its HELLO on ZeroMQ came from says more
+            peer = job.peers.get(h.worker) or "this server's machine"
         job.peers[h.worker] = peer or "an unknown address"
         job.lost.pop(h.worker, None)
         self._book.touch(h.job_id, time.monotonic())
