@@ -1,6 +1,5 @@
 // The client's IO thread (see client.h): it owns every socket and all request state. Other threads only
 // touch the submission queue and the HELLO results, each under its mutex.
-#include <poll.h>
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <unistd.h>

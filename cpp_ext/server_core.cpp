@@ -1,7 +1,6 @@
 // ServerCore: the summation server's loop (see server_core.h).
 #include "server_core.h"
 
-#include <poll.h>
 #include <sys/epoll.h>
 
 #include <algorithm>

@@ -95,7 +95,7 @@ class ServerStreams {
   int receiveBufferBytes_ = 0;  // every accepted stream's SO_RCVBUF (0: the kernel's)
   uint64_t maxFrameBytes_ = 16 << 20;
   uint64_t nextNumber_ = 1;
-  std::map<uint64_t, std::unique_ptr<StreamPeer>> streams_;  // by number: poll order is stable
+  std::map<uint64_t, std::unique_ptr<StreamPeer>> streams_;  // by number: serve() walks it beside ready_
   std::vector<std::vector<Message>> messages_;  // read() scratch
 };
 
