@@ -528,6 +528,35 @@ def test_a_killed_server_fails_the_rounds_on_its_stream_at_once(local):
         server.kill()
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["local-stream", "tcp-stream"])
+def test_a_stream_dropping_while_a_forked_child_holds_its_socket_does_not_spin_the_io_thread(local):
+    """A fork (a DataLoader's workers) copies the client's sockets into the child. When a stream then drops, the
+    client closes its socket, but the socket lives on in the child: left in the IO thread's epoll set, its hang-up
+    would be reported on every wait, a busy loop. The client removes it from the set before closing it."""
+    server = ServerProcess()
+    child = None
+    try:
+        with Client([server.address], 8, 0, 2, local_stream=local, timeout=60) as c:
+            assert c.stream_ready(0) and c.stream_local(0) == local
+            waiting = c.push_pull(torch.zeros(100), 0)  # no second worker: it waits
+            child = os.fork()
+            if child == 0:  # holds every socket of the parent until killed
+                time.sleep(60)
+                os._exit(0)
+            server.kill()
+            with pytest.raises(TransportError, match=server.address):
+                waiting.wait()
+            t0, cpu0 = time.monotonic(), time.process_time()
+            time.sleep(1.0)
+            busy = (time.process_time() - cpu0) / (time.monotonic() - t0)
+            assert busy < 0.3, f"the client used {busy:.2f} cores while idle after its stream dropped"
+    finally:
+        if child:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        server.kill()
+
+
 def test_a_server_on_this_machine_is_reached_over_its_local_stream():
     """The server offers its local stream (a unix socket named after its incarnation) beside the TCP port: a client
     on the same machine takes it, and the sums are those over TCP; BPS_TRANSPORT=tcp (local_stream=False) keeps
