@@ -108,9 +108,11 @@ def _torch_hooks(rank, world, gloo):
 
     hooks = {"byteps": (state(bps), powerSGD_hook.powerSGD_hook), "gloo": (state(gloo), powerSGD_hook.powerSGD_hook)}
     worst["powerSGD"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
-    # Its callbacks block on nested all_reduces, so the client's completion pool had to grow. The peak, not
-    # the count now: a thread idle for 10 s leaves, and one thread may serve the last steps.
-    worst["completion_threads"] = implementation(bps).runtime._client._impl.completion_threads_peak()
+    # Its callbacks block on nested all_reduces: no deadlock is what finishing proves. Whether one ran on a
+    # completion thread (and the pool had to grow) depends on timing: a future already complete when PowerSGD
+    # attaches its callback runs it on the caller's thread. On a loaded machine every one did so in a clean-clone
+    # run (2026-11-27: peak 1). test_client's test_callbacks_run_off_the_io_thread_and_may_block holds the
+    # growth to account with the order fixed.
     # the bps_hook on a "byteps" group reuses the group's Runtime
     import torch_bps
 
@@ -126,7 +128,6 @@ def test_torch_comm_hooks_on_byteps_group():
     for r in results:
         assert {"fp16", "powerSGD", "bps_hook"} <= set(r)
         assert [r["fp16"], r["powerSGD"], r["bps_hook"]] == [0.0] * 3, r  # two ranks: sums exact in any order
-        assert r["completion_threads"] >= 2
 
 
 def _join_uneven(rank, world, gloo):
