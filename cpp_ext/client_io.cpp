@@ -1,15 +1,16 @@
 // The client's IO thread (see client.h): it owns every socket and all request state. Other threads only
 // touch the submission queue and the HELLO results, each under its mutex.
 #include <pthread.h>
-#include <sys/epoll.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include "client.h"
+#include "epoll_set.h"
 #include "zmq_fd.h"
 
 #include <ATen/ops/empty.h>
@@ -18,22 +19,13 @@ namespace bps {
 
 namespace {
 
-// What an epoll event is about: its kind, the server (low 32 bits) and, for a stream, which of the server's
-// streams (its generation's low 24 bits: an event of a stream closed meanwhile must not act on the one opened
-// after it, maybe on the same fd number).
+// What an epoll event is about (epoll_set.h's kind), and its index: the server (low 32 bits) and, for a stream,
+// which of the server's streams (its generation's low 24 bits: an event of a stream closed meanwhile must not act on
+// the one opened after it, maybe on the same fd number).
 enum EventKind : uint64_t { kWakeEvent = 0, kDealerEvent = 1, kMonitorEvent = 2, kStreamEvent = 3 };
 
-uint64_t eventTag(EventKind kind, size_t server, uint64_t generation = 0) {
-  return (uint64_t{kind} << 56) | ((generation & 0xffffff) << 32) | static_cast<uint32_t>(server);
-}
-
-void watchFd(int epollFd, int fd, uint64_t tag) {
-  epoll_event event{};
-  event.events = EPOLLIN;
-  event.data.u64 = tag;
-  if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
-    throw Error(ErrorKind::kTransport, std::string("epoll_ctl failed: ") + std::strerror(errno));
-  }
+uint64_t streamIndex(size_t server, uint64_t generation) {
+  return ((generation & 0xffffff) << 32) | static_cast<uint32_t>(server);
 }
 
 }  // namespace
@@ -42,11 +34,10 @@ void Client::ioLoop() {
   // Named so that top -H, perf and /proc tell it from the completion threads and Python's.
   pthread_setname_np(pthread_self(), "bps-client-io");
   size_t n = links_.size();
-  // epoll, not poll: a wake-up costs the same whatever the number of servers (poll walked 1 + 3n fds on every
-  // one: the wake-up eventfd, per server its DEALER's and its monitor's signal fds (zmq_fd.h) and its stream).
-  // Level-triggered, as poll is.
-  int epollFd = epoll_create1(EPOLL_CLOEXEC);
-  std::vector<epoll_event> events(1 + 3 * n);
+  // Watched: the wake-up eventfd, per server its DEALER's and its monitor's signal fds (zmq_fd.h) and its stream.
+  // Created inside the try (a failure stops the IO thread with a reason), kept past it: each stream leaves the set
+  // as it closes below.
+  std::optional<EpollSet> epoll;
   // Per server, what this wait reported: its DEALER or monitor readable, its stream's events (and generation).
   std::vector<char> dealerReady(n), monitorReady(n);
   std::vector<short> streamEvents(n);
@@ -54,11 +45,11 @@ void Client::ioLoop() {
   std::vector<char> streamWatched(n);
   bool first = true;  // nothing is known of the sockets before the first look
   try {
-    if (epollFd < 0) throw Error(ErrorKind::kTransport, std::string("epoll_create1 failed: ") + std::strerror(errno));
-    watchFd(epollFd, wakeFd_, eventTag(kWakeEvent, 0));
+    epoll.emplace(1 + 3 * n);
+    epoll->add(wakeFd_, eventTag(kWakeEvent, 0), "the wake-up eventfd");
     for (size_t i = 0; i < n; ++i) {
-      watchFd(epollFd, links_[i]->socketFd(), eventTag(kDealerEvent, i));
-      watchFd(epollFd, links_[i]->monitorFd(), eventTag(kMonitorEvent, i));
+      epoll->add(links_[i]->socketFd(), eventTag(kDealerEvent, i), "a DEALER's signal fd");
+      epoll->add(links_[i]->monitorFd(), eventTag(kMonitorEvent, i), "a monitor's signal fd");
     }
     for (;;) {
       // Streams: write what was queued since the last wait (one writev for a burst of requests), check their
@@ -69,7 +60,7 @@ void Client::ioLoop() {
         stepStream(i, 0);
         if (!streams_[i]->active()) continue;
         uint64_t generation = streams_[i]->generation();
-        if (!streams_[i]->watch(epollFd, eventTag(kStreamEvent, i, generation))) {
+        if (!streams_[i]->watch(epoll->fd(), eventTag(kStreamEvent, streamIndex(i, generation)))) {
           throw Error(ErrorKind::kTransport, std::string("epoll_ctl failed on a stream: ") + std::strerror(errno));
         }
         streamWatched[i] = true;
@@ -80,21 +71,16 @@ void Client::ioLoop() {
       // deadline left to end it.
       bool now = first || (!stopping_ && credit_.ready());
       for (size_t i = 0; i < n && !now; ++i) now = links_[i]->sentSinceRead();
-      int count = epoll_wait(epollFd, events.data(), static_cast<int>(events.size()), now ? 0 : pollTimeoutMs());
-      if (count < 0) {
-        if (errno != EINTR) {
-          throw Error(ErrorKind::kTransport, std::string("epoll_wait failed: ") + std::strerror(errno));
-        }
-        count = 0;
-      }
+      int count = std::max(0, epoll->wait(now ? 0 : pollTimeoutMs()));
       std::fill(dealerReady.begin(), dealerReady.end(), 0);
       std::fill(monitorReady.begin(), monitorReady.end(), 0);
       std::fill(streamEvents.begin(), streamEvents.end(), 0);
       bool woken = false;
       for (int e = 0; e < count; ++e) {
-        uint64_t tag = events[e].data.u64;
-        size_t server = static_cast<uint32_t>(tag);
-        switch (static_cast<EventKind>(tag >> 56)) {
+        const epoll_event& event = epoll->events()[e];
+        uint64_t index = eventIndex(event.data.u64);
+        size_t server = static_cast<uint32_t>(index);
+        switch (static_cast<EventKind>(eventKind(event.data.u64))) {
           case kWakeEvent:
             woken = true;
             break;
@@ -106,8 +92,8 @@ void Client::ioLoop() {
             break;
           case kStreamEvent:
             // Closed and reopened since it was watched: not this stream's events.
-            if (((tag >> 32) & 0xffffff) == (streamGeneration[server] & 0xffffff)) {
-              streamEvents[server] = static_cast<short>(events[e].events);
+            if (index == streamIndex(server, streamGeneration[server])) {
+              streamEvents[server] = static_cast<short>(event.events);
             }
             break;
         }
@@ -158,7 +144,6 @@ void Client::ioLoop() {
                                     : "the torch_bps client failed (" + ioFailure_ + ")");
   for (auto& link : links_) link->close();
   for (size_t i = 0; i < n; ++i) closeStream(i, "the client was closed");
-  if (epollFd >= 0) ::close(epollFd);  // after the streams: each left the set as it closed
   {
     std::lock_guard<std::mutex> lock(stateMutex_);
     streamsOpening_ = 0;  // nobody waits for a stream after the IO thread is gone

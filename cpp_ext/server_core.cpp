@@ -1,8 +1,6 @@
 // ServerCore: the summation server's loop (see server_core.h).
 #include "server_core.h"
 
-#include <sys/epoll.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -10,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "epoll_set.h"
 #include "zmq_fd.h"
 
 namespace bps {
@@ -103,26 +102,12 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
   const int monitorFd = zmqSignalFd(monitor_, "the server's monitor");
   const int zapFd = zap_ ? zmqSignalFd(zap_, "the server's ZAP handler") : -1;
   const int routerFd = zmqSignalFd(router_, "the server's ROUTER");
-  // epoll, not poll: a wake-up costs the same whatever the number of workers' streams (poll walked them all on
-  // every one). Level-triggered, as poll is.
-  int epollFd = epoll_create1(EPOLL_CLOEXEC);
-  if (epollFd < 0) throw Error(ErrorKind::kTransport, std::string("epoll_create1: ") + std::strerror(errno));
-  struct CloseAfter {  // after close(): the streams leave the set as they close
-    int fd;
-    ~CloseAfter() { ::close(fd); }
-  } closeEpoll{epollFd};
+  // Closed after close() below: the streams leave the set as they close.
+  EpollSet epoll(256);
   enum : uint64_t { kMonitorEvent = 0, kZapEvent = 1, kRouterEvent = 2 };  // below ServerStreams' kinds
-  for (auto [fd, kind] :
-       {std::pair<int, uint64_t>{monitorFd, kMonitorEvent}, {zapFd, kZapEvent}, {routerFd, kRouterEvent}}) {
-    if (fd < 0) continue;  // no ZAP handler
-    epoll_event event{};
-    event.events = EPOLLIN;
-    event.data.u64 = kind << kEventKindShift;
-    if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
-      throw Error(ErrorKind::kTransport, std::string("epoll_ctl: ") + std::strerror(errno));
-    }
-  }
-  std::vector<epoll_event> events(256);
+  epoll.add(monitorFd, eventTag(kMonitorEvent, 0), "the server's monitor");
+  if (zapFd >= 0) epoll.add(zapFd, eventTag(kZapEvent, 0), "the server's ZAP handler");
+  epoll.add(routerFd, eventTag(kRouterEvent, 0), "the server's ROUTER");
   std::vector<Message> frames;
   frames.reserve(4);
   auto admit = [&](StreamPeer& peer, std::vector<Message>& auth) { return admitStream(peer, auth, control); };
@@ -136,18 +121,17 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
   bool readRouter = true, readMonitor = true, readZap = zap_ != nullptr;  // unknown before the first look
   try {
     for (;;) {
-      streams_.watch(epollFd);
+      streams_.watch(epoll);
       double wait = std::min(nextTick, nextExpire) - monotonicSeconds();
       bool noWait = streams_.hasBuffered() || readRouter || routerSent_ || readMonitor || readZap;
       int timeoutMs = noWait ? 0 : wait > 0 ? static_cast<int>(std::min(wait * 1000, 1e9)) + 1 : 0;
-      int ready = epoll_wait(epollFd, events.data(), static_cast<int>(events.size()), timeoutMs);
+      int ready = epoll.wait(timeoutMs);
       if (ready < 0) {
-        if (errno != EINTR) throw Error(ErrorKind::kTransport, std::string("epoll_wait: ") + std::strerror(errno));
         nextTick = 0;  // a signal: let the control plane look at it now (its handler may have asked to stop)
         ready = 0;
       }
       for (int e = 0; e < ready; ++e) {
-        uint64_t kind = events[e].data.u64 >> kEventKindShift;
+        uint64_t kind = eventKind(epoll.events()[e].data.u64);
         readMonitor |= kind == kMonitorEvent;
         readZap |= kind == kZapEvent;
         readRouter |= kind == kRouterEvent;
@@ -167,7 +151,7 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
         }
         readRouter = read == kBatch;  // more may wait: look again without blocking
       }
-      streams_.serve(events.data(), ready, monotonicSeconds(), admit, deliver, closed);
+      streams_.serve(epoll.events(), ready, monotonicSeconds(), admit, deliver, closed);
       uint64_t read = counters_.requests - before;
       if (read > 0) {
         ++counters_.wakeups;

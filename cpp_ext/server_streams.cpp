@@ -51,22 +51,15 @@ bool ServerStreams::listenLocal(const std::string& name) {
   return localFd_ >= 0;
 }
 
-void ServerStreams::watch(int epollFd) {
-  if (epollFd_ != epollFd) {
-    epollFd_ = epollFd;
-    for (auto [fd, kind] : {std::pair<int, uint64_t>{listenFd_, kListenEvent}, {localFd_, kLocalListenEvent}}) {
-      if (fd < 0) continue;
-      epoll_event event{};
-      event.events = EPOLLIN;
-      event.data.u64 = kind << kEventKindShift;
-      if (epoll_ctl(epollFd, EPOLL_CTL_ADD, fd, &event) != 0) {
-        throw Error(ErrorKind::kTransport, std::string("epoll_ctl on a stream listener: ") + std::strerror(errno));
-      }
-    }
+void ServerStreams::watch(EpollSet& epoll) {
+  if (epollFd_ != epoll.fd()) {
+    epollFd_ = epoll.fd();
+    if (listenFd_ >= 0) epoll.add(listenFd_, eventTag(kListenEvent, 0), "the stream listener");
+    if (localFd_ >= 0) epoll.add(localFd_, eventTag(kLocalListenEvent, 0), "the local stream's listener");
   }
   for (const auto& [number, peer] : streams_) {
     uint32_t events = EPOLLIN | (peer->conn->wantsWrite() ? EPOLLOUT : 0);
-    if (!peer->conn->watch(epollFd, events, (uint64_t{kPeerEvent} << kEventKindShift) | number)) {
+    if (!peer->conn->watch(epollFd_, events, eventTag(kPeerEvent, number))) {
       throw Error(ErrorKind::kTransport, std::string("epoll_ctl on a stream: ") + std::strerror(errno));
     }
   }
@@ -83,13 +76,12 @@ void ServerStreams::serve(const epoll_event* events, int count, double now, cons
                           const Deliver& deliver, const Closed& closed) {
   bool acceptTcp = false, acceptLocal = false;
   ready_.clear();
-  constexpr uint64_t kNumber = (uint64_t{1} << kEventKindShift) - 1;
   for (int e = 0; e < count; ++e) {
     uint64_t tag = events[e].data.u64;
-    switch (tag >> kEventKindShift) {
+    switch (eventKind(tag)) {
       case kListenEvent: acceptTcp = true; break;
       case kLocalListenEvent: acceptLocal = true; break;
-      case kPeerEvent: ready_.emplace_back(tag & kNumber, events[e].events); break;
+      case kPeerEvent: ready_.emplace_back(eventIndex(tag), events[e].events); break;
       default: break;  // the core's sockets
     }
   }

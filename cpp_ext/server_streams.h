@@ -1,14 +1,13 @@
-// The server's side of the stream transport (docs/protocol.md, "The stream transport"): a listening socket
-// and the streams it accepted, served by the core's loop thread beside the ROUTER. This file handles the
-// connections (accept, AUTH, framing, writing, closing); what a request means stays in ServerCore, which
-// sees a stream's messages exactly as ROUTER messages: frames[0] is the peer's identity, here
-// kStreamIdentityTag + the stream's number, a form no ROUTER peer gets (ServerCore drops ROUTER messages
-// that claim it).
+// The server's side of the stream transport (docs/protocol.md, "The stream transport"): the listeners (TCP, and
+// the local stream's unix socket) and the streams they accepted, served by the core's loop thread beside the
+// ROUTER. This file handles the connections (accept, AUTH, framing, writing, closing); what a request means stays
+// in ServerCore, which sees a stream's messages exactly as ROUTER messages: frames[0] is the peer's identity, here
+// kStreamIdentityTag + the stream's number, a form no ROUTER peer gets (ServerCore drops ROUTER messages that claim
+// it).
 //
 // Thread contract: everything runs on the core's loop thread (listen() before run()).
 #pragma once
 
-#include <sys/epoll.h>
 #include <zmq.h>
 
 #include <cstdint>
@@ -18,14 +17,14 @@
 #include <string>
 #include <vector>
 
+#include "epoll_set.h"
 #include "message.h"
 #include "stream_conn.h"
 
 namespace bps {
 
-// epoll tags (epoll_event.data.u64): the kind in the top byte, a stream's number below it. The core's own
-// sockets use the kinds below kListenEvent.
-constexpr int kEventKindShift = 56;
+// The kinds of their epoll tags (epoll_set.h; a stream's index is its number). The core's own sockets use the
+// kinds below kListenEvent.
 enum StreamsEvent : uint64_t { kListenEvent = 3, kLocalListenEvent = 4, kPeerEvent = 5 };
 
 // A stream's identity: these two bytes, then its number (u64). ROUTER-made identities are 5 bytes.
@@ -65,9 +64,9 @@ class ServerStreams {
   // Frames of admitted streams may be this long (the ROUTER's ZMQ_MAXMSGSIZE).
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
 
-  // Keep the listeners and every stream in epoll set `epollFd` (level-triggered; POLLOUT only while a stream's
-  // writes wait): system calls only for what changed since the last call.
-  void watch(int epollFd);
+  // Keep the listeners and every stream in `epoll` (POLLOUT only while a stream's writes wait): system calls only
+  // for what changed since the last call.
+  void watch(EpollSet& epoll);
   // Bytes already read and not yet served: wait without blocking.
   bool hasBuffered() const;
   // Accept, read and write what epoll reported (events[0..count), those of the kinds above; others ignored).

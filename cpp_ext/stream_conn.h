@@ -1,5 +1,6 @@
 // One end of a stream connection (docs/protocol.md, "The stream transport"): whole messages in, whole
-// messages out, on a non-blocking TCP socket, without ZeroMQ's I/O thread in between. Used by the client's
+// messages out, on a non-blocking TCP socket (or the local stream's unix socket), without ZeroMQ's I/O thread in
+// between. Used by the client's
 // I/O thread (one per server) and by the server's loop thread (one per accepted stream), and only by that
 // thread: nothing here locks.
 //

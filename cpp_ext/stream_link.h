@@ -1,6 +1,6 @@
 // The client's end of one server's stream (docs/protocol.md, "The stream transport"): a plain TCP connection
-// beside the server's DEALER (ServerLink), which the IO thread reads and writes itself, saving ZeroMQ's I/O
-// thread and its wake-ups on every message.
+// (a unix socket to a server on this machine: its local stream) beside the server's DEALER (ServerLink), which the
+// IO thread reads and writes itself, saving ZeroMQ's I/O thread and its wake-ups on every message.
 //
 // States: none -> connecting -> AUTH sent -> HELLO sent -> ready, and back to none from any of them. Opening
 // (connect, AUTH, HELLO) has one deadline, kStreamOpenTimeout: a stream never hangs in between. A stream that
