@@ -1,10 +1,11 @@
-"""CPU per partition of the stream transport against ZeroMQ, worker and server, on loopback.
+"""CPU per partition of the transports, worker and server, on loopback.
 
 One `bps-server` process and one worker (this process, a `Client`) push_pull 40 keys of S bytes at once, round
-after round, for `--seconds` per measurement, over ZeroMQ (`stream=False`) and over a stream (`stream=True`)
-alternated in each repeat. The figures are CPU microseconds per partition (one PUSH + one PULL) of the worker
-process (every thread) and of the server process, and the goodput; ratios stream / ZeroMQ are taken within a
-repeat, then their median.
+after round, for `--seconds` per measurement, over each transport of `--transports` alternated in each repeat:
+`zmq` (ZeroMQ only), `tcp` (the TCP stream), `unix` (the server's local stream, a unix socket) and `stream` (the
+default: the local stream, big frames through shared memory). The figures are CPU microseconds per partition (one
+PUSH + one PULL) of the worker process (every thread) and of the server process, and the goodput; ratios against
+the first transport are taken within a repeat, then their median.
 
     python benchmarks/transport_cpu.py --sizes-kib 64,256,1024 --repeats 3 --json docs/results/transport_cpu.json
 """
@@ -35,11 +36,22 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(server: ServerProcess, job_id: int, size: int, stream: bool, seconds: float) -> dict:
+TRANSPORTS = {  # Client keywords
+    "zmq": {"stream": False},
+    "tcp": {"stream": True, "local_stream": False},
+    "unix": {"stream": True, "local_stream": True, "shared_memory": False},
+    "stream": {"stream": True, "local_stream": True, "shared_memory": True},
+}
+
+
+def measure(server: ServerProcess, job_id: int, size: int, transport: str, seconds: float) -> dict:
     """Push_pull KEYS keys of `size` bytes for `seconds`; return CPU us per partition and MB/s."""
-    with Client([server.address], job_id, 0, 1, timeout=30, stream=stream) as client:
-        if stream and not client.stream_ready(0):
-            raise SystemExit("the stream did not open: is the server offering one?")
+    how = TRANSPORTS[transport]
+    with Client([server.address], job_id, 0, 1, timeout=30, **how) as client:
+        got = (client.stream_ready(0), client.stream_local(0), client.stream_shared(0))
+        want = (how["stream"], how.get("local_stream", False), how.get("shared_memory", False))
+        if got != want:
+            raise SystemExit(f"{transport}: stream ready, local, shared are {got}, not {want}")
         tensors = [torch.ones(size // 4) for _ in range(KEYS)]
         for key, t in enumerate(tensors):  # INIT every key first
             client.push_pull(t, key).wait()
@@ -59,8 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-kib", default="64,256,1024")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--transports", default="zmq,tcp,unix,stream", help=f"some of {', '.join(TRANSPORTS)}")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    transports = args.transports.split(",")
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        p.error(f"--transports {args.transports!r}: use some of {', '.join(TRANSPORTS)}")
+    base = transports[0]
+    metrics = ("worker_us", "server_us", "mb_s")
     torch.set_num_threads(1)
     server = ServerProcess()
     results: dict = {}
@@ -69,30 +87,28 @@ def main(argv: list[str] | None = None) -> int:
         for kib in (int(s) for s in args.sizes_kib.split(",")):
             runs = []
             for _ in range(args.repeats):
-                pair = {}
-                for stream in (False, True):
-                    pair["stream" if stream else "zmq"] = measure(server, job, kib << 10, stream, args.seconds)
+                run = {}
+                for t in transports:
+                    run[t] = measure(server, job, kib << 10, t, args.seconds)
                     job += 1
-                runs.append(pair)
-            med = {
-                f"{t}_{m}": statistics.median(r[t][m] for r in runs)
-                for t in ("zmq", "stream")
-                for m in ("worker_us", "server_us", "mb_s")
-            }
-            for m in ("worker_us", "server_us", "mb_s"):
-                med[f"ratio_{m}"] = statistics.median(r["stream"][m] / r["zmq"][m] for r in runs)
+                runs.append(run)
+            med = {f"{t}_{m}": statistics.median(r[t][m] for r in runs) for t in transports for m in metrics}
+            for t in transports[1:]:
+                for m in metrics:
+                    med[f"ratio_{t}_{m}"] = statistics.median(r[t][m] / r[base][m] for r in runs)
             results[kib] = {"median": med, "runs": runs}
-            cells = [
-                f"{name} {med['zmq_' + m]:6.0f} -> {med['stream_' + m]:6.0f} ({med['ratio_' + m]:.2f})"
-                for name, m in (("worker us/partition", "worker_us"), ("server", "server_us"), ("MB/s", "mb_s"))
-            ]
-            print(f"{kib:5d} KiB, zmq -> stream: " + "  ".join(cells), flush=True)
+            for t in transports:
+                ratio = lambda m: "" if t == base else f" ({med[f'ratio_{t}_{m}']:.2f})"  # noqa: E731
+                print(f"{kib:5d} KiB {t:>6}: worker {med[t + '_worker_us']:6.0f} us/partition{ratio('worker_us')}"
+                      f"  server {med[t + '_server_us']:6.0f}{ratio('server_us')}"
+                      f"  {med[t + '_mb_s']:6.0f} MB/s{ratio('mb_s')}", flush=True)  # fmt: skip
     finally:
         server.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"keys": KEYS, "seconds": args.seconds, "load_before": os.getloadavg(), "sizes": results}, f, indent=2
+                {"keys": KEYS, "seconds": args.seconds, "transports": transports, "load_before": os.getloadavg(),
+                 "sizes": results}, f, indent=2,  # fmt: skip
             )
     return 0
 

@@ -86,7 +86,7 @@ class PyClient {
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
            py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false,
-           std::vector<int> receiveBufferBytes = {}, bool localStream = true) {
+           std::vector<int> receiveBufferBytes = {}, bool localStream = true, bool sharedMemory = true) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -124,6 +124,7 @@ class PyClient {
     options.failover = failover;
     options.stream = stream;
     options.localStream = localStream;
+    options.sharedMemory = sharedMemory;
     options.autoCredit = autoCredit;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
@@ -272,13 +273,13 @@ PYBIND11_MODULE(_C, m) {
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
                        int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit,
-                       std::vector<int> receiveBufferBytes, bool localStream) {
+                       std::vector<int> receiveBufferBytes, bool localStream, bool sharedMemory) {
              bps::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
                                  serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
-                                 autoCredit, std::move(receiveBufferBytes), localStream);
+                                 autoCredit, std::move(receiveBufferBytes), localStream, sharedMemory);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
@@ -287,7 +288,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("credit_bytes") = bps::ClientOptions{}.creditBytes, py::arg("server_credit_bytes") = 0,
            py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
            py::arg("stream") = false, py::arg("auto_credit") = false,
-           py::arg("receive_buffer_bytes") = std::vector<int>{}, py::arg("local_stream") = true)
+           py::arg("receive_buffer_bytes") = std::vector<int>{}, py::arg("local_stream") = true,
+           py::arg("shared_memory") = true)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -353,6 +355,9 @@ PYBIND11_MODULE(_C, m) {
            release())
       .def("stream_local", [](PyClient& c, size_t server) { return c.get().streamLocal(server); }, py::arg("server"),
            release())
+      .def("stream_shared", [](PyClient& c, size_t server) { return c.get().streamShared(server); },
+           py::arg("server"), release())
+      .def("stream_shared_bytes", [](PyClient& c) { return c.get().streamSharedBytes(); }, release())
       .def("stream_bytes_sent", [](PyClient& c) { return c.get().streamBytesSent(); }, release())
       .def("stream_bytes_received", [](PyClient& c) { return c.get().streamBytesReceived(); }, release())
       .def("completion_threads_peak", [](PyClient& c) { return c.get().completionThreadsPeak(); }, release())

@@ -76,6 +76,8 @@ struct ClientOptions {
   // Where a server offers its local stream (stream_conn.h: an abstract unix socket, reachable from its own
   // machine only), try it first: no TCP stack on the bytes a colocated server sums.
   bool localStream = true;
+  // There, big frames go through shared memory (shared_ring.h) if the server takes it.
+  bool sharedMemory = true;
 };
 
 // One received message as onReply reads it, whichever connection it came on.
@@ -186,6 +188,8 @@ class Client {
   // frames, as in bytesSent) each stream carried; both also count in bytesSent()/bytesReceived().
   bool streamReady(size_t server) const;
   bool streamLocal(size_t server) const;  // ready, on the server's local stream (not TCP)
+  bool streamShared(size_t server) const;  // ready, and its big frames go through shared memory
+  std::vector<uint64_t> streamSharedBytes() const;  // frame bytes each stream moved through shared memory
   std::vector<uint64_t> streamBytesSent() const;
   std::vector<uint64_t> streamBytesReceived() const;
   size_t completionThreadsPeak() { return pool_.peakThreadCount(); }

@@ -43,7 +43,7 @@ void Client::openStream(size_t server, uint64_t port, bool forHello) {
     uint64_t incarnation = ioIncarnations_[server];
     why = streams_[server]->open(host, static_cast<uint16_t>(port), options_.socketBufferBytes, receiveBytes, keys,
                                  copyFrame(packed, kHeaderSize), h.requestId, incarnation,
-                                 local ? localStreamName(incarnation) : "");
+                                 local ? localStreamName(incarnation) : "", options_.sharedMemory);
   }
   if (!why.empty()) {
     std::fprintf(stderr, "torch_bps: no stream to server %s (%s); its requests stay on ZeroMQ\n", address.c_str(),
@@ -158,6 +158,16 @@ bool Client::streamReady(size_t server) const {
 
 bool Client::streamLocal(size_t server) const {
   return streamReady(server) && streams_[server]->local();
+}
+
+bool Client::streamShared(size_t server) const {
+  return streamReady(server) && streams_[server]->shared();
+}
+
+std::vector<uint64_t> Client::streamSharedBytes() const {
+  std::vector<uint64_t> out;
+  for (const auto& s : streams_) out.push_back(s->sharedBytes());
+  return out;
 }
 
 std::vector<uint64_t> Client::streamBytesSent() const {

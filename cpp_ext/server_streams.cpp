@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "errors.h"
@@ -120,6 +121,7 @@ void ServerStreams::accept(int listenFd, double now) {
     if (peer->conn->local()) {
       int bytes = kLocalStreamBufferBytes;  // replies: fewer, bigger pieces per partition
       setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+      peer->conn->acceptFd();  // the worker's shared rings come with its first bytes
     } else if (receiveBufferBytes_ > 0) {
       peer->conn->lockedReceiveBuffer();  // inherited from the listener
     }
@@ -143,12 +145,27 @@ void ServerStreams::read(StreamPeer& peer, const Admit& admit, const Deliver& de
       std::vector<Message> answer(2);
       answer[0] = Message::copyOf(kStreamGreeting, std::strlen(kStreamGreeting));
       answer[1] = Message::copyOf("200", 3);
+      if (adoptRings(*peer.conn)) answer.push_back(Message::copyOf(kStreamSharedAnswer, std::strlen(kStreamSharedAnswer)));
       peer.conn->queue(answer);
+      peer.conn->shareWrites();  // after the answer: it is the last frame the worker reads from the socket alone
       continue;
     }
     frames.insert(frames.begin(), Message::copyOf(peer.identity.data(), peer.identity.size()));
     deliver(peer, frames);
   }
+}
+
+bool ServerStreams::adoptRings(StreamConn& conn) {
+  int fd = conn.takeReceivedFd();
+  if (fd < 0) return false;
+  std::string why;
+  std::unique_ptr<SharedRings> rings = SharedRings::adopt(fd, &why);
+  if (!rings) {  // the worker stays on the socket alone
+    std::fprintf(stderr, "torch_bps server: a local stream's shared memory refused: %s\n", why.c_str());
+    return false;
+  }
+  conn.share(std::move(rings), false);
+  return true;
 }
 
 bool ServerStreams::send(const std::string& identity, std::vector<Message>& frames) {

@@ -85,6 +85,7 @@ class ServerStreams {
  private:
   void accept(int listenFd, double now);
   void read(StreamPeer& peer, const Admit& admit, const Deliver& deliver);
+  bool adoptRings(StreamConn& conn);  // the admitted worker's shared rings, if it passed some that are sound
   void reap(const Closed& closed);  // drop the closed streams
 
   int listenFd_ = -1;

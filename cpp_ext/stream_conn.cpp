@@ -82,6 +82,10 @@ StreamConn::~StreamConn() { close("closed"); }
 
 void StreamConn::close(const std::string& why) {
   if (why_.empty()) why_ = why;
+  if (receivedFd_ >= 0) ::close(receivedFd_);
+  receivedFd_ = -1;
+  rings_.reset();
+  shareWrites_ = passFd_ = false;
   if (fd_ >= 0 && epollFd_ >= 0) epoll_ctl(epollFd_, EPOLL_CTL_DEL, fd_, nullptr);
   epollFd_ = -1;
   if (fd_ >= 0) ::close(fd_);
@@ -126,7 +130,7 @@ size_t StreamConn::receive(void* into, size_t n) {
     return 0;
   }
   for (;;) {
-    ssize_t got = ::recv(fd_, into, n, 0);
+    ssize_t got = acceptFd_ ? receiveWithFd(into, n) : ::recv(fd_, into, n, 0);
     if (got > 0) {
       bytesRead_ += static_cast<uint64_t>(got);
       drained_ = static_cast<size_t>(got) < n;
@@ -143,6 +147,46 @@ size_t StreamConn::receive(void* into, size_t n) {
     }
     return 0;
   }
+}
+
+ssize_t StreamConn::receiveWithFd(void* into, size_t n) {
+  // A descriptor passed with SCM_RIGHTS arrives with the first byte sent beside it: only the first read looks.
+  // Any other descriptor a peer sends is closed by the kernel when a plain recv() takes its bytes.
+  iovec iov{into, n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = control;
+  m.msg_controllen = sizeof(control);
+  ssize_t got = ::recvmsg(fd_, &m, MSG_CMSG_CLOEXEC);
+  if (got <= 0) return got;
+  acceptFd_ = false;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(fd));
+      if (receivedFd_ < 0) {
+        receivedFd_ = fd;
+      } else {
+        ::close(fd);
+      }
+    }
+  }
+  return got;
+}
+
+int StreamConn::takeReceivedFd() {
+  int fd = receivedFd_;
+  receivedFd_ = -1;
+  return fd;
+}
+
+void StreamConn::share(std::unique_ptr<SharedRings> rings, bool passFd) {
+  rings_ = std::move(rings);
+  passFd_ = passFd && rings_;
 }
 
 bool StreamConn::takeFrameBytes() {
@@ -206,7 +250,7 @@ bool StreamConn::readMessages(std::vector<std::vector<Message>>& out, size_t max
       uint64_t word;
       std::memcpy(&word, in_.data() + inBegin_, sizeof(word));
       inBegin_ += sizeof(word);
-      uint64_t length = word & ~kStreamMore;
+      uint64_t length = word & ~(kStreamMore | kStreamShared);
       if (length > maxFrameBytes_) {
         return fail(formatText("a frame of %llu bytes, over the bound of %llu", static_cast<unsigned long long>(length),
                                static_cast<unsigned long long>(maxFrameBytes_)));
@@ -219,6 +263,16 @@ bool StreamConn::readMessages(std::vector<std::vector<Message>>& out, size_t max
       }
       frameFilled_ = 0;
       haveLength_ = true;
+      if (word & kStreamShared) {  // its bytes are in the peer's ring, whole: copy them out
+        if (!rings_) return fail("a frame in shared memory, but this stream has none");
+        std::string why;
+        const uint8_t* bytes = rings_->next(static_cast<size_t>(length), &why);
+        if (!bytes) return fail(why);
+        std::memcpy(frame_.data(), bytes, static_cast<size_t>(length));
+        rings_->consumed();
+        frameFilled_ = static_cast<size_t>(length);
+        sharedBytes_ += length;
+      }
     }
     if (!takeFrameBytes()) return false;
     if (frameFilled_ < frame_.size()) {
@@ -243,6 +297,16 @@ void StreamConn::queue(std::vector<Message>& frames) {
     Message& frame = frames[i];
     size_t size = frame.size();
     uint64_t word = size | (i + 1 < frames.size() ? kStreamMore : 0);
+    if (shareWrites_ && size >= kSharedFrameMin) {  // copied into the ring now, or (no room) sent below
+      std::string why;
+      SharedRings::Put put = rings_->put(frame.data(), size, &why);
+      if (put == SharedRings::Put::kBroken) return close(why);
+      if (put == SharedRings::Put::kDone) {
+        word |= kStreamShared;
+        sharedBytes_ += size;
+        size = 0;  // only the length word goes on the socket
+      }
+    }
     queuedBytes_ += sizeof(word) + size;
     if (size <= kInlineFrame) {
       Message piece = sized(sizeof(word) + size);
@@ -274,7 +338,19 @@ bool StreamConn::flush() {
     msghdr header{};
     header.msg_iov = iov;
     header.msg_iovlen = static_cast<size_t>(count);
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    if (passFd_) {  // the rings' memfd, beside the stream's first bytes
+      header.msg_control = control;
+      header.msg_controllen = sizeof(control);
+      cmsghdr* c = CMSG_FIRSTHDR(&header);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      int fd = rings_->fd();
+      std::memcpy(CMSG_DATA(c), &fd, sizeof(fd));
+    }
     ssize_t sent = ::sendmsg(fd_, &header, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent > 0) passFd_ = false;
     if (sent < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {

@@ -8,6 +8,8 @@
 // a tensor wrapped without a copy) stays alive until its last byte went into the kernel.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -16,12 +18,15 @@
 #include <vector>
 
 #include "message.h"
+#include "shared_ring.h"
 
 namespace bps {
 
 constexpr uint64_t kStreamMore = uint64_t{1} << 63;  // a frame's length word: another frame follows
 constexpr size_t kStreamMaxFrames = 4;
 constexpr const char* kStreamGreeting = "BPS-STREAM-1";
+// AUTH's answer, third frame: the server took the worker's shared rings (shared_ring.h).
+constexpr const char* kStreamSharedAnswer = "shared";
 
 class StreamConn {
  public:
@@ -83,12 +88,25 @@ class StreamConn {
   uint64_t bytesRead() const { return bytesRead_; }
   uint64_t bytesWritten() const { return bytesWritten_; }
 
+  // Shared memory on a local stream (shared_ring.h). The worker attaches the rings it made with passFd: their
+  // memfd goes out with the next write, and frames flagged kStreamShared are read from them from now on. The
+  // server, whose local streams acceptFd() before their first read, takes that memfd (takeReceivedFd) and attaches
+  // what it adopted. Either side writes big frames through them only after shareWrites(): once the server said it
+  // adopted them.
+  void share(std::unique_ptr<SharedRings> rings, bool passFd);
+  void shareWrites() { shareWrites_ = rings_ != nullptr; }
+  bool sharesWrites() const { return shareWrites_; }
+  void acceptFd() { acceptFd_ = true; }
+  int takeReceivedFd();  // -1 if none came; the caller owns it
+  uint64_t sharedBytes() const { return sharedBytes_; }  // frame bytes moved through the rings, both ways
+
  private:
   bool fail(const std::string& why);
   bool fill();  // read into the staging buffer; false: closed (why_ set) or nothing there (wouldBlock_ set)
   // recv() up to n bytes: how many came; 0 when none were there, or the last recv came back short (wouldBlock_
   // set either way), or the connection closed.
   size_t receive(void* into, size_t n);
+  ssize_t receiveWithFd(void* into, size_t n);  // recvmsg, keeping a passed descriptor in receivedFd_
   bool takeFrameBytes();
   bool readMessages(std::vector<std::vector<Message>>& out, size_t maxMessages);  // read()'s loop
   void setLowWater(size_t bytes);  // SO_RCVLOWAT, set only when it changes
@@ -122,6 +140,13 @@ class StreamConn {
   std::vector<Message> frames_;  // the message being read
   Placement placement_;
   bool placing_ = false;
+
+  std::unique_ptr<SharedRings> rings_;
+  bool shareWrites_ = false;
+  bool passFd_ = false;  // send rings_'s memfd with the next write
+  bool acceptFd_ = false;  // take an fd passed with the next bytes read
+  int receivedFd_ = -1;
+  uint64_t sharedBytes_ = 0;
 
   std::deque<Piece> out_;
   uint64_t queuedBytes_ = 0;

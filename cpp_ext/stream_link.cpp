@@ -5,6 +5,7 @@
 #include <zmq.h>
 
 #include <cinttypes>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 
@@ -46,7 +47,7 @@ Message tensorFrame(const at::Tensor& tensor) {
 
 std::string StreamLink::open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
                              const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
-                             const std::string& localName) {
+                             const std::string& localName, bool sharedMemory) {
   close("reopened");
   ++generation_;
   std::string why;
@@ -55,8 +56,19 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int sendBuf
   if (!local) fd = connectStream(host, port, sendBufferBytes, receiveBufferBytes, &why);
   if (fd < 0) return why;
   conn_ = std::make_unique<StreamConn>(fd, kMaxReplyFrame);
+  sharedSeen_ = 0;
   local_.store(local, std::memory_order_release);
   if (receiveBufferBytes > 0 && !local) conn_->lockedReceiveBuffer();
+  if (local && sharedMemory) {
+    std::string whyNot;
+    std::unique_ptr<SharedRings> rings = SharedRings::create(&whyNot);
+    if (rings) {
+      conn_->share(std::move(rings), true);
+    } else {
+      std::fprintf(stderr, "torch_bps: the local stream to %s goes without shared memory (%s)\n", address_.c_str(),
+                   whyNot.c_str());
+    }
+  }
   conn_->setPlacement(placement_);
   state_ = StreamState::kConnecting;
   deadline_ = Clock::now() + kStreamOpenTimeout;
@@ -89,6 +101,13 @@ void StreamLink::send(std::vector<Message>& frames) {
   for (const auto& f : frames) bytes += f.size();
   bytesSent_.fetch_add(bytes, std::memory_order_relaxed);
   conn_->queue(frames);
+  countShared();
+}
+
+void StreamLink::countShared() {
+  uint64_t now = conn_->sharedBytes();
+  sharedBytes_.fetch_add(now - sharedSeen_, std::memory_order_relaxed);
+  sharedSeen_ = now;
 }
 
 void StreamLink::step(short revents, StreamStep& out) {
@@ -108,6 +127,7 @@ void StreamLink::step(short revents, StreamStep& out) {
       bool open;
       try {
         open = conn_->read(got, kReadBatch);
+        countShared();
       } catch (const std::exception& e) {  // out of memory for a frame
         conn_->close(e.what());
         open = false;
@@ -135,12 +155,16 @@ void StreamLink::take(std::vector<Message>& message, StreamStep& out) {
       out.replies.push_back(std::move(message));
       return;
     case StreamState::kAuthSent: {
-      if (message.size() != 2 || text(message[0]) != kStreamGreeting || text(message[1]) != "200") {
+      // A third frame: the server took our shared rings (only offered on a local stream).
+      bool shared = message.size() == 3 && text(message[2]) == kStreamSharedAnswer;
+      if (message.size() != 2 + shared || text(message[0]) != kStreamGreeting || text(message[1]) != "200") {
         std::string said = message.empty() ? "" : text(message[0]).substr(0, 40);
         return fail(formatText("the server answered AUTH with %zu frames (%s...), not %s 200", message.size(),
                                said.c_str(), kStreamGreeting),
                     out);
       }
+      if (shared) conn_->shareWrites();
+      shared_.store(conn_->sharesWrites(), std::memory_order_release);
       std::vector<Message> hello;
       hello.push_back(std::move(hello_));
       send(hello);
@@ -195,6 +219,7 @@ void StreamLink::close(const std::string& why) {
   state_ = StreamState::kNone;
   ready_.store(false, std::memory_order_release);
   local_.store(false, std::memory_order_release);
+  shared_.store(false, std::memory_order_release);
   hello_ = Message();
 }
 

@@ -47,14 +47,17 @@ class StreamLink {
   // Start opening a stream to host:port: connect, then AUTH with `keys` (a token: PLAIN; none: NULL), then the
   // HELLO `hello` (a packed header whose request id is helloId); ready once its reply carries `incarnation`.
   // Returns "" if under way, else why it failed at once (state none).
-  // localName not empty: try that local stream first (connectLocalStream), TCP if none listens here.
+  // localName not empty: try that local stream first (connectLocalStream), TCP if none listens here; there,
+  // sharedMemory: offer the server shared rings for big frames (shared_ring.h).
   std::string open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
                    const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
-                   const std::string& localName = "");
+                   const std::string& localName = "", bool sharedMemory = false);
 
   StreamState state() const { return state_; }
   bool ready() const { return ready_.load(std::memory_order_acquire); }
   bool local() const { return local_.load(std::memory_order_acquire); }  // open on the local stream, not TCP
+  bool shared() const { return shared_.load(std::memory_order_acquire); }  // big frames through shared rings
+  uint64_t sharedBytes() const { return sharedBytes_.load(std::memory_order_relaxed); }  // through them, both ways
   bool active() const { return conn_ != nullptr; }  // a socket to poll
   bool opening() const { return active() && state_ != StreamState::kReady; }
   int fd() const { return conn_ ? conn_->fd() : -1; }
@@ -99,13 +102,17 @@ class StreamLink {
   StreamState state_ = StreamState::kNone;
   std::atomic<bool> ready_{false};
   std::atomic<bool> local_{false};
+  std::atomic<bool> shared_{false};
   Clock::time_point deadline_{};
   uint16_t port_ = 0;
   uint64_t generation_ = 0;
   Message hello_;
   uint64_t helloId_ = 0;
   uint64_t incarnation_ = 0;
+  void countShared();  // add what conn_ moved through its rings since the last call
   std::atomic<uint64_t> bytesSent_{0};
+  std::atomic<uint64_t> sharedBytes_{0};
+  uint64_t sharedSeen_ = 0;  // conn_'s count at the last countShared()
   std::atomic<uint64_t> bytesReceived_{0};
 };
 

@@ -601,6 +601,87 @@ def test_the_local_stream_closes_on_garbage_and_on_a_wrong_token_and_serves_on()
         server.stop()
 
 
+def test_a_local_stream_moves_big_frames_through_shared_memory_and_the_socket_when_full():
+    """On the local stream, big frames go through the worker's shared rings (cpp_ext/shared_ring.h) and only their
+    length words through the socket. 40 keys of 0.8-2 MB in flight overfill the 8 MiB rings: the frames that find
+    no room take the socket, in order with the others; a frame that does not fit before a ring's end starts at its
+    beginning; and every sum (each key its own values) is exact. Without shared memory (BPS_TRANSPORT=unix)
+    nothing goes through it."""
+    server = ServerProcess()
+    tensors = [torch.arange(200_000 + 7919 * key, dtype=torch.float32) * (key + 1) for key in range(40)]
+    try:
+        for shared in (True, False):
+            with Client([server.address], job_id_from_name(f"shared-{shared}"), 0, 1, shared_memory=shared) as c:
+                assert c.stream_local(0) and c.stream_shared(0) == shared
+                for _ in range(3):  # the rings wrap around several times
+                    futures = [c.push_pull(t.clone(), key) for key, t in enumerate(tensors)]
+                    for t, f in zip(tensors, futures, strict=True):
+                        assert torch.equal(f.wait(), t)
+                sent, received = c.stream_bytes()[0]
+                through_rings = c.stream_shared_bytes()[0]
+                if shared:
+                    assert 0 < through_rings < sent + received, (through_rings, sent + received)
+                    assert through_rings > sum(t.nbytes for t in tensors) * 3  # over half the payloads, both ways
+                else:
+                    assert through_rings == 0
+    finally:
+        server.stop()
+
+
+SHARED = 1 << 62  # a frame's length word: its bytes are in the sender's shared ring
+RING = 8 << 20  # cpp_ext/shared_ring.h: kSharedRingBytes, after a 4 KiB control page
+
+
+def _shared_memory(size: int = 4096 + 2 * RING, seal: bool = True) -> int:
+    import fcntl
+
+    fd = os.memfd_create("test-rings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _auth_on_local_stream(server: ServerProcess, job_id: int, fd: int | None) -> tuple[socket.socket, list[bytes]]:
+    """Connect to the server's local stream, AUTH (passing `fd` beside it), return the socket and the answer."""
+    keys = ClientKeys.from_environment(job_id, 1)
+    frames = [GREETING, b"PLAIN", keys.client.public, keys.tokens[0]] if keys else [GREETING, b"NULL"]
+    auth = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
+    s = _local_stream_socket(server)
+    if fd is None:
+        s.sendall(auth)
+    else:
+        socket.send_fds(s, [auth], [fd])
+    return s, read_message(s)
+
+
+def test_the_server_maps_only_sound_shared_memory_and_closes_a_stream_that_lies_about_it():
+    """The server's side of shared memory against a hostile worker on its machine: memory it could shrink under
+    the server (SIGBUS) or of another size is not taken (AUTH's answer has no "shared": the socket carries all);
+    a frame flagged as shared on a stream without shared memory, or longer than the ring, closes that stream. The
+    server serves on."""
+    server = ServerProcess()
+    job = job_id_from_name("shared-hostile")
+    try:
+        for fd, taken in ((_shared_memory(seal=False), False), (_shared_memory(size=4096), False),
+                          (_shared_memory(), True)):  # fmt: skip
+            s, answer = _auth_on_local_stream(server, job, fd)
+            os.close(fd)
+            assert answer == [GREETING, b"200", b"shared"] if taken else answer == [GREETING, b"200"], answer
+            s.sendall(struct.pack("<Q", SHARED | (RING + 1)))  # longer than any ring, or no ring at all
+            assert s.recv(64) == b"", "the server should close a stream whose shared frame cannot be"
+            s.close()
+        s, answer = _auth_on_local_stream(server, job, None)
+        assert answer == [GREETING, b"200"]
+        s.sendall(struct.pack("<Q", SHARED | 4096))
+        assert s.recv(64) == b""
+        with Client([server.address], job, 0, 1) as c:
+            assert c.stream_shared(0)
+            assert torch.equal(c.push_pull(torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
+    finally:
+        server.stop()
+
+
 def test_transport_setting(monkeypatch):
     monkeypatch.delenv("BPS_TRANSPORT", raising=False)
     assert Config.resolve().transport == "stream"
@@ -609,6 +690,8 @@ def test_transport_setting(monkeypatch):
     assert Config.resolve().transport == "zmq"
     monkeypatch.setenv("BPS_TRANSPORT", "tcp")
     assert Config.resolve().transport == "tcp"
+    monkeypatch.setenv("BPS_TRANSPORT", "unix")
+    assert Config.resolve().transport == "unix"
     monkeypatch.setenv("BPS_TRANSPORT", "quic")
     with pytest.raises(ConfigError, match=r"BPS_TRANSPORT='quic'.*stream.*tcp.*zmq"):
         Config.resolve()

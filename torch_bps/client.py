@@ -114,7 +114,9 @@ class Client:
             is reached over ZeroMQ. None: BPS_TRANSPORT ("stream", the default, or "tcp"; not "zmq").
         local_stream: a server on this machine (in this network namespace) is reached over its local stream, a
             unix socket, where it offers one (docs/protocol.md): no TCP stack on the bytes. None: BPS_TRANSPORT is
-            "stream" (not "tcp").
+            "stream" or "unix" (not "tcp").
+        shared_memory: on a local stream, big frames go through shared memory the server maps (cpp_ext/shared_ring.h):
+            two memcpys in place of a unix socket's work. None: BPS_TRANSPORT is "stream" (not "unix").
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -142,6 +144,7 @@ class Client:
         auto_credit: bool = False,
         receive_buffer_bytes: Sequence[int] = (),
         local_stream: bool | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -178,7 +181,8 @@ class Client:
             )
         transport = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT)
         stream = transport != "zmq" if stream is None else stream
-        local_stream = transport == "stream" if local_stream is None else local_stream
+        local_stream = transport in ("stream", "unix") if local_stream is None else local_stream
+        shared_memory = transport == "stream" if shared_memory is None else shared_memory
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
@@ -201,7 +205,7 @@ class Client:
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
                                receive_buffer_bytes=receive_buffer_bytes, local_stream=local_stream,
-                               **keys)  # fmt: skip
+                               shared_memory=shared_memory, **keys)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -426,6 +430,14 @@ class Client:
     def stream_local(self, server: int) -> bool:
         """Whether `server`'s stream is ready and is its local stream (a unix socket on this machine), not TCP."""
         return self._impl.stream_local(server)
+
+    def stream_shared(self, server: int) -> bool:
+        """Whether `server`'s stream is ready and moves its big frames through shared memory (a local stream)."""
+        return self._impl.stream_shared(server)
+
+    def stream_shared_bytes(self) -> list[int]:
+        """Per server, the frame bytes its streams moved through shared memory, both ways (also in `stream_bytes`)."""
+        return list(self._impl.stream_shared_bytes())
 
     def stream_bytes(self) -> list[tuple[int, int]]:
         """Per server, the bytes (headers and payloads) sent and received on its streams; counted in `bytes_sent`

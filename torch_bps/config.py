@@ -49,14 +49,15 @@ def _parse_servers(value: str) -> tuple[str, ...]:
     return servers
 
 
-TRANSPORTS = ("zmq", "stream", "tcp")  # tcp: the stream, but never a server's local one (a unix socket)
+# tcp: the stream, but never a server's local one (a unix socket); unix: the local one without its shared memory
+TRANSPORTS = ("zmq", "stream", "tcp", "unix")
 DEFAULT_TRANSPORT = "stream"
 
 
 def parse_transport(value: str) -> str:
     """Return a transport name (BPS_TRANSPORT), checked: ConfigError naming it if it is not one of TRANSPORTS."""
     if value not in TRANSPORTS:
-        raise ConfigError(f"transport {value!r} is unknown: use stream (the default), tcp or zmq")
+        raise ConfigError(f"transport {value!r} is unknown: use stream (the default), tcp, unix or zmq")
     return value
 
 
@@ -111,7 +112,8 @@ class Config:
     # curve) carries the requests, read and written by the client's IO thread itself: ZeroMQ's own I/O thread
     # and wake-ups cost 70-130 us of CPU per message (docs/protocol.md, "The stream transport"). A server that
     # offers none is reached over ZeroMQ; a server on this machine over its local stream, a unix socket (no TCP
-    # stack on the bytes a colocated server sums). "tcp": the stream, never the local one. "zmq": ZeroMQ only.
+    # stack on the bytes a colocated server sums) whose big frames go through shared memory (cpp_ext/shared_ring.h).
+    # "unix": the local stream without shared memory. "tcp": the stream, never the local one. "zmq": ZeroMQ only.
     transport: str = field(default=DEFAULT_TRANSPORT, metadata={"env": "BPS_TRANSPORT", "parse": parse_transport})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})

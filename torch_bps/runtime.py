@@ -335,7 +335,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   credit_bytes=config.credit(dedicated=dedicated), auto_credit=config.auto_credit,
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, stream=config.transport != "zmq",
-                  local_stream=config.transport == "stream",
+                  local_stream=config.transport in ("stream", "unix"), shared_memory=config.transport == "stream",
                   receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
                   **failover)  # fmt: skip
 

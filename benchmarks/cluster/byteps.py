@@ -117,6 +117,13 @@ def start_servers(
     return started, [f"{h.ip}:{port}" for h in hosts]
 
 
+def shared_fraction(result: dict) -> float | None:
+    """Of the bytes on a worker's local streams (both ways, the whole run), the share that went through shared
+    memory; None without a local stream."""
+    local = [sum(b) for b, on in zip(result.get("stream_bytes", []), result.get("local_streams", [])) if on]
+    return round(sum(result.get("shared_bytes", [])) / sum(local), 3) if sum(local) else None
+
+
 def run_torch_bps(
     job: BytepsJob,
     placement_mode: str = "engine",
@@ -192,6 +199,7 @@ def run_torch_bps(
             **r["cpu"],
             "streams_ready": sum(r.get("streams", [])),
             "streams_local": sum(r.get("local_streams", [])),  # of them, on a server's local stream (unix socket)
+            "local_shared": shared_fraction(r),
             "credit_bytes": r.get("scheduler", {}).get("credit_bytes"),
             "steps_s": r.get("steps"),
         }

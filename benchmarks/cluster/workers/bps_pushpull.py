@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
                       scheduler=client.scheduler_stats(),
                       streams=[client.stream_ready(i) for i in range(len(addresses))],
-                      local_streams=[client.stream_local(i) for i in range(len(addresses))])  # fmt: skip
+                      local_streams=[client.stream_local(i) for i in range(len(addresses))],
+                      shared_bytes=client.stream_shared_bytes(), stream_bytes=client.stream_bytes())  # fmt: skip
     emit(result)
     return 0
 
