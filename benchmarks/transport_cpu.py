@@ -98,18 +98,16 @@ def main(argv: list[str] | None = None) -> int:
                     med[f"ratio_{t}_{m}"] = statistics.median(r[t][m] / r[base][m] for r in runs)
             results[kib] = {"median": med, "runs": runs}
             for t in transports:
-                ratio = lambda m: "" if t == base else f" ({med[f'ratio_{t}_{m}']:.2f})"  # noqa: E731
-                print(f"{kib:5d} KiB {t:>6}: worker {med[t + '_worker_us']:6.0f} us/partition{ratio('worker_us')}"
-                      f"  server {med[t + '_server_us']:6.0f}{ratio('server_us')}"
-                      f"  {med[t + '_mb_s']:6.0f} MB/s{ratio('mb_s')}", flush=True)  # fmt: skip
+                r = {m: "" if t == base else f" ({med[f'ratio_{t}_{m}']:.2f})" for m in metrics}
+                print(f"{kib:5d} KiB {t:>6}: worker {med[t + '_worker_us']:6.0f} us/partition{r['worker_us']}"
+                      f"  server {med[t + '_server_us']:6.0f}{r['server_us']}"
+                      f"  {med[t + '_mb_s']:6.0f} MB/s{r['mb_s']}", flush=True)  # fmt: skip
     finally:
         server.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"keys": KEYS, "seconds": args.seconds, "transports": transports, "load_before": os.getloadavg(),
-                 "sizes": results}, f, indent=2,  # fmt: skip
-            )
+            run = {"keys": KEYS, "seconds": args.seconds, "transports": transports, "load_before": os.getloadavg()}
+            json.dump({**run, "sizes": results}, f, indent=2)
     return 0
 
 

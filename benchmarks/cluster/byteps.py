@@ -120,7 +120,8 @@ def start_servers(
 def shared_fraction(result: dict) -> float | None:
     """Of the bytes on a worker's local streams (both ways, the whole run), the share that went through shared
     memory; None without a local stream."""
-    local = [sum(b) for b, on in zip(result.get("stream_bytes", []), result.get("local_streams", [])) if on]
+    streams = zip(result.get("stream_bytes", []), result.get("local_streams", []), strict=True)
+    local = [sum(b) for b, on in streams if on]
     return round(sum(result.get("shared_bytes", [])) / sum(local), 3) if sum(local) else None
 
 
