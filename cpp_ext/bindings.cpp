@@ -340,7 +340,8 @@ PYBIND11_MODULE(_C, m) {
                              py::arg("parts_sent") = s.partsSent, py::arg("parts_acknowledged") = s.partsAcknowledged,
                              py::arg("server_credit_bytes") = s.serverCreditBytes,
                              py::arg("peak_server_credit_in_flight") = s.peakServerCreditInFlight,
-                             py::arg("peak_server_push_bytes_in_flight") = s.peakServerPushBytesInFlight);
+                             py::arg("peak_server_push_bytes_in_flight") = s.peakServerPushBytesInFlight,
+                             py::arg("io_wakeups") = s.ioWakeups);
            })
       .def(
           "stats",

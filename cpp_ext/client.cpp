@@ -296,6 +296,7 @@ SchedulerStats Client::schedulerStats() const {
   s.serverCreditBytes = credit_.destinationCreditBytes();
   s.peakServerCreditInFlight = credit_.peakDestinationInFlight();
   s.peakServerPushBytesInFlight = peakServerPushBytesInFlight_.load();
+  s.ioWakeups = ioWakeups_.load();
   return s;
 }
 

@@ -129,6 +129,7 @@ struct SchedulerStats {
   // Counted apart from the credit, per server, like pushBytesInFlight: the most bytes of batch PUSHes in
   // flight toward one server at once.
   int64_t peakServerPushBytesInFlight = 0;
+  uint64_t ioWakeups = 0;  // the IO thread's waits that returned something to do
 };
 
 // Runs on a CompletionPool thread once per pushPull()/pushPullBatch()/stats(), with the token given there.
@@ -365,6 +366,7 @@ class Client {
   std::atomic<uint64_t> partsAcknowledged_{0};
   std::vector<int64_t> serverPushBytesInFlight_;  // IO thread only
   std::atomic<int64_t> peakServerPushBytesInFlight_{0};
+  std::atomic<uint64_t> ioWakeups_{0};
   uint64_t nextRequestId_ = 1;
   bool stopping_ = false;
   TraceBuffer trace_;

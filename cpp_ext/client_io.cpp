@@ -72,6 +72,7 @@ void Client::ioLoop() {
       bool now = first || (!stopping_ && credit_.ready());
       for (size_t i = 0; i < n && !now; ++i) now = links_[i]->sentSinceRead();
       int count = std::max(0, epoll->wait(now ? 0 : pollTimeoutMs()));
+      if (count > 0) ioWakeups_.fetch_add(1, std::memory_order_relaxed);
       std::fill(dealerReady.begin(), dealerReady.end(), 0);
       std::fill(monitorReady.begin(), monitorReady.end(), 0);
       std::fill(streamEvents.begin(), streamEvents.end(), 0);

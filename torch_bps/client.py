@@ -343,7 +343,8 @@ class Client:
         queued, push_bytes_in_flight and its peak (counted apart from the credit, from a batch PUSH leaving to
         its acknowledgement), parts_sent, parts_acknowledged; server_credit_bytes, peak_server_credit_in_flight
         (the most credit one server's partitions held) and peak_server_push_bytes_in_flight (the most PUSH bytes
-        in flight toward one server, counted apart from the credit)."""
+        in flight toward one server, counted apart from the credit); io_wakeups, the client's IO thread's waits that
+        returned something to do."""
         return self._impl.scheduler_stats()
 
     def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0):
