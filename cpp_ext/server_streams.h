@@ -55,7 +55,7 @@ class ServerStreams {
 
   ~ServerStreams() { closeAll(); }
 
-  // Listen on host (any free port); returns the port. receiveBufferBytes > 0: every stream's receive window.
+  // Listen on host (any free port); returns the port. receiveBufferBytes > 0: every stream's SO_RCVBUF.
   uint16_t listen(const std::string& host, int receiveBufferBytes = 0);
   bool listening() const { return listenFd_ >= 0; }
   // Also listen on the local stream `name` (localStreamName): false if it cannot (errno set), and then only TCP.
@@ -92,7 +92,7 @@ class ServerStreams {
   int localFd_ = -1;  // the local stream's listener (listenLocal)
   int epollFd_ = -1;  // the set watch() put the listeners in
   std::vector<std::pair<uint64_t, uint32_t>> ready_;  // serve(): the streams epoll reported, by number
-  int receiveBufferBytes_ = 0;  // every accepted stream's receive window (0: the kernel's)
+  int receiveBufferBytes_ = 0;  // every accepted stream's SO_RCVBUF (0: the kernel's)
   uint64_t maxFrameBytes_ = 16 << 20;
   uint64_t nextNumber_ = 1;
   std::map<uint64_t, std::unique_ptr<StreamPeer>> streams_;  // by number: serve() walks it beside ready_

@@ -43,18 +43,6 @@ void setNoDelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // fails harmlessly on a non-TCP fd
 }
 
-// The bytes a peer may have in flight toward us, bounded by the advertised window (TCP_WINDOW_CLAMP) rather than by
-// a receive buffer that small: a small buffer bounds them too, but then a frame arrives in pieces of a quarter of
-// it, each a wake-up, a recv and a new low-water mark (README, "The window, not the buffer"). Behind the clamp the
-// buffer holds whole frames of arrived bytes, and the stream waits for each in one wake-up.
-constexpr int kWindowedReceiveBuffer = 2 << 20;
-
-void windowedReceive(int fd, int windowBytes) {
-  int buffer = std::max(windowBytes, kWindowedReceiveBuffer);
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
-  setsockopt(fd, IPPROTO_TCP, TCP_WINDOW_CLAMP, &windowBytes, sizeof(windowBytes));
-}
-
 Message sized(size_t n) {
   Message m;
   if (zmq_msg_init_size(m.get(), n) != 0) throw std::bad_alloc();
@@ -402,7 +390,7 @@ int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort, in
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (receiveBufferBytes > 0) windowedReceive(fd, receiveBufferBytes);  // the accepted streams inherit both
+    if (receiveBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receiveBufferBytes, sizeof(receiveBufferBytes));
     if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
       why = std::strerror(errno);
       ::close(fd);
@@ -429,7 +417,7 @@ int connectStream(const std::string& host, uint16_t port, int sendBufferBytes, i
     fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
     if (sendBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sendBufferBytes, sizeof(sendBufferBytes));
-    if (receiveBufferBytes > 0) windowedReceive(fd, receiveBufferBytes);
+    if (receiveBufferBytes > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receiveBufferBytes, sizeof(receiveBufferBytes));
     if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
       *why = formatText("cannot connect to %s:%u: %s", host.c_str(), port, std::strerror(errno));
       ::close(fd);

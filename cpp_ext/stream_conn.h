@@ -53,8 +53,8 @@ class StreamConn {
   // events coming otherwise. Returns false if epoll refused it (errno set).
   bool watch(int epollFd, uint32_t events, uint64_t tag);
   void setMaxFrameBytes(uint64_t bytes) { maxFrameBytes_ = bytes; }
-  // The socket's SO_RCVBUF was set (locked: the kernel will not grow it; listenStream and connectStream make it
-  // 2 MiB or more): SO_RCVLOWAT stays under a quarter of it from now on.
+  // The socket's SO_RCVBUF was set (locked: the kernel will not grow it): SO_RCVLOWAT stays under a quarter
+  // of it from now on.
   void lockedReceiveBuffer();
   bool closed() const { return fd_ < 0; }
   // Why it closed ("" while open).
@@ -154,14 +154,13 @@ class StreamConn {
 };
 
 // Listen on host:port (port 0: any free one) for streams; returns the listening fd (non-blocking) and sets
-// *boundPort. receiveBufferBytes > 0 bounds every accepted stream's receive window to it (see connectStream).
-// Throws Error(kTransport) naming the address.
+// *boundPort. receiveBufferBytes > 0 sets SO_RCVBUF, which the accepted streams inherit. Throws
+// Error(kTransport) naming the address.
 int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort, int receiveBufferBytes = 0);
 
-// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); sendBufferBytes > 0 sets
-// SO_SNDBUF, receiveBufferBytes > 0 bounds the receive window (TCP_WINDOW_CLAMP, behind a buffer of at least
-// 2 MiB), both before the handshake, which fixes the window scale. Returns the fd, connected or still connecting
-// (poll it for writing, then check connectResult); -1 with *why set if it failed at once.
+// Start a non-blocking connection to host:port (IPv4 or IPv6 literal, or a name); a buffer size > 0 sets
+// SO_SNDBUF / SO_RCVBUF first (before the handshake, which fixes the window scale). Returns the fd, connected or
+// still connecting (poll it for writing, then check connectResult); -1 with *why set if it failed at once.
 int connectStream(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
                   std::string* why);
 // After a connecting fd polled writable: "" if connected, else why not.

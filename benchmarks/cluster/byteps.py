@@ -201,6 +201,7 @@ def run_torch_bps(
             "streams_ready": sum(r.get("streams", [])),
             "streams_local": sum(r.get("local_streams", [])),  # of them, on a server's local stream (unix socket)
             "local_shared": shared_fraction(r),
+            "io_wakeups_per_step": r.get("io_wakeups_per_step"),
             "credit_bytes": r.get("scheduler", {}).get("credit_bytes"),
             "steps_s": r.get("steps"),
         }

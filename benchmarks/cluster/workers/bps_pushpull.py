@@ -145,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         path = os.path.join(args.trace, f"worker-{args.worker}.json")
         with recording(client, path, f"worker {args.worker}") if args.trace else contextlib.nullcontext():
             cpu = CpuWindow(watch).start()
+            wakeups = client.scheduler_stats()["io_wakeups"]
             steps = timed_steps(step, args.steps)
+            wakeups = client.scheduler_stats()["io_wakeups"] - wakeups
             cpu = cpu.stop()
         result = {"worker": args.worker, "seconds_per_step": sum(steps) / args.steps, "cpu": cpu}
+        result["io_wakeups_per_step"] = wakeups / args.steps  # the client's IO thread's
         result["steps"] = [round(s, 4) for s in steps]
         result.update(partitions=len(parts), sent=client.bytes_sent(), received=client.bytes_received(),
                       scheduler=client.scheduler_stats(),
