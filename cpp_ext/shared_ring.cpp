@@ -103,8 +103,10 @@ SharedRings::Put SharedRings::put(const void* data, size_t n, std::string* why) 
                       consumed, tail_);
     return Put::kBroken;
   }
+  // Room: the frame must not reach the oldest byte the peer has not consumed, one ring on. With nothing
+  // unconsumed, the bytes skipped to start at the ring's beginning are free as well.
   uint64_t start = frameStart(tail_, n);
-  if (n > kRing || start + n - consumed > kRing) return Put::kFull;
+  if (n > kRing || (consumed < tail_ && start + n - consumed > kRing)) return Put::kFull;
   std::memcpy(out_ + start % kRing, data, n);
   tail_ = start + n;  // the length word goes out after this, by a system call: the bytes are there before it
   return Put::kDone;

@@ -628,6 +628,24 @@ def test_a_local_stream_moves_big_frames_through_shared_memory_and_the_socket_wh
         server.stop()
 
 
+def test_frames_that_fill_a_shared_ring_exactly_or_outgrow_it_sum_right():
+    """The rings' edges, one key at a time (each push and its sum's reply alone in a ring): 2 MiB frames that fill
+    the 8 MiB ring exactly and start over at its beginning with nothing skipped; a frame of the whole ring; one 4
+    bytes longer than the ring, which only the socket can carry."""
+    server = ServerProcess()
+    try:
+        with Client([server.address], job_id_from_name("ring-edges"), 0, 1) as c:
+            assert c.stream_shared(0)
+            for key, numel in enumerate([1 << 19] * 6 + [1 << 21, (1 << 21) + 1]):
+                t = torch.arange(numel, dtype=torch.float32) + key
+                before = c.stream_shared_bytes()[0]
+                assert torch.equal(c.push_pull(t.clone(), key).wait(), t), (key, numel)
+                through_rings = c.stream_shared_bytes()[0] - before
+                assert through_rings == (2 * t.nbytes if numel <= 1 << 21 else 0), (key, through_rings)
+    finally:
+        server.stop()
+
+
 SHARED = 1 << 62  # a frame's length word: its bytes are in the sender's shared ring
 RING = 8 << 20  # cpp_ext/shared_ring.h: kSharedRingBytes, after a 4 KiB control page
 
