@@ -65,35 +65,33 @@ std::unique_ptr<SharedRings> SharedRings::create(std::string* why) {
     *why = std::string("memfd_create: ") + std::strerror(errno);
     return nullptr;
   }
-  uint8_t* base = nullptr;
   if (ftruncate(fd, kTotalBytes) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     *why = std::string("cannot size and seal the shared rings: ") + std::strerror(errno);
-  } else {
-    base = mapShared(fd, why);
+    return own(fd, nullptr, true);
   }
-  if (!base) {
-    ::close(fd);
-    return nullptr;
-  }
-  return std::unique_ptr<SharedRings>(new SharedRings(fd, base, true));
+  return own(fd, mapShared(fd, why), true);
 }
 
 std::unique_ptr<SharedRings> SharedRings::adopt(int fd, std::string* why) {
   struct stat st{};
   int seals = fcntl(fd, F_GET_SEALS);
-  uint8_t* base = nullptr;
   if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
     *why = "the peer's shared memory is not sealed against shrinking";
-  } else if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != kTotalBytes) {
-    *why = formatText("the peer's shared memory is %lld bytes, not %zu", static_cast<long long>(st.st_size), kTotalBytes);
-  } else {
-    base = mapShared(fd, why);
+    return own(fd, nullptr, false);
   }
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != kTotalBytes) {
+    *why = formatText("the peer's shared memory is %lld bytes, not %zu", static_cast<long long>(st.st_size), kTotalBytes);
+    return own(fd, nullptr, false);
+  }
+  return own(fd, mapShared(fd, why), false);
+}
+
+std::unique_ptr<SharedRings> SharedRings::own(int fd, uint8_t* base, bool creator) {
   if (!base) {
     ::close(fd);
     return nullptr;
   }
-  return std::unique_ptr<SharedRings>(new SharedRings(fd, base, false));
+  return std::unique_ptr<SharedRings>(new SharedRings(fd, base, creator));
 }
 
 SharedRings::Put SharedRings::put(const void* data, size_t n, std::string* why) {

@@ -50,6 +50,8 @@ class SharedRings {
 
  private:
   SharedRings(int fd, uint8_t* base, bool creator);
+  // The rings over `base` (fd's mapping); nullptr with fd closed if there is none.
+  static std::unique_ptr<SharedRings> own(int fd, uint8_t* base, bool creator);
 
   int fd_;
   uint8_t* base_;
