@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 from tests.helpers import ServerProcess  # noqa: E402
 from torch_bps.client import Client  # noqa: E402
+from torch_bps.config import TRANSPORTS, transport_options  # noqa: E402
 
 KEYS = 40
 
@@ -36,20 +37,12 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-TRANSPORTS = {  # Client keywords
-    "zmq": {"stream": False},
-    "tcp": {"stream": True, "local_stream": False},
-    "unix": {"stream": True, "local_stream": True, "shared_memory": False},
-    "stream": {"stream": True, "local_stream": True, "shared_memory": True},
-}
-
-
 def measure(server: ServerProcess, job_id: int, size: int, transport: str, seconds: float) -> dict:
     """Push_pull KEYS keys of `size` bytes for `seconds`; return CPU us per partition and MB/s."""
-    how = TRANSPORTS[transport]
+    how = transport_options(transport)
     with Client([server.address], job_id, 0, 1, timeout=30, **how) as client:
         got = (client.stream_ready(0), client.stream_local(0), client.stream_shared(0))
-        want = (how["stream"], how.get("local_stream", False), how.get("shared_memory", False))
+        want = (how["stream"], how["stream"] and how["local_stream"], how["local_stream"] and how["shared_memory"])
         if got != want:
             raise SystemExit(f"{transport}: stream ready, local, shared are {got}, not {want}")
         tensors = [torch.ones(size // 4) for _ in range(KEYS)]

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_bps import _C
-from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_transport
+from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_transport, transport_options
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
@@ -179,10 +179,10 @@ class Client:
                 f"receive_buffer_bytes {receive_buffer_bytes} must hold one size in [0, 2^31) per server "
                 f"({len(self._servers)})"
             )
-        transport = parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT)
-        stream = transport != "zmq" if stream is None else stream
-        local_stream = transport in ("stream", "unix") if local_stream is None else local_stream
-        shared_memory = transport == "stream" if shared_memory is None else shared_memory
+        by_name = transport_options(parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT))
+        stream = by_name["stream"] if stream is None else stream
+        local_stream = by_name["local_stream"] if local_stream is None else local_stream
+        shared_memory = by_name["shared_memory"] if shared_memory is None else shared_memory
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side

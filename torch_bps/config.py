@@ -61,6 +61,15 @@ def parse_transport(value: str) -> str:
     return value
 
 
+def transport_options(transport: str) -> dict[str, bool]:
+    """The Client keywords a transport name stands for: stream, local_stream, shared_memory."""
+    return {
+        "stream": transport != "zmq",
+        "local_stream": transport in ("stream", "unix"),
+        "shared_memory": transport == "stream",
+    }
+
+
 def _parse_bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True

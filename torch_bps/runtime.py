@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torch_bps.config import Config
+from torch_bps.config import Config, transport_options
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
@@ -334,8 +334,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout, auth=auth,
                   credit_bytes=config.credit(dedicated=dedicated), auto_credit=config.auto_credit,
                   server_credit_bytes=config.server_credit_bytes,
-                  socket_buffer_bytes=config.socket_buffer_bytes, stream=config.transport != "zmq",
-                  local_stream=config.transport in ("stream", "unix"), shared_memory=config.transport == "stream",
+                  socket_buffer_bytes=config.socket_buffer_bytes, **transport_options(config.transport),
                   receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
                   **failover)  # fmt: skip
 
