@@ -110,20 +110,17 @@ SharedRings::Put SharedRings::put(const void* data, size_t n, std::string* why) 
   return Put::kDone;
 }
 
-const uint8_t* SharedRings::next(size_t n, std::string* why) {
+bool SharedRings::take(void* into, size_t n, std::string* why) {
   if (n > kRing) {
     *why = formatText("a shared frame of %zu bytes, longer than the ring (%zu)", n, kSharedRingBytes);
-    return nullptr;
+    return false;
   }
   uint64_t start = frameStart(head_, n);
-  nextEnd_ = start + n;
   std::atomic_thread_fence(std::memory_order_acquire);
-  return in_ + start % kRing;
-}
-
-void SharedRings::consumed() {
-  head_ = nextEnd_;
+  std::memcpy(into, in_ + start % kRing, n);
+  head_ = start + n;
   storeRelease(inConsumed_, head_);
+  return true;
 }
 
 }  // namespace bps

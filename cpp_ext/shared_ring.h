@@ -43,10 +43,9 @@ class SharedRings {
   // Copy a frame of n bytes in (producer): kFull if the room left does not hold it (send it on the socket then),
   // kBroken if the peer's published position is impossible (*why set: close the stream).
   Put put(const void* data, size_t n, std::string* why);
-  // The next frame of n bytes (consumer), in order: where it is, or nullptr if n cannot be one (*why set).
-  // Call consumed() once its bytes are copied out.
-  const uint8_t* next(size_t n, std::string* why);
-  void consumed();
+  // Copy the next frame, of n bytes, out into `into` (consumer), in order, and publish that it was consumed; false
+  // if n cannot be one (*why set: close the stream).
+  bool take(void* into, size_t n, std::string* why);
 
  private:
   SharedRings(int fd, uint8_t* base, bool creator);
@@ -60,8 +59,7 @@ class SharedRings {
   uint64_t* outConsumed_;  // published by the peer: how far it consumed out_
   uint64_t* inConsumed_;  // published by us
   uint64_t tail_ = 0;  // producer: where the next frame may start (monotonic, mod kSharedRingBytes in the ring)
-  uint64_t head_ = 0;  // consumer: where the frame being read starts; its end once consumed
-  uint64_t nextEnd_ = 0;  // consumer: the end of the frame next() returned
+  uint64_t head_ = 0;  // consumer: the end of the last frame taken
 };
 
 }  // namespace bps

@@ -266,10 +266,7 @@ bool StreamConn::readMessages(std::vector<std::vector<Message>>& out, size_t max
       if (word & kStreamShared) {  // its bytes are in the peer's ring, whole: copy them out
         if (!rings_) return fail("a frame in shared memory, but this stream has none");
         std::string why;
-        const uint8_t* bytes = rings_->next(static_cast<size_t>(length), &why);
-        if (!bytes) return fail(why);
-        std::memcpy(frame_.data(), bytes, static_cast<size_t>(length));
-        rings_->consumed();
+        if (!rings_->take(frame_.data(), static_cast<size_t>(length), &why)) return fail(why);
         frameFilled_ = static_cast<size_t>(length);
         sharedBytes_ += length;
       }
