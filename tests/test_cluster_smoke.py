@@ -310,6 +310,45 @@ def test_the_report_gives_cpu_seconds_per_step_against_gloo():
     assert "cpu_vs_gloo" not in report_mod.cpu_summary(report)["measurements"]["byteps k=4"]
 
 
+def test_the_report_counts_the_kernels_softirq_threads_once_per_window():
+    # Every host's window sees the same machine-wide threads: one host's figure counts, not their sum.
+    def point(seconds, softirq, *cores):
+        hosts = {f"h{i}": {"process_cores": c, "softirq_threads_cores": softirq} for i, c in enumerate(cores)}
+        return {"seconds_per_step": seconds, "cpu": hosts}
+
+    report = {"sweep": [], "errors": [], "gloo": point(2.0, 0.15, 0.1, 0.2),
+              "byteps": {"points": {"0": point(1.5, 0.1, 0.3, 0.1)}}}  # fmt: skip
+    measured = report_mod.cpu_summary(report)["measurements"]
+    assert measured["gloo all_reduce"]["with_softirq_threads"] == pytest.approx(0.6 + 0.3)  # 0.15 cores x 2 s
+    assert measured["byteps k=0"]["with_softirq_threads"] == pytest.approx(0.6 + 0.15)
+    assert measured["byteps k=0"]["with_softirq_threads_vs_gloo"] == pytest.approx(0.75 / 0.9, abs=1e-3)
+    report["cpu"] = report_mod.cpu_summary(report)
+    assert "with softirq threads 0.750, 0.83x" in report_mod.format_table(report)
+
+
+def test_paired_blocks_compare_each_pair_and_leave_the_idle_servers_out_of_gloos_figure():
+    def block(pair, runner, seconds, worker_cores, server_cores, softirq):
+        watched = {"w0 server": {"process_cores": server_cores}}
+        cpu = {"process_cores": worker_cores, "softirq_threads_cores": softirq, "watched": watched}
+        return {"pair": pair, "runner": runner, "seconds_per_step": seconds, "cpu": cpu}
+
+    w0 = [block(0, "gloo", 2.0, 0.1, 0.01, 0.05), block(0, "byteps", 1.0, 0.2, 0.2, 0.0),
+          block(1, "byteps", 1.0, 0.2, 0.1, 0.1), block(1, "gloo", 2.0, 0.1, 0.01, 0.0)]  # fmt: skip
+    w1 = [dict(b, cpu={**b["cpu"], "watched": {}}, seconds_per_step=b["seconds_per_step"] * 1.1) for b in w0]
+    got = byteps.paired_cpu([{"pairs": w0}, {"pairs": w1}])
+    # Pair 0: gloo (0.1 + 0.1) cores x 2.2 s = 0.44, byteps (0.2 + 0.2 + 0.2) x 1.1 = 0.66; with the softirq
+    # threads 0.55 and 0.66.
+    assert got["cpu_vs_gloo"] == [pytest.approx(1.5), pytest.approx(0.55 / 0.44, abs=1e-3)]
+    assert got["with_softirq_threads_vs_gloo"] == [
+        pytest.approx(0.66 / 0.55, abs=1e-3),
+        pytest.approx(0.66 / 0.44, abs=1e-3),
+    ]
+    assert got["median_cpu_vs_gloo"] == pytest.approx((1.5 + 1.25) / 2, abs=1e-3)
+    assert got["servers_cores_in_gloo"] == pytest.approx(0.01)
+    plan = cli.parse_args(["--paired-cpu", "4"])
+    assert plan.paired_cpu == 4 and cli.parse_args([]).paired_cpu == 0
+
+
 def test_fsdp_flag_trains_the_ddp_model_sharded_and_reports_one_row():
     plan = cli.make_plan(cli.parse_args(["--ks", "0,4", "--fsdp"]))
     assert plan.fsdp == dataclasses.replace(plan.ddp, wrap="fsdp")

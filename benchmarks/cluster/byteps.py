@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.cluster import placement, procs
 from benchmarks.cluster.errors import BackendUnavailable
-from benchmarks.cluster.topology import Cluster, Host
+from benchmarks.cluster.topology import IFNAME, Cluster, Host
 from torch_bps.engine import placement as library_placement
 
 SERVER_READY = "bps-server listening"
@@ -58,10 +59,12 @@ WARMUP = 5
 
 @dataclass(frozen=True)
 class StepTime:
-    """A runner's answer: mean seconds per step of the slowest worker, CPU use per host."""
+    """A runner's answer: mean seconds per step of the slowest worker, CPU use per host, and `paired` (the blocks
+    alternated with gloo's, `paired_cpu`) when asked for."""
 
     seconds_per_step: float
     cpu: dict = field(default_factory=dict)
+    paired: dict | None = None
 
 
 BytepsRunner = Callable[[BytepsJob], StepTime]
@@ -135,6 +138,7 @@ def run_torch_bps(
     trace_dir: str = "",
     equal_receive_buffers: bool = False,
     server_receive_buffers: bool = False,
+    pairs: int = 0,
 ) -> StepTime:
     """Measure torch_bps push/pull with the paper's x / 1-x split of the bytes.
 
@@ -148,6 +152,8 @@ def run_torch_bps(
     (torch_bps.timeline's files). Each worker's receive buffer toward a server goes by the server's share, as
     the library sizes it; `equal_receive_buffers`: all the socket buffer (before 2026-11-26).
     `server_receive_buffers`: the servers' too (`bps-server --receive-buffer-bytes`), else the kernel's.
+    `pairs`: then that many pairs of blocks of gloo all_reduce and push/pull steps, alternated in the same processes
+    (`paired_cpu`).
     """
     reason = probe("client")
     if reason:
@@ -183,8 +189,9 @@ def run_torch_bps(
                 str(credit_bytes),
                 *(["--trace", trace] if trace else []),
                 *(["--equal-receive-buffers"] if equal_receive_buffers else []),
+                *(["--pairs", str(pairs), "--gloo-store", f"{job.workers[0].ip}:{29700 + k}"] if pairs else []),
             ],
-            {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes)},
+            {"BPS_SOCKET_BUFFER_BYTES": str(socket_buffer_bytes), "GLOO_SOCKET_IFNAME": IFNAME},
             watch,
         )
     finally:
@@ -208,7 +215,47 @@ def run_torch_bps(
         for h, r in zip(job.workers, results, strict=True)
     }
     cpu.update(servers_cpu)
-    return StepTime(max(r["seconds_per_step"] for r in results), cpu)
+    return StepTime(max(r["seconds_per_step"] for r in results), cpu, paired_cpu(results) if pairs else None)
+
+
+def paired_cpu(results: list[dict]) -> dict:
+    """Summarise the blocks of `bps_pushpull --pairs`: per block, CPU-seconds per step of the runner's processes
+    (every worker process; the servers too for push/pull) and of the machine's softirq threads, and per pair the
+    ratio of push/pull's to gloo's, with and without those threads.
+
+    The workers' figure for a gloo block includes their idle torch_bps threads, and the servers sit idle through it
+    (`servers_cores_in_gloo`, reported so that it shows they cost nothing then).
+    """
+    blocks = []
+    for i, head in enumerate(results[0]["pairs"]):
+        per_worker = [r["pairs"][i] for r in results]
+        step = max(b["seconds_per_step"] for b in per_worker)
+        workers = sum(b["cpu"]["process_cores"] for b in per_worker)
+        servers = sum(c["process_cores"] for c in head["cpu"]["watched"].values())
+        softirq = head["cpu"]["softirq_threads_cores"]
+        processes = workers + (servers if head["runner"] == "byteps" else 0.0)
+        blocks.append({
+            "pair": head["pair"], "runner": head["runner"], "seconds_per_step": round(step, 4),
+            "workers_cores": round(workers, 4), "servers_cores": round(servers, 4), "softirq_threads_cores": softirq,
+            "cpu_s_per_step": round(processes * step, 4),
+            "with_softirq_threads": round((processes + softirq) * step, 4),
+        })  # fmt: skip
+    pairs = {}
+    for b in blocks:
+        pairs.setdefault(b["pair"], {})[b["runner"]] = b
+    ratios = [
+        (p["byteps"]["cpu_s_per_step"] / p["gloo"]["cpu_s_per_step"],
+         p["byteps"]["with_softirq_threads"] / p["gloo"]["with_softirq_threads"])
+        for p in pairs.values()
+    ]  # fmt: skip
+    return {
+        "blocks": blocks,
+        "cpu_vs_gloo": [round(a, 3) for a, _ in ratios],
+        "with_softirq_threads_vs_gloo": [round(b, 3) for _, b in ratios],
+        "median_cpu_vs_gloo": round(statistics.median(a for a, _ in ratios), 3),
+        "median_with_softirq_threads_vs_gloo": round(statistics.median(b for _, b in ratios), 3),
+        "servers_cores_in_gloo": round(statistics.mean(b["servers_cores"] for b in blocks if b["runner"] == "gloo"), 4),
+    }
 
 
 def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:

@@ -122,6 +122,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "issue 17)",
     )
     p.add_argument(
+        "--paired-cpu",
+        type=int,
+        default=0,
+        metavar="R",
+        help="torch_bps push/pull: after its timed steps, R pairs of blocks of --steps steps, gloo all_reduce and "
+        "push/pull alternated in the same worker processes, and their CPU-s per step compared pair by pair (this "
+        "machine's speed drifts too much for runs a minute apart to compare CPU)",
+    )
+    p.add_argument(
         "--trace",
         metavar="DIR",
         default="",
@@ -202,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                    credit_bytes=args.credit_bytes,
                                    socket_buffer_bytes=args.socket_buffer_bytes, trace_dir=args.trace,
                                    equal_receive_buffers=args.equal_receive_buffers,
-                                   server_receive_buffers=args.server_receive_buffers)  # fmt: skip
+                                   server_receive_buffers=args.server_receive_buffers,
+                                   pairs=args.paired_cpu)  # fmt: skip
     else:
         runner = functools.partial(run_tcp_matrix, mode=args.runner.removeprefix("tcp-"),
                                    socket_buffer_bytes=args.socket_buffer_bytes, pace=args.tcp_pace,
@@ -225,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         partition_bytes=args.partition_bytes,
         credit_bytes=args.credit_bytes,
         socket_buffer_bytes=args.socket_buffer_bytes,
+        paired_cpu=args.paired_cpu,
         trace=args.trace,
         # What the runs inherited (BPS_TRANSPORT, BPS_MIDDLE_PARTITION_FACTOR...), never a secret.
         environment={

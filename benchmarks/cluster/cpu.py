@@ -42,6 +42,29 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def softirq_thread_seconds() -> float:
+    """Return the CPU seconds the kernel's softirq threads (ksoftirqd/N) used so far, all cores together.
+
+    Packet work (the emulated links' qdiscs and veths, every receiver's TCP) runs as softirq: in the process that
+    raised it, counted in that process's clock, or, when there is more than a slice's worth, in ksoftirqd, counted in
+    no process. Which one varies between runs and runners (gloo's k = 0 traffic had 19% of its packet work there in one
+    profile, ours 6%), so CPU per step counts both. Precise: schedstat's first field is nanoseconds run.
+    """
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith("ksoftirqd/"):
+                    continue
+            with open(f"/proc/{pid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
 def process_wait_seconds(pid: int | str = "self") -> float:
     """Return the seconds `pid`'s live threads spent runnable but waiting for a core (0.0 if it is gone).
 
@@ -67,9 +90,10 @@ class CpuWindow:
     """Measure CPU use between `start()` and `stop()`.
 
     Example: `w = CpuWindow().start(); work(); cpu = w.stop()` ->
-    `{"process_cores": 0.4, "process_waiting": 0.3, "machine_busy": 0.55, ...}`: this
+    `{"process_cores": 0.4, "process_waiting": 0.3, "softirq_threads_cores": 0.02, "machine_busy": 0.55, ...}`: this
     process used 0.4 cores on average, and on average 0.3 of its threads were ready to run with no core
-    free (`process_wait_seconds`); all cores together were busy 55% of the time, 10% of it in
+    free (`process_wait_seconds`); the kernel's softirq threads used 0.02 cores (`softirq_thread_seconds`); all cores
+    together were busy 55% of the time, 10% of it in
     softirq (packet processing of the emulated links lands there). Machine-wide figures include
     whatever else runs on the machine. `watch` ({name: pid}): other processes (the servers) measured over the
     same window, under "watched".
@@ -82,6 +106,7 @@ class CpuWindow:
         self._wall = time.monotonic()
         self._proc = time.process_time()
         self._wait = process_wait_seconds()
+        self._softirq_threads = softirq_thread_seconds()
         self._watched = {
             name: (process_cpu_seconds(pid), process_wait_seconds(pid)) for name, pid in self._watch.items()
         }
@@ -96,6 +121,8 @@ class CpuWindow:
         return {
             "process_cores": round((time.process_time() - self._proc) / wall, 3),
             "process_waiting": round((process_wait_seconds() - self._wait) / wall, 3),
+            # The machine's, not this process's: every host's window sees the same threads (sum one host's).
+            "softirq_threads_cores": round((softirq_thread_seconds() - self._softirq_threads) / wall, 4),
             "machine_busy": round((busy - self._busy) / jiffies, 3),
             "machine_softirq": round((softirq - self._softirq) / jiffies, 3),
             "machine_cores": os.cpu_count(),

@@ -57,13 +57,21 @@ def cpu_summary(report: dict) -> dict:
             "tcp_timeouts": tcp_total(tcp, "timeouts"),
             # Issue 15's measure: cores x seconds per step, the CPU a step costs whatever the step's length.
             "cpu_s_per_step": round(sum(c["process_cores"] for c in cpus) * step, 4) if step else None,
+            # and with the packet work the kernel ran in its softirq threads (cpu.softirq_thread_seconds): the
+            # machine's, the same threads in every host's window, so one host's.
+            "softirq_threads_cores": max((c.get("softirq_threads_cores", 0.0) for c in cpus), default=0.0),
         }
         for name, (cpus, drops, tcp, step) in windows.items()
     }
-    gloo_cpu = measurements.get("gloo all_reduce", {}).get("cpu_s_per_step")
+    for (_, _, _, step), m in zip(windows.values(), measurements.values(), strict=True):
+        if step:
+            m["with_softirq_threads"] = round(m["cpu_s_per_step"] + m["softirq_threads_cores"] * step, 4)
+    gloo = measurements.get("gloo all_reduce", {})
     for name, m in measurements.items():
-        if name.startswith("byteps") and gloo_cpu and m["cpu_s_per_step"]:
-            m["cpu_vs_gloo"] = round(m["cpu_s_per_step"] / gloo_cpu, 3)
+        if name.startswith("byteps") and gloo.get("cpu_s_per_step") and m["cpu_s_per_step"]:
+            m["cpu_vs_gloo"] = round(m["cpu_s_per_step"] / gloo["cpu_s_per_step"], 3)
+            if gloo.get("with_softirq_threads"):
+                m["with_softirq_threads_vs_gloo"] = round(m["with_softirq_threads"] / gloo["with_softirq_threads"], 3)
     return {
         "cores": os.cpu_count(),
         "background_busy": report.get("background_busy"),
@@ -133,6 +141,8 @@ def format_table(report: dict) -> str:
                 f"({_f(m.get('processes_waiting'), '.2f')} threads waiting for one"
                 + (f"; {m['cpu_s_per_step']:.3f} CPU-s per step" if m.get("cpu_s_per_step") else "")
                 + (f", {m['cpu_vs_gloo']:.2f}x gloo's" if m.get("cpu_vs_gloo") else "")
+                + (f"; with softirq threads {m['with_softirq_threads']:.3f}" if m.get("with_softirq_threads") else "")
+                + (f", {m['with_softirq_threads_vs_gloo']:.2f}x" if m.get("with_softirq_threads_vs_gloo") else "")
                 + "); "
                 f"machine {m['machine_busy']:.0%} busy ({m['machine_softirq']:.0%} softirq); "
                 f"tbf drops {_f(m['tbf_drops'], 'd')}; TCP retransmitted "

@@ -165,12 +165,22 @@ def _sweep_byteps(cluster: Cluster, plan: Plan, runner: BytepsRunner, say) -> di
             "cpu": got.cpu,
             **losses,
         }
+        if got.paired:
+            points["points"][k]["paired"] = got.paired
         say(
             f"byteps push/pull n={plan.n} k={k} x={theory.dedicated_fraction(plan.n, k):.3f}: "
             f"{got.seconds_per_step:.3f} s/step{_runs(points['points'][k])} = {got.seconds_per_step / t_opt:.2f} x "
             f"t_opt {t_opt:.3f} s; "
             f"our processes {_cores(got.cpu)}, machine CPU {busy:.0%}; {_losses(points['points'][k])}"
         )
+        if got.paired:
+            p = got.paired
+            say(
+                f"  alternated with gloo, {len(p['cpu_vs_gloo'])} pairs: CPU-s per step {p['median_cpu_vs_gloo']:.2f}x "
+                f"gloo's (pairs {min(p['cpu_vs_gloo']):.2f}-{max(p['cpu_vs_gloo']):.2f}); with the softirq threads "
+                f"{p['median_with_softirq_threads_vs_gloo']:.2f}x ({min(p['with_softirq_threads_vs_gloo']):.2f}-"
+                f"{max(p['with_softirq_threads_vs_gloo']):.2f})"
+            )
     return points
 
 

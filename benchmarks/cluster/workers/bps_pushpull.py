@@ -12,7 +12,8 @@ server that gets no bytes may be given as `-`. Which bytes go where (`--placemen
   partitioning, placement, credit scheduler), exactly what the "byteps" backend runs per collective.
 Uses `torch_bps.client.Client(servers, job_id, worker, num_workers).push_pull(tensor, key, server=i)`.
 The first step checks the sum (every worker pushes worker + 1). `--trace DIR` records the timed steps into
-DIR/worker-WORKER.json (torch_bps.timeline).
+DIR/worker-WORKER.json (torch_bps.timeline). `--pairs R --gloo-store ip:port` then runs gloo all_reduce of the
+same bytes in this process too, in R pairs of blocks of `--steps` steps alternated with push/pull's (`paired`).
 May import: the standard library, torch, torch_bps.client, torch_bps.engine.placement, torch_bps.timeline and
 benchmarks.cluster.{cpu,placement,workers}.
 """
@@ -25,7 +26,7 @@ import os
 
 from benchmarks.cluster import placement
 from benchmarks.cluster.cpu import CpuWindow
-from benchmarks.cluster.workers.common import emit, fail, settle, timed_steps
+from benchmarks.cluster.workers.common import emit, fail, settle, store, timed_steps
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights
 
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", metavar="DIR", default="", help="record the timed steps into DIR/worker-WORKER.json")
     p.add_argument("--watch", default="", metavar="NAME=PID,...",
                    help="other processes (the servers) whose CPU to measure over the timed steps too")  # fmt: skip
+    p.add_argument("--pairs", type=int, default=0, help="then R pairs of gloo / push/pull blocks (`paired`)")
+    p.add_argument("--gloo-store", default="", help="ip:port of the gloo TCPStore, hosted by worker 0 (--pairs)")
     args = p.parse_args(argv)
     watch = {name: int(pid) for name, _, pid in (w.rpartition("=") for w in args.watch.split(",") if w)}
 
@@ -157,8 +160,44 @@ def main(argv: list[str] | None = None) -> int:
                       streams=[client.stream_ready(i) for i in range(len(addresses))],
                       local_streams=[client.stream_local(i) for i in range(len(addresses))],
                       shared_bytes=client.stream_shared_bytes(), stream_bytes=client.stream_bytes())  # fmt: skip
+        if args.pairs:
+            result["pairs"] = paired(args, step, lambda: tensor.fill_(args.worker + 1), watch)
     emit(result)
     return 0
+
+
+def paired(args, bps_step, bps_reset, watch: dict[str, int]) -> list[dict]:
+    """Alternate blocks of `args.steps` gloo all_reduce steps and push/pull steps, each measured like the timed
+    steps, in `args.pairs` pairs (gloo first in even pairs, push/pull first in odd ones), and return the blocks.
+    `bps_reset` refills push/pull's tensor before each of its blocks (its sums grow n-fold per step).
+
+    Why: this machine's speed drifts by tens of percent within a minute (other tenants), so CPU measured a minute
+    apart compares the machine with itself. Blocks seconds apart in the same processes compare the two runners.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rendezvous = store(args.gloo_store, args.worker, args.num_workers, args.timeout)
+    dist.init_process_group("gloo", store=rendezvous, rank=args.worker, world_size=args.num_workers,
+                            timeout=timedelta(seconds=args.timeout))  # fmt: skip
+    tensor = torch.ones(args.size_bytes // 4, dtype=torch.float32)
+    runners = {"gloo": lambda: dist.all_reduce(tensor), "byteps": bps_step}
+    resets = {"gloo": lambda: tensor.fill_(1.0), "byteps": bps_reset}
+    for _ in range(args.warmup):
+        runners["gloo"]()
+    settle()
+    blocks = []
+    for r in range(args.pairs):
+        for name in ("gloo", "byteps") if r % 2 == 0 else ("byteps", "gloo"):
+            resets[name]()
+            dist.barrier()  # the block starts on every worker together, after the last block's end everywhere
+            cpu = CpuWindow(watch).start()
+            steps = timed_steps(runners[name], args.steps)
+            blocks.append({"pair": r, "runner": name, "seconds_per_step": sum(steps) / args.steps, "cpu": cpu.stop()})
+    dist.destroy_process_group()
+    return blocks
 
 
 if __name__ == "__main__":
