@@ -47,8 +47,8 @@ def softirq_thread_seconds() -> float:
 
     Packet work (the emulated links' qdiscs and veths, every receiver's TCP) runs as softirq: in the process that
     raised it, counted in that process's clock, or, when there is more than a slice's worth, in ksoftirqd, counted in
-    no process. Which one varies between runs and runners (gloo's k = 0 traffic had 19% of its packet work there in one
-    profile, ours 6%), so CPU per step counts both. Precise: schedstat's first field is nanoseconds run.
+    no process. How much lands where differs between runners and runs, so CPU per step is given with and without it.
+    Precise: schedstat's first field is nanoseconds run.
     """
     total = 0
     for pid in os.listdir("/proc"):

@@ -171,8 +171,8 @@ def paired(args, bps_step, bps_reset, watch: dict[str, int]) -> list[dict]:
     steps, in `args.pairs` pairs (gloo first in even pairs, push/pull first in odd ones), and return the blocks.
     `bps_reset` refills push/pull's tensor before each of its blocks (its sums grow n-fold per step).
 
-    Why: this machine's speed drifts by tens of percent within a minute (other tenants), so CPU measured a minute
-    apart compares the machine with itself. Blocks seconds apart in the same processes compare the two runners.
+    Why: this machine's speed drifts within a minute (other tenants), so CPU measured a minute apart compares the
+    machine with itself. Blocks seconds apart in the same processes compare the two runners.
     """
     from datetime import timedelta
 
