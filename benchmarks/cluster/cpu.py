@@ -121,7 +121,7 @@ class CpuWindow:
         return {
             "process_cores": round((time.process_time() - self._proc) / wall, 3),
             "process_waiting": round((process_wait_seconds() - self._wait) / wall, 3),
-            # The machine's, not this process's: every host's window sees the same threads (sum one host's).
+            # The machine's, not this process's: every host's window sees the same threads (count one host's).
             "softirq_threads_cores": round((softirq_thread_seconds() - self._softirq_threads) / wall, 4),
             "machine_busy": round((busy - self._busy) / jiffies, 3),
             "machine_softirq": round((softirq - self._softirq) / jiffies, 3),
