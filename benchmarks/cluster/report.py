@@ -45,27 +45,7 @@ def cpu_summary(report: dict) -> dict:
                 list(point["cpu"].values()), point.get("tbf_drops"), point.get("tcp_losses"),
                 point.get("seconds_per_step"),
             )  # fmt: skip
-    measurements = {
-        name: {
-            "processes_cores": round(sum(c["process_cores"] for c in cpus), 3),
-            "processes_waiting": round(sum(c.get("process_waiting", 0.0) for c in cpus), 3),
-            "machine_busy": max(c.get("machine_busy", 0.0) for c in cpus),
-            "machine_softirq": max(c.get("machine_softirq", 0.0) for c in cpus),
-            "tbf_drops": sum(drops.values()) if drops is not None else None,
-            "tcp_retransmitted": tcp_total(tcp, "retransmitted segments"),
-            "tcp_spurious": tcp_total(tcp, "spurious (D-SACKed)"),
-            "tcp_timeouts": tcp_total(tcp, "timeouts"),
-            # Issue 15's measure: cores x seconds per step, the CPU a step costs whatever the step's length.
-            "cpu_s_per_step": round(sum(c["process_cores"] for c in cpus) * step, 4) if step else None,
-            # and with the packet work the kernel ran in its softirq threads (cpu.softirq_thread_seconds): the
-            # machine's, the same threads in every host's window, so one host's.
-            "softirq_threads_cores": max((c.get("softirq_threads_cores", 0.0) for c in cpus), default=0.0),
-        }
-        for name, (cpus, drops, tcp, step) in windows.items()
-    }
-    for (_, _, _, step), m in zip(windows.values(), measurements.values(), strict=True):
-        if step:
-            m["with_softirq_threads"] = round(m["cpu_s_per_step"] + m["softirq_threads_cores"] * step, 4)
+    measurements = {name: _window(*window) for name, window in windows.items()}
     gloo = measurements.get("gloo all_reduce", {})
     for name, m in measurements.items():
         if name.startswith("byteps") and gloo.get("cpu_s_per_step") and m["cpu_s_per_step"]:
@@ -78,6 +58,30 @@ def cpu_summary(report: dict) -> dict:
         "machine_busy_max": max((m["machine_busy"] for m in measurements.values()), default=None),
         "measurements": measurements,
     }
+
+
+def _window(cpus: list[dict], drops: dict | None, tcp: dict | None, step: float | None) -> dict:
+    """One measurement's CPU, drops and TCP losses, summed over its hosts."""
+    cores = sum(c["process_cores"] for c in cpus)
+    # The packet work the kernel ran in its softirq threads (cpu.softirq_thread_seconds) is the machine's: every
+    # host's window sees the same threads, so one host's counts.
+    softirq_threads = max((c.get("softirq_threads_cores", 0.0) for c in cpus), default=0.0)
+    m = {
+        "processes_cores": round(cores, 3),
+        "processes_waiting": round(sum(c.get("process_waiting", 0.0) for c in cpus), 3),
+        "machine_busy": max(c.get("machine_busy", 0.0) for c in cpus),
+        "machine_softirq": max(c.get("machine_softirq", 0.0) for c in cpus),
+        "tbf_drops": sum(drops.values()) if drops is not None else None,
+        "tcp_retransmitted": tcp_total(tcp, "retransmitted segments"),
+        "tcp_spurious": tcp_total(tcp, "spurious (D-SACKed)"),
+        "tcp_timeouts": tcp_total(tcp, "timeouts"),
+        # Issue 15's measure: cores x seconds per step, the CPU a step costs whatever the step's length.
+        "cpu_s_per_step": round(cores * step, 4) if step else None,
+        "softirq_threads_cores": softirq_threads,
+    }
+    if step:
+        m["with_softirq_threads"] = round((cores + softirq_threads) * step, 4)
+    return m
 
 
 def tcp_total(tcp_losses: dict | None, label: str) -> int | None:
