@@ -586,14 +586,24 @@ def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id
     """With auto_credit the credit becomes a partition per server plus the acknowledged rate x 8 ms
     (cpp_ext/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
     with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=256 << 10, auto_credit=auto) as c:
-        t = torch.ones(1 << 26)  # 256 MiB in 128 KiB parts: over 50 ms (one sizer window) even at 4 GB/s
-        start = time.monotonic()
-        _wait_batches(c, [c.push_pull_batch(_parts(t, 0, 32 << 10))])
-        rate = t.numel() * 4 / (time.monotonic() - start)
+        # Parts wait for credit for 0.5 s (ten sizer windows) however fast the machine: four 64 MiB batches in turn,
+        # each resubmitted when it is done, so three stay queued. One batch of 256 MiB was not enough: at 2.3 GB/s
+        # it lasted two windows, the first paced by the starting credit and the second holding the drained tail.
+        tensors = [torch.ones(1 << 24) for _ in range(4)]
+        futures = [c.push_pull_batch(_parts(t, i << 12, 32 << 10)) for i, t in enumerate(tensors)]
+        start, sent = time.monotonic(), 0
+        while time.monotonic() - start < 0.5:
+            for i, f in enumerate(futures):
+                if f.done():
+                    f.wait()
+                    sent += tensors[i].numel() * 4
+                    futures[i] = c.push_pull_batch(_parts(tensors[i], i << 12, 32 << 10))
+            time.sleep(0.001)
+        rate = sent / (time.monotonic() - start)
+        _wait_batches(c, futures)
         credit = c.scheduler_stats()["credit_bytes"]
-    # The sizer's rate is its best 50 ms window's with parts waiting throughout: a batch shorter than a window
-    # measures none and keeps the start (96 MiB did, at 1.6 GB/s). On a loaded machine a window may run below the
-    # batch's average (0.98 of it seen). Half of it still tells a sized credit (MBs here) from the 256 KiB it started
+    # The sizer's rate is its best 50 ms window's with parts waiting throughout. On a loaded machine a window may run
+    # below the average (0.98 of it seen). Half of it still tells a sized credit (MBs here) from the 256 KiB it started
     # at; test_scheduler.py checks the rule's arithmetic exactly.
     if auto:
         assert min(64 << 20, (128 << 10) + 0.008 * 0.5 * rate) <= credit <= 64 << 20, (credit, rate)
