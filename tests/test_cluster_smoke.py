@@ -33,7 +33,7 @@ from benchmarks.cluster import (
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.errors import NamespaceError
-from benchmarks.cluster.topology import Cluster
+from benchmarks.cluster.topology import Cluster, Shaping
 from benchmarks.cluster.workers import ddp_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,16 +257,27 @@ def test_plain_tcp_server_names_a_worker_that_quits_early():
     assert server.returncode != 0 and "worker 127.0.0.1 closed after 1234 bytes" in err
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_socket_buffers_count_servers_by_their_share_of_the_bytes(n):
+@pytest.mark.parametrize("n,queue", [(4, 500_000), (8, 756_072)])
+def test_socket_buffers_count_servers_by_their_share_of_the_bytes(n, queue):
     """At k = 0 and k = n every server carries an equal share: queue / (3 n). Between them the colocated servers
     carry little, and the dedicated ones' connections, which carry most bytes, keep about that size (counting
-    k + n servers alike gave them 16.8 KB instead of 31.5 KB at n = 8, k = 7)."""
-    queue = 756_072
+    k + n servers alike gave them 16.8 KB instead of 31.5 KB at n = 8, k = 7). Queues too small for the kernel's
+    own share of every connection (below)."""
     even = byteps.socket_buffer_for(queue, n, 0)
     assert even == queue // (3 * n) == byteps.socket_buffer_for(queue, n, n)
     for k in range(1, n):
         assert 0.85 * even <= byteps.socket_buffer_for(queue, n, k) <= even, k
+
+
+def test_socket_buffers_are_the_kernels_where_the_queue_holds_every_connections_minimum():
+    """n = 4 at 500 Mbit/s (a 1.38 MB queue): no k needs small buffers; n = 8 at 250 Mbit/s (756 KB) and n = 8's k = 0
+    at 500 Mbit/s do. The connections per uplink: 2(n - 1) at k = 0, k + 2(n - 1) between, n at k = n."""
+    assert [byteps.uplink_connections(4, k) for k in range(5)] == [6, 7, 8, 9, 4]
+    assert [byteps.uplink_connections(8, k) for k in (0, 8)] == [14, 8]
+    q500, q250 = Shaping.for_rate(500).limit_bytes, Shaping.for_rate(250).limit_bytes
+    assert [byteps.socket_buffer_for(q500, 4, k) for k in range(5)] == [0] * 5
+    assert all(byteps.socket_buffer_for(q250, 8, k) > 0 for k in range(9))
+    assert byteps.socket_buffer_for(q500, 8, 0) > 0 and byteps.socket_buffer_for(q500, 8, 8) == 0
 
 
 @pytest.mark.parametrize("n,k", [(2, 0), (2, 2), (4, 1), (4, 3), (3, 5)])

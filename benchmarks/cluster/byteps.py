@@ -258,18 +258,41 @@ def paired_cpu(results: list[dict]) -> dict:
     }
 
 
+# What the kernel keeps of one TCP connection in its host's link queue however small the connection's share: TCP
+# small queues let two packets wait in the qdisc, and a packet is a GSO burst of up to 64 KiB. Measured: 6 connections
+# through a 1.38 MB queue (n = 4, k = 0 at 500 Mbit/s) never dropped with the kernel's buffers, 8 through 756 KB
+# (n = 8, k = 8 at 250 Mbit/s) dropped thousands (README, "Small windows only where the queue needs them").
+KERNEL_QUEUE_PER_CONNECTION = 128 << 10
+
+
+def uplink_connections(n: int, k: int) -> int:
+    """Return the most TCP connections one host's uplink carries, counting servers with bytes (`server_shares`).
+
+    A worker host: its pushes to every such server but its own colocated one (a local stream), and that server's
+    replies to the other n - 1 workers. A dedicated server host: its replies to the n workers.
+    """
+    shares = placement.server_shares(n, k)
+    colocated = shares[-1] > 0
+    pushes = sum(share > 0 for share in shares) - colocated
+    return max(pushes + (n - 1 if colocated else 0), n if k else 0)
+
+
 def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     """Return socket buffer bytes per server connection such that a link's queue holds what they let fly.
 
-    A worker's link carries its connection to each server and, at k < n, its colocated server's connections to
-    the other workers, each with at most about the buffer's size in flight (the kernel doubles the value for its
-    bookkeeping). A third more than an even share of the queue per connection fits: the flows are rarely all full
-    at once (README, "n = 8: where the drops were").
+    0 (the kernel's buffers) where the queue holds what the kernel keeps of each connection sharing an uplink
+    anyway (KERNEL_QUEUE_PER_CONNECTION): there small buffers only cost wake-ups, CPU and step time.
+    Otherwise: a worker's link carries its connection to each server and, at k < n, its colocated server's
+    connections to the other workers, each with at most about the buffer's size in flight (the kernel doubles the
+    value for its bookkeeping). A third more than an even share of the queue per connection fits: the flows are
+    rarely all full at once (README, "n = 8: where the drops were").
 
     The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
     effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
     the dedicated servers' connections, which carry most bytes, of window (README, "What paces a mixed-k step").
     """
+    if uplink_connections(n, k) * KERNEL_QUEUE_PER_CONNECTION <= link_queue_bytes:
+        return 0
     return max(4096, int(link_queue_bytes / (3 * placement.effective_servers(n, k))))
 
 

@@ -117,9 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--socket-buffer-bytes",
         type=int,
         default=-1,
-        help="byteps workers' BPS_SOCKET_BUFFER_BYTES, push/pull, DDP and FSDP (default -1: sized from the links' "
-        "queue so that every connection's bytes in flight fit in it; 0: the kernel's autotuned buffers, as before "
-        "issue 17)",
+        help="byteps workers' BPS_SOCKET_BUFFER_BYTES, push/pull, DDP and FSDP (default -1: byteps.socket_buffer_for, "
+        "the kernel's where the links' queue holds 128 KiB per connection sharing an uplink, else sized from the queue "
+        "so that every connection's bytes in flight fit in it; 0: the kernel's autotuned buffers)",
     )
     p.add_argument(
         "--paired-cpu",
