@@ -146,11 +146,12 @@ def run_torch_bps(
     colocated on each worker host. Every worker then runs workers/bps_pushpull.py. `placement_mode`
     "exact" splits to the byte (benchmarks/cluster/placement.py); "library" places 4 MB partitions
     with torch_bps.engine.placement. Either way no partition exceeds `partition_bytes` (BytePS's default
-    4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 sizes it from the links' queue
-    (`socket_buffer_for`), 0 leaves the kernel's buffers. Bind the keywords with functools.partial to pass it
-    as a runner. `trace_dir`: the workers' timed steps and the servers are recorded into trace_dir/kK
-    (torch_bps.timeline's files). Each worker's receive buffer toward a server goes by the server's share, as
-    the library sizes it; `equal_receive_buffers`: all the socket buffer (before 2026-11-26).
+    4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 picks it from the links' queue
+    (`socket_buffer_for`: 0 where the queue holds every connection's minimum), 0 leaves the kernel's buffers.
+    Bind the keywords with functools.partial to pass it as a runner. `trace_dir`: the workers' timed steps and the
+    servers are recorded into trace_dir/kK (torch_bps.timeline's files). Each worker's receive buffer toward a
+    server goes by the server's share, as the library sizes it; `equal_receive_buffers`: all the socket buffer
+    (before 2026-11-26).
     `server_receive_buffers`: the servers' too (`bps-server --receive-buffer-bytes`), else the kernel's.
     `pairs`: then that many pairs of blocks of gloo all_reduce and push/pull steps, alternated in the same processes
     (`paired_cpu`).

@@ -91,8 +91,8 @@ def run_ddp_byteps(
     """Run `run_ddp` with the "byteps" backend, servers on the first `k` server hosts (BPS_SERVERS).
 
     At k = 0 BPS_SERVERS is empty and the backend starts an embedded server on every worker host.
-    `socket_buffer_bytes` is the ranks' BPS_SOCKET_BUFFER_BYTES, -1: sized to the links' queue as for push/pull
-    (`byteps.socket_buffer_for`, by the servers' shares of the bytes).
+    `socket_buffer_bytes` is the ranks' BPS_SOCKET_BUFFER_BYTES, -1: as for push/pull
+    (`byteps.socket_buffer_for`: the kernel's where the links' queue holds every connection's minimum, else sized).
     """
     reason = byteps.probe("backend")
     if reason:

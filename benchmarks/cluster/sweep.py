@@ -43,7 +43,7 @@ class Plan:
     ddp: DdpSpec | None = field(default_factory=DdpSpec)
     ddp_k: int = 4  # server hosts of the byteps DDP run
     fsdp: DdpSpec | None = None  # the same MLP sharded with fully_shard: gloo once, byteps at every k of `ks`
-    socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: sized to the queue)
+    socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: socket_buffer_for)
     # Every host's TCP congestion control ("": the machine's). Reno is loss-based, as datacenter TCP (CUBIC, DCTCP)
     # is. This machine's default, BBR, holds every flow at 4 packets for 200 ms every 10 s (PROBE_RTT) when the
     # queues keep the RTT up: one step of ~6 ran 0.1-0.2 s longer in every runner, gloo's and plain TCP's included.

@@ -52,7 +52,7 @@ def run_tcp_matrix(
     """Measure plain TCP on the bytes of a push/pull step: `mode` "rounds" or "free" (workers/tcp_matrix.c).
 
     Servers stand where run_torch_bps starts them: one per dedicated host and, when the split gives them bytes,
-    one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: sized from the links' queue).
+    one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: socket_buffer_for).
     `pace` > 0 caps every connection's rate at its bytes per step / (pace x t_opt): the rates t_opt needs, which
     TCP's sharing of a link between its connections does not give them (README, "Plain TCP on a step's bytes").
     `buffers_by_share` sizes each connection's buffers (both ends) in proportion to its server's share of the bytes
