@@ -281,9 +281,16 @@ class Client {
   void endPart(const OpPtr& op);
   bool sendRequest(const OpPtr& op, uint16_t command, Clock::time_point deadline);
   void onReply(size_t server, const ReplyView& message);
+  // A server's health (client_health.cpp).
   void onDisconnect(size_t server);
   void onReconnect(size_t server);
   void onRehello(const OpPtr& op, uint64_t incarnation, uint64_t streamPort);
+  void markDown(size_t server, const std::string& why);
+  void failServer(size_t server, const std::string& what);
+  bool failIfDown(const OpPtr& op);
+  // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
+  // first is usually the cause (its rank fails, and takes its own embedded server with it).
+  std::string earlierLoss(size_t server) const;
   // Streams (client_stream.cpp).
   void openStream(size_t server, uint64_t port, bool forHello);
   void stepStream(size_t server, short revents);
@@ -295,18 +302,13 @@ class Client {
   // The stream's Placement: a PULL reply's payload goes straight into its op's destination tensor.
   bool placePull(size_t server, const Message& head, uint64_t length, Message& into);
   void stopPlacing(size_t server, uint64_t requestId);
-  bool failIfDown(const OpPtr& op);
-  // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
-  // first is usually the cause (its rank fails, and takes its own embedded server with it).
-  std::string earlierLoss(size_t server) const;
+  // The rest of the IO thread's work (client_io.cpp).
   void expireDeadlines();
   int pollTimeoutMs() const;
   void forget(uint64_t requestId);
   void failOp(const OpPtr& op, ErrorInfo error);
   void finishOp(const OpPtr& op);
   void failEverything(const std::string& why);
-  void markDown(size_t server, const std::string& why);
-  void failServer(size_t server, const std::string& what);
   void keepRound(const Op& op, const void* bytes, size_t nbytes, bool whole);
   std::string describe(const Op& op) const;
 
