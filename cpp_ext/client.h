@@ -63,7 +63,8 @@ struct ClientOptions {
   int socketBufferBytes = 0;
   // SO_RCVBUF of each server's stream, one per server (empty: socketBufferBytes for all). Each bounds what that
   // server's replies may have in flight toward this worker: weighted by the server's share of the bytes, the
-  // links carry each connection at its share's rate instead of all at an equal one (README, "Receive windows by share").
+  // links carry each connection at its share's rate instead of all at an equal one (docs/issue15.md, "Receive
+  // windows by share").
   std::vector<int> receiveBufferBytes;
   // Failover (docs/protocol.md): batches go on past a lost server, each part's outcome is reported, and per
   // key the client counts completed rounds and keeps what its last completed round may still owe the other

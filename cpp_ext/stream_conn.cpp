@@ -212,7 +212,7 @@ void StreamConn::lockedReceiveBuffer() {
   // A low-water mark near what the window lets in keeps the receive queue full, and on a locked buffer the
   // kernel counts each packet's whole allocation (more than its payload) against SO_RCVBUF: past it,
   // it collapses the queue (CPU), prunes it and drops packets, and a lost retransmission waits 200 ms for a timer
-  // (README, "A low-water mark under the locked receive buffer"). A quarter of the buffer never gets there.
+  // (docs/issue15.md, "A low-water mark under the locked receive buffer"). A quarter of the buffer never gets there.
   int kernel = 0;
   socklen_t len = sizeof(kernel);
   if (getsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &kernel, &len) == 0 && kernel > 0) {
@@ -395,7 +395,10 @@ int listenStream(const std::string& host, uint16_t port, uint16_t* boundPort, in
     }
   }
   freeaddrinfo(found);
-  if (fd < 0) throw Error(ErrorKind::kTransport, formatText("stream listener: cannot listen on %s:%u: %s", host.c_str(), port, why.c_str()));
+  if (fd < 0) {
+    throw Error(ErrorKind::kTransport,
+                formatText("stream listener: cannot listen on %s:%u: %s", host.c_str(), port, why.c_str()));
+  }
   setNonBlocking(fd);
   sockaddr_storage addr{};
   socklen_t len = sizeof(addr);

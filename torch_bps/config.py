@@ -16,7 +16,7 @@ from torch_bps.errors import ConfigError
 # Where the credit of bytes in flight per worker starts (the C++ client schedules within it and, unless
 # BPS_CREDIT_BYTES fixes it, sizes it from its acknowledged pushes: cpp_ext/credit_sizer.h). It must keep the
 # uplink busy, and each step pays for it once: a step's first sums come back after about credit / link rate. No
-# fixed size serves every link: 1 MiB suits 250-500 Mbit/s and starves 2 Gbit/s, where 2 MiB suits (README,
+# fixed size serves every link: 1 MiB suits 250-500 Mbit/s and starves 2 Gbit/s, where 2 MiB suits (docs/issue15.md,
 # "Credit and partition size, measured on the links").
 DEFAULT_CREDIT_BYTES = 2 << 20
 # The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen), unless
@@ -32,7 +32,7 @@ def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
 
     Why: the credit is counted in bytes but buys whole partitions in flight; F times bigger middle partitions
     in the same 2 MiB leave each dedicated server with F times fewer pushes queued, and it idles between them.
-    With colocated servers only, the bigger credit bought nothing at n = 4 (README, "Bigger middle partitions";
+    With colocated servers only, the bigger credit bought nothing at n = 4 (docs/issue15.md, "Bigger middle partitions";
     at n = 8, k = 0 F = 2 was slower with either credit).
 
     Example: default_credit_bytes(2, dedicated=True) == 4 << 20; default_credit_bytes(2, dedicated=False) == 2 << 20
@@ -161,7 +161,7 @@ class Config:
         connections (about queue / (3 x connections)), and there the partitions' size paced the step. At n = 8,
         250 Mbit/s (buffers of 29.7-31.5 KB) a 32 KiB floor took k = 4 and 6 from 1.17-1.21 to 1.10-1.13 x t_opt in
         five runs each, k = 0 and 8 unchanged, for 50-100% more of our CPU there; 48 KiB did not, nor 64 KiB at
-        k = 6 (README, "A partition floor under the socket buffer"). Each worker's credit keeps a partition in
+        k = 6 (docs/issue15.md, "A partition floor under the socket buffer"). Each worker's credit keeps a partition in
         flight toward every server, and smaller ones made it 0.6 MB instead of 1.8-2.2. With the kernel's
         buffers nothing changes: on fast links messages cost more than fill and drain (docs/scaling.md).
         """

@@ -262,7 +262,7 @@ def paired_cpu(results: list[dict]) -> dict:
 # What the kernel keeps of one TCP connection in its host's link queue however small the connection's share: TCP
 # small queues let two packets wait in the qdisc, and a packet is a GSO burst of up to 64 KiB. Measured: 6 connections
 # through a 1.38 MB queue (n = 4, k = 0 at 500 Mbit/s) never dropped with the kernel's buffers, 8 through 756 KB
-# (n = 8, k = 8 at 250 Mbit/s) dropped thousands (README, "Small windows only where the queue needs them").
+# (n = 8, k = 8 at 250 Mbit/s) dropped thousands (docs/issue15.md, "Small windows only where the queue needs them").
 KERNEL_QUEUE_PER_CONNECTION = 128 << 10
 
 
@@ -286,11 +286,12 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     Otherwise: a worker's link carries its connection to each server and, at k < n, its colocated server's
     connections to the other workers, each with at most about the buffer's size in flight (the kernel doubles the
     value for its bookkeeping). A third more than an even share of the queue per connection fits: the flows are
-    rarely all full at once (README, "n = 8: where the drops were").
+    rarely all full at once (docs/issue15.md, "n = 8: where the drops were").
 
     The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
     effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
-    the dedicated servers' connections, which carry most bytes, of window (README, "What paces a mixed-k step").
+    the dedicated servers' connections, which carry most bytes, of window (docs/issue15.md, "What paces a mixed-k
+    step").
     """
     if uplink_connections(n, k) * KERNEL_QUEUE_PER_CONNECTION <= link_queue_bytes:
         return 0

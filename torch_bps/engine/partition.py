@@ -124,7 +124,7 @@ class KeyBook:
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P of the
         step with P partitions per server, hence 64 of them. Every message costs CPU on both ends, hence a floor;
         128 KiB is where the emulated cluster's fastest points were with the stream transport and the sized
-        credit, on 2 cores (README, "The partition floor" and "Credit and partition size, measured on the
+        credit, on 2 cores (docs/issue15.md, "The partition floor" and "Credit and partition size, measured on the
         links"). With socket buffers set it is their size (Config.partition_floor: measured at n = 8). A machine
         with cores to spare may lower it, one bound by CPU raise it (BPS_MIN_PARTITION_BYTES).
         """

@@ -7,7 +7,7 @@ each thread kind's CPU, run-queue wait and wake-ups over the timed steps (from /
           IO ones)
 
 The timed steps are taken as the last 40% of the time during which bps-client-io threads exist (start-up and
-warm-up come first). Scratch measurement tool of session 18 (README, "Is it the 2 cores?"); root only.
+warm-up come first). Scratch measurement tool of session 18 (docs/issue15.md, "Is it the 2 cores?"); root only.
 """
 
 import collections
