@@ -100,30 +100,10 @@ class Runtime:
         """
         config = config or Config.resolve()
         timeout = timeout or config.connect_timeout
-        base = _RUNTIMES.get("default")
-        whole_job = world_size == int(os.environ.get("WORLD_SIZE", world_size))
-        if name == "default" or (base is None and whole_job):
-            topology = Topology.from_env(rank, world_size)
-        else:  # a subgroup: torchrun's variables describe the whole job, not it
-            topology = Topology(rank, world_size, 0, 1, rank, world_size)  # every rank its own machine
+        topology = _topology(name, rank, world_size)
         ns = dist.PrefixStore(f"torch_bps/{name}/{_attempt()}", raw_store(store))
         job_id = _agree_job_id(ns, rank, timeout)
-        server_proc = None
-        if base is not None and name != "default":
-            colocated, dedicated = base._colocated, base._dedicated
-            secret = base._secret  # its embedded servers accept the default group's key only
-        else:
-            secret = _agree_secret(ns, rank, timeout)
-            dedicated = list(config.servers)
-            if config.num_servers:
-                registry = connect(config.registry, timeout) if config.registry else raw_store(store)
-                dedicated += registered_servers(registry, config.num_servers, timeout, where=config.registry)
-            colocated = []
-            needs_colocated = config.placement == "colocated" or (
-                config.placement == "optimal" and len(dedicated) < topology.num_nodes
-            )
-            if needs_colocated:
-                server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
+        secret, colocated, dedicated, server_proc = _find_servers(name, store, ns, topology, config, timeout)
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -135,33 +115,9 @@ class Runtime:
                          connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
-        local = None
-        if hierarchical:
-            from torch_bps.local import LocalComm
-
-            node = f"{job_id:x}-{topology.node_rank}"
-            local = tuple(
-                # 16 MiB each: bigger tensors go through in chunks, and two channels stay well inside a
-                # container's default 64 MiB /dev/shm.
-                LocalComm(
-                    ns,
-                    topology.local_rank,
-                    topology.local_size,
-                    f"{node}-{stage}",
-                    timeout=config.timeout,
-                    capacity_bytes=16 << 20,
-                )  # fmt: skip
-                for stage in ("rs", "ag")
-            )
-        slices = local[0].slice_range if local is not None else None
-        keys = KeyBook(
-            Placement(weights),
-            config.partition_bytes,
-            (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
-            min_partition_bytes=config.partition_floor(),
-            middle_factor=config.middle_partition_factor,
-        )
-        engine = PushPullEngine(client, keys, local=local, local_rank=topology.local_rank, timeout=config.timeout,
+        local = _local_comms(ns, topology, job_id, config) if hierarchical else None
+        engine = PushPullEngine(client, _key_book(weights, config, topology, local), local=local,
+                                local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
         rt._secret, rt._with_dedicated = secret, with_dedicated
@@ -320,6 +276,69 @@ class Runtime:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _topology(name: str, rank: int, world_size: int) -> Topology:
+    """The group's machines: torchrun's for the default group (or the whole job's first group), else every rank its
+    own machine (torchrun's variables describe the whole job, not a subgroup)."""
+    whole_job = world_size == int(os.environ.get("WORLD_SIZE", world_size))
+    if name == "default" or (_RUNTIMES.get("default") is None and whole_job):
+        return Topology.from_env(rank, world_size)
+    return Topology(rank, world_size, 0, 1, rank, world_size)
+
+
+def _find_servers(name: str, store: dist.Store, ns: dist.Store, topology: Topology, config: Config, timeout: float):
+    """Return (the job's secret, colocated addresses, dedicated addresses, the embedded server this rank started or
+    None): a group other than the default one reuses the default Runtime's servers and secret (its embedded servers
+    accept the default group's key only); else dedicated ones come from BPS_SERVERS and the registry, and each
+    machine starts an embedded one when the placement needs it."""
+    base = _RUNTIMES.get("default")
+    if base is not None and name != "default":
+        return base._secret, base._colocated, base._dedicated, None
+    secret = _agree_secret(ns, topology.rank, timeout)
+    dedicated = list(config.servers)
+    if config.num_servers:
+        registry = connect(config.registry, timeout) if config.registry else raw_store(store)
+        dedicated += registered_servers(registry, config.num_servers, timeout, where=config.registry)
+    needs_colocated = config.placement == "colocated" or (
+        config.placement == "optimal" and len(dedicated) < topology.num_nodes
+    )
+    if not needs_colocated:
+        return secret, [], dedicated, None
+    server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
+    return secret, colocated, dedicated, server_proc
+
+
+def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config):
+    """The machine's two shared-memory channels (reduce-scatter, all-gather) among its local ranks."""
+    from torch_bps.local import LocalComm
+
+    node = f"{job_id:x}-{topology.node_rank}"
+    # 16 MiB each: bigger tensors go through in chunks, and two channels stay well inside a container's default
+    # 64 MiB /dev/shm.
+    return tuple(
+        LocalComm(
+            ns,
+            topology.local_rank,
+            topology.local_size,
+            f"{node}-{stage}",
+            timeout=config.timeout,
+            capacity_bytes=16 << 20,
+        )  # fmt: skip
+        for stage in ("rs", "ag")
+    )
+
+
+def _key_book(weights, config: Config, topology: Topology, local) -> KeyBook:
+    """How tensors are cut into keys and placed: one slice per local rank when the machine reduces locally."""
+    slices = local[0].slice_range if local is not None else None
+    return KeyBook(
+        Placement(weights),
+        config.partition_bytes,
+        (lambda n: [slices(n, i) for i in range(topology.local_size)]) if slices else (lambda n: [(0, n)]),
+        min_partition_bytes=config.partition_floor(),
+        middle_factor=config.middle_partition_factor,
+    )
 
 
 def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_workers: int, auth,
