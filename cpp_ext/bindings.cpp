@@ -240,8 +240,6 @@ PYBIND11_MODULE(_C, m) {
         "Recycle the big receive buffers of a loaded libzmq (default: the one this extension links); returns "
         "'' on success, else why not (see cpp_ext/buffer_cache.h).",
         py::arg("library_path") = "");
-  m.def("set_buffer_cache_limit", &bps::setBufferCacheLimit, "Keep at most this many bytes of freed big buffers.",
-        py::arg("bytes"));
   m.def("buffer_cache_stats", [] {
     bps::BufferCacheStats s = bps::bufferCacheStats();
     return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);

@@ -267,14 +267,6 @@ void trimTo(size_t keep) {
 
 }  // namespace
 
-void setBufferCacheLimit(size_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(cache().mutex);
-    cache().limit = bytes;
-  }
-  trimTo(bytes);
-}
-
 void releaseCachedBuffers() { trimTo(0); }
 
 BufferCacheStats bufferCacheStats() {

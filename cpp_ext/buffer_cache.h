@@ -26,9 +26,6 @@ struct BufferCacheStats {
 // else why it could not (ZeroMQ then works as before, only slower for big messages).
 std::string installBufferCache(const std::string& libraryPath = "");
 
-// At most this many bytes of freed blocks are kept; 0 releases everything and stops caching.
-void setBufferCacheLimit(size_t bytes);
-
 // Free every cached block now (the limit stays); the client calls it when its last instance closes.
 void releaseCachedBuffers();
 

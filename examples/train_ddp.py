@@ -53,6 +53,11 @@ def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> t
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _sync_only(state, bucket):
+    """All-reduce one element and leave the bucket as it is: the ranks still wait for each other, no bytes move."""
+    return dist.all_reduce(torch.ones(1), async_op=True).get_future().then(lambda _: bucket.buffer())
+
+
 def _no_comm(state, bucket):  # no annotations: DDP checks them, and they are strings here
     """Leave the bucket as it is: the step without communication (the models on the ranks drift apart)."""
     future = torch.futures.Future()
@@ -68,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         "--no-comm",
         action="store_true",
         help="a DDP comm hook that sends nothing (gradients stay local): the step's bound for any backend",
+    )
+    p.add_argument(
+        "--sync-only",
+        action="store_true",
+        help="a DDP comm hook that all-reduces one element per bucket on --backend and keeps the gradients local: "
+        "the step with the ranks' synchronization and no bytes",
     )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8)
@@ -90,11 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         model.register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
     elif args.no_comm:
         model.register_comm_hook(None, _no_comm)
+    elif args.sync_only:
+        model.register_comm_hook(None, _sync_only)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if rank == 0:
         print(
-            f"backend={args.backend} hook={args.hook} no_comm={args.no_comm} world={world} "
+            f"backend={args.backend} hook={args.hook} no_comm={args.no_comm} sync_only={args.sync_only} world={world} "
             f"params={grad_bytes / 4 / 1e6:.2f}M",
             flush=True,
         )

@@ -41,3 +41,10 @@ def test_no_comm_bound_runs():
     done = run(["--steps", "4", "--backend", "gloo", "--no-comm", *SMALL])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "backend=gloo hook=False no_comm=True" in done.stdout and "steps/s" in done.stdout
+
+
+def test_sync_only_bound_runs():
+    """`--sync-only` (the ranks synchronize every bucket, no gradient moves) trains on "byteps" with its hook."""
+    done = run(["--steps", "4", "--sync-only", *SMALL])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend=byteps hook=False no_comm=False sync_only=True" in done.stdout and "steps/s" in done.stdout
