@@ -110,15 +110,33 @@ def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
         return type(e).__name__, str(e), time.monotonic() - started
 
 
+def _alone_bursts(engine: PushPullEngine, local_rank: int):
+    """Bursts of collectives on a machine that is the whole job: some gathered on the reduce-scatter thread, some
+    handed to the all-gather thread, every sum exact. Returns (collectives, handed off)."""
+    import random
+
+    rng = random.Random(5)  # the same sizes on both ranks
+    done = 0
+    for step in range(40):
+        shapes = [(rng.choice([1, 257, 40_000, 200_001]), rng.choice([torch.float32, torch.int64]))
+                  for _ in range(rng.randint(1, 5))]  # fmt: skip
+        futures = [(n, dt, engine.push_pull(_data(local_rank, step, n, dt))) for n, dt in shapes]
+        for n, dt, f in futures:
+            assert torch.equal(_finish(f), _data(0, step, n, dt) + _data(1, step, n, dt)), (n, dt, step)
+            done += 1
+    return done, engine._handed
+
+
 SCENARIOS = {
     "sums": _sums,
+    "alone_bursts": _alone_bursts,
     "all_gather_never_met": _all_gather_never_met,
     "slow_network": _slow_network,
     "network_stage_stopped": _network_stage_stopped,
 }
 
 
-def _rank(local_rank, port, server, job_id, node, scenario, results, client_kwargs):
+def _rank(local_rank, port, server, job_id, node, scenario, results, client_kwargs, alone):
     """A local rank: wired as Runtime.create wires one of a machine's ranks; runs `scenario`, reports."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -128,7 +146,7 @@ def _rank(local_rank, port, server, job_id, node, scenario, results, client_kwar
         client = Client([server], job_id, 0, 1, timeout=TIMEOUT, **client_kwargs)
         slices = lambda n: [local[0].slice_range(n, r) for r in range(2)]  # noqa: E731
         keys = KeyBook(Placement(server_weights([], [server])), PARTITION, slices)
-        engine = PushPullEngine(client, keys, local=local, local_rank=local_rank, timeout=TIMEOUT)
+        engine = PushPullEngine(client, keys, local=local, local_rank=local_rank, timeout=TIMEOUT, alone=alone)
         results.put((local_rank, "ok", SCENARIOS[scenario](engine, local_rank)))
     except BaseException as e:  # noqa: BLE001
         results.put((local_rank, type(e).__name__, f"{e}\n{traceback.format_exc()}"))
@@ -145,6 +163,7 @@ def run(
     reporting: tuple[int, ...] = (0, 1),
     address: str | None = None,
     client_kwargs: dict | None = None,
+    alone: bool = False,
 ) -> dict[int, object]:
     """Run `scenario` on two local ranks, their clients connected to `address` (default: the server's); return
     each reporting rank's result. Kills what is left at the end."""
@@ -152,7 +171,7 @@ def run(
     ctx.set_forkserver_preload([__name__])  # no effect if another test module started the forkserver first
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     node, results = f"e{uuid.uuid4().hex[:8]}", ctx.Queue()
-    args = (store.port, address or server.address, job_id, node, scenario, results, client_kwargs or {})
+    args = (store.port, address or server.address, job_id, node, scenario, results, client_kwargs or {}, alone)
     procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
@@ -175,6 +194,14 @@ def run(
 
 def test_two_local_ranks_sum_through_the_local_stages_and_the_server(server, job_id):
     assert run("sums", server, job_id) == {0: 12, 1: 12}
+
+
+def test_a_machine_alone_sums_bursts_in_order_on_one_thread_or_two(server, job_id):
+    """Alone, a collective with nothing before or behind it is gathered on the reduce-scatter thread, the others on
+    the all-gather thread: both happen in these bursts, and the local ranks meet in the same order either way."""
+    out = run("alone_bursts", server, job_id, alone=True)
+    for done, handed in out.values():
+        assert done >= 40 and 0 < handed < done, (done, handed)
 
 
 def test_a_local_rank_that_never_reaches_the_all_gather_fails_the_collective_in_time(server, job_id):

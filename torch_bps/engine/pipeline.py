@@ -21,7 +21,8 @@ all-gather of the local ranks' ranges instead, so that the machine pushes its ra
 every local rank must meet the others in the same sequence; the network stage in between is fully pipelined
 across collectives. The all-gather thread hands `done` to the client's completion threads, so a blocking
 `done` never stalls it. When the machine is the whole job (`alone`) the local stages already make the result:
-nothing goes to a server.
+nothing goes to a server, and a collective with none before or behind it is gathered on the reduce-scatter thread
+(a hand-off less: most of a small collective's time is hand-offs).
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
@@ -115,6 +116,8 @@ class PushPullEngine:
         if local is not None:
             self._rs_queue: queue.Queue = queue.Queue()
             self._ag_queue: queue.Queue = queue.Queue()
+            # Collectives handed to the all-gather thread, and those it finished: each counted by one thread only.
+            self._handed = self._gathered = 0
             for name, target in (("bps-local-rs", self._reduce_scatter_loop), ("bps-local-ag", self._all_gather_loop)):
                 t = threading.Thread(target=target, name=name, daemon=True)
                 t.start()
@@ -168,7 +171,13 @@ class PushPullEngine:
                 self._schedule(op)
             except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails, the loop serves the next one
                 op.error = op.error or e
-            self._ag_queue.put(op)  # always: the all-gather thread is the one that completes it
+            if self.alone and self._handed == self._gathered and self._rs_queue.empty():
+                # Alone, nothing runs between the stages: with no collective behind it to overlap with, and none
+                # ahead of it on the all-gather thread, gathering here spares a hand-off in order.
+                self._gather_and_complete(op)
+            else:
+                self._handed += 1
+                self._ag_queue.put(op)
 
     def _local_reduce_scatter(self, op: _Op) -> None:
         with stage(lambda: _span_name("local_reduce_scatter", op.items)):
@@ -263,13 +272,17 @@ class PushPullEngine:
     # -- stage: local all-gather (several local ranks only)
     def _all_gather_loop(self) -> None:
         while (op := self._ag_queue.get()) is not None:
-            # Whatever raises, the op completes with it and the thread lives: a dead stage thread leaves this
-            # collective and every later one unfinished, and the caller's Future.wait() has no timeout.
-            try:
-                self._local_all_gather(op)
-            except BaseException as e:  # noqa: BLE001
-                op.error = op.error or e
-            self.client.post(lambda op=op: op.done(op.error))
+            self._gather_and_complete(op)
+            self._gathered += 1
+
+    def _gather_and_complete(self, op: _Op) -> None:
+        # Whatever raises, the op completes with it and the thread lives: a dead stage thread leaves this
+        # collective and every later one unfinished, and the caller's Future.wait() has no timeout.
+        try:
+            self._local_all_gather(op)
+        except BaseException as e:  # noqa: BLE001
+            op.error = op.error or e
+        self.client.post(lambda op=op: op.done(op.error))
 
     def _local_all_gather(self, op: _Op) -> None:
         if op.error is not None:  # failed before or in the network stage: nothing to gather
