@@ -324,7 +324,7 @@ def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config
             f"{node}-{stage}",
             timeout=config.timeout,
             capacity_bytes=16 << 20,
-        )  # fmt: skip
+        )
         for stage in ("rs", "ag")
     )
 
