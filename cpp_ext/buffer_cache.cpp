@@ -28,12 +28,14 @@ struct Block {
 
 // Everything below is reached from inside malloc/free of libzmq's threads: it must not allocate through
 // the patched entries (it does not: std::vector and friends live in this library, not in libzmq).
+// At most this many bytes of freed blocks are kept.
+constexpr size_t kCacheLimit = size_t(512) << 20;
+
 struct Cache {
   std::mutex mutex;
   std::vector<Block> live;  // handed out by cachedMalloc, not yet freed
   std::vector<Block> free;  // freed, kept for reuse; most recent last
   size_t freeBytes = 0;
-  size_t limit = size_t(512) << 20;
   std::atomic<size_t> liveCount{0};
   BufferCacheStats stats;
 };
@@ -100,12 +102,12 @@ void cachedFree(void* p) {
   {
     std::lock_guard<std::mutex> lock(c.mutex);
     size_t capacity = untrack(c, p);
-    if (capacity != 0 && capacity <= c.limit) {
+    if (capacity != 0 && capacity <= kCacheLimit) {
       // Keep it; evict the oldest blocks past the limit.
       c.free.push_back({p, capacity});
       c.freeBytes += capacity;
       p = nullptr;
-      while (c.freeBytes > c.limit) {
+      while (c.freeBytes > kCacheLimit) {
         release.push_back(c.free.front().ptr);
         c.freeBytes -= c.free.front().capacity;
         c.free.erase(c.free.begin());

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import time
 import traceback
@@ -113,8 +114,6 @@ def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
 def _alone_bursts(engine: PushPullEngine, local_rank: int):
     """Bursts of collectives on a machine that is the whole job: some gathered on the reduce-scatter thread, some
     handed to the all-gather thread, every sum exact. Returns (collectives, handed off)."""
-    import random
-
     rng = random.Random(5)  # the same sizes on both ranks
     done = 0
     for step in range(40):
@@ -204,10 +203,12 @@ def test_a_machine_alone_sums_bursts_in_order_on_one_thread_or_two(server, job_i
         assert done >= 40 and 0 < handed < done, (done, handed)
 
 
-def test_a_local_rank_that_never_reaches_the_all_gather_fails_the_collective_in_time(server, job_id):
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_local_rank_that_never_reaches_the_all_gather_fails_the_collective_in_time(server, job_id, alone):
     """Rank 1 stops at the all-gather: rank 0's collective fails with a timeout naming the stage, both ranks and the
-    round, its Future raising it (what DDP waits on), and the engine lives on: the next one fails, too."""
-    gather, scatter = run("all_gather_never_met", server, job_id, reporting=(0,))[0]
+    round, its Future raising it (what DDP waits on), and the engine lives on: the next one fails, too. Alone, the
+    reduce-scatter thread runs that all-gather itself, and the same holds."""
+    gather, scatter = run("all_gather_never_met", server, job_id, reporting=(0,), alone=alone)[0]
     kind, message, elapsed = gather
     assert kind == BpsTimeoutError.__name__, message
     assert "local rank 0: all_gather call #1" in message and "waiting for local rank 1 (pid" in message, message
