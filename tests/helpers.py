@@ -7,7 +7,6 @@ import contextlib
 import multiprocessing
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -22,11 +21,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from torch_bps.address import parse_listening
 from torch_bps.security import ClientKeys
 from torch_bps.wire import HEADER_SIZE, Command, Header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
 
 
 class ServerProcess:
@@ -76,12 +75,12 @@ class ServerProcess:
         line = ""
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
-            if (m := _LISTENING.search(line)) or self.proc.poll() is not None:
+            if (listening := parse_listening(line)) or self.proc.poll() is not None:
                 break
-        if not line or not (m := _LISTENING.search(line)):
+        if not line or not (listening := parse_listening(line)):
             self.kill()
             raise RuntimeError(f"bps-server did not start within {self.start_timeout}s (last line {line!r})")
-        self.port, self.incarnation = int(m.group(1)), int(m.group(2), 16)
+        self.port, self.incarnation = listening
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from tests.helpers import ServerProcess, exact_floats
 from torch_bps import _C
 from torch_bps.client import Client, job_id_from_name
-from torch_bps.errors import BpsError, BpsTimeoutError, ServerError, TransportError
+from torch_bps.config import Config
+from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Mode, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -306,10 +307,22 @@ def test_big_replies_reuse_receive_buffers(server, job_id):
 
 def test_bad_arguments_are_named():
     free = unused_port()
-    with pytest.raises(ValueError, match="host:port"):
-        Client(["localhost"], 1, 0, 1)
+    for bad in ("localhost", "localhost:", ":9000", "localhost:0", "localhost:65536", "localhost:9x"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not host:port"):
+            Client([bad], 1, 0, 1)
     with pytest.raises(ValueError, match="worker 2"):
         Client([f"127.0.0.1:{free}"], 1, 2, 2)
+
+
+def test_addresses_in_the_environment_are_named_with_their_variable(monkeypatch):
+    monkeypatch.setenv("BPS_SERVERS", "10.0.0.1:9000, 10.0.0.2")
+    with pytest.raises(ConfigError, match="'10.0.0.2' is not host:port .*BPS_SERVERS"):
+        Config.resolve()
+    monkeypatch.setenv("BPS_SERVERS", "10.0.0.1:9000,[::1]:9001")
+    assert Config.resolve().servers == ("10.0.0.1:9000", "[::1]:9001")
+    monkeypatch.setenv("BPS_REGISTRY", "store.local:70000")
+    with pytest.raises(ConfigError, match="'store.local:70000' is not host:port .*BPS_REGISTRY"):
+        Config.resolve()
 
 
 def test_bad_tensors_are_refused(server, job_id):

@@ -16,8 +16,8 @@ leaving: do not reuse that tensor's memory for anything the server must not see.
 `push_pull_batch` hands a whole collective's partitions down at once: the IO thread sends them in priority
 order within a credit of bytes in flight and completes one future when all are back (see cpp_ext/client.h).
 
-May import: the standard library, torch, torch_bps.config, torch_bps.wire, torch_bps.errors, torch_bps.futures,
-torch_bps.security and torch_bps._C.
+May import: the standard library, torch, torch_bps.address, torch_bps.config, torch_bps.wire, torch_bps.errors,
+torch_bps.futures, torch_bps.security and torch_bps._C.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_bps import _C
+from torch_bps.address import split_host_port
 from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_transport, transport_options
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
@@ -152,9 +153,7 @@ class Client:
         if not self._servers:
             raise ValueError("servers is empty: give at least one 'host:port'")
         for s in self._servers:
-            host, _, port = str(s).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"server {s!r} is not 'host:port'")
+            split_host_port(s)
         if not 0 <= job_id < _U64:
             raise ValueError(f"job_id {job_id} is not a u64")
         if not 0 < num_workers < 1 << 32 or not 0 <= worker < num_workers:

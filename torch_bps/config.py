@@ -2,7 +2,7 @@
 
 Keywords win over environment variables, which win over defaults. Every BPS_* variable is listed in
 `Config`'s fields below; resolve with `Config.resolve(**keywords)` and pass the result explicitly.
-May import: the standard library and torch_bps.errors only.
+May import: the standard library, torch_bps.address and torch_bps.errors only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from torch_bps.address import split_host_port
 from torch_bps.errors import ConfigError
 
 # Where the credit of bytes in flight per worker starts (the C++ client schedules within it and, unless
@@ -43,10 +44,15 @@ def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
 def _parse_servers(value: str) -> tuple[str, ...]:
     servers = tuple(s.strip() for s in value.split(",") if s.strip())
     for s in servers:
-        host, _, port = s.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"{s!r} is not host:port (BPS_SERVERS, BPS_REGISTRY)")
+        _check_address(s, "BPS_SERVERS")
     return servers
+
+
+def _check_address(value: str, name: str) -> None:
+    try:
+        split_host_port(value)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({name})") from None
 
 
 # tcp: the stream, but never a server's local one (a unix socket); unix: the local one without its shared memory
@@ -245,7 +251,7 @@ class Config:
         if self.auth not in ("token", "curve", "off"):
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.registry:
-            _parse_servers(self.registry)  # host:port, named in the error
+            _check_address(self.registry, "BPS_REGISTRY")
         if not self.standby_wait >= 0:
             raise ConfigError(f"standby_wait={self.standby_wait} must not be negative")
         if self.num_servers < 0:

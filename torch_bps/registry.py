@@ -3,7 +3,7 @@
 The store is the job's raw TCPStore (torchrun's MASTER_ADDR:MASTER_PORT) or, when the servers cannot know
 that address (torchrun's c10d rendezvous puts it on a random port), any TCPStore both sides reach
 (`BPS_REGISTRY`, e.g. the rendezvous endpoint). Keys live under "torch_bps/servers/".
-May import: the standard library and torch.distributed only (the server uses it too).
+May import: the standard library, torch.distributed and torch_bps.address only (the server uses it too).
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from torch_bps.address import split_host_port
+
 _PREFIX = "torch_bps/servers/"
 
 
 def connect(address: str, timeout: float) -> dist.TCPStore:
     """A client of the TCPStore at "host:port"; waits up to timeout seconds for it to listen."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
+    host, port = split_host_port(address)
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
     except Exception as e:
         raise TimeoutError(f"no TCPStore answered at {address} within {timeout}s: {e}") from e
 

@@ -10,8 +10,8 @@ process that started it dies.
 Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.config, errors, futures, topology, registry, security, client, local, engine, timeline,
-failover.
+May import: torch, torch_bps.address, config, errors, futures, topology, registry, security, client, local, engine,
+timeline, failover.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torch_bps.address import parse_listening
 from torch_bps.config import Config, transport_options
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
@@ -44,7 +44,6 @@ from torch_bps.topology import Topology
 log = logging.getLogger("torch_bps")
 
 _RUNTIMES: dict[str, Runtime] = {}  # live runtimes of this process, by group name
-_LISTENING = re.compile(r"port (\d+) incarnation")
 
 
 def raw_store(store: dist.Store) -> dist.Store:
@@ -429,10 +428,10 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
-    if not (m := _LISTENING.search(line[0])):
+    if not (listening := parse_listening(line[0])):
         proc.kill()
         raise TransportError(f"the embedded summation server did not start within {timeout}s (printed {line[0]!r})")
-    return proc, int(m.group(1))
+    return proc, listening[0]
 
 
 def _store_host(store: dist.Store) -> str:

@@ -1,6 +1,6 @@
 """`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT or SIGTERM.
 
-May import: the standard library, torch, torch_bps.security and torch_bps.server.
+May import: the standard library, torch, torch_bps.address, torch_bps.security and torch_bps.server.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torch_bps.address import listening_line
 from torch_bps.security import JOB_SECRET_ENV
 from torch_bps.server.auth import ServerSecurity
 from torch_bps.server.limits import Limits
@@ -223,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     if args.trace:
         server.trace(args.trace, args.trace_events)
-    # Tests and launchers read this line to learn the port and incarnation.
-    print(
-        f"bps-server listening on {server.address} port {server.port} incarnation {server.incarnation:#x}", flush=True
-    )
+    print(listening_line(server.address, server.port, server.incarnation), flush=True)  # what launchers wait for
     if metrics is not None:
         print(f"bps-server metrics at http://{metrics.host}:{metrics.port}/metrics", flush=True)
     if args.register:
