@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -41,7 +42,7 @@ def torch_bps_imports(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # a name may be a module (`_C`)
     return {n for n in names if n.split(".")[0] in ("torch_bps", "triton_kernels")}
 
 
@@ -53,3 +54,28 @@ def test_imports_point_one_way(folder):
             assert any(name == a or name.startswith(a + ".") for a in allowed), (
                 f"{path.relative_to(ROOT)} imports {name}; {folder} may import only {sorted(allowed)}"
             )
+
+
+def _may_import(path: pathlib.Path) -> str | None:
+    """The text after "May import:" in a module's docstring (to the paragraph's end); None if it has none."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    found = re.search(r"May import:(.*?)(?:\n\n|\Z)", doc, re.S)
+    return " ".join(found.group(1).split()) if found else None
+
+
+def test_each_modules_may_import_line_names_what_it_imports():
+    # A module's header says which of our modules it may import ("torch_bps.errors", or "errors" for short; a package
+    # covers its modules); modules of a subpackage import each other freely. A header that drifts from the code goes.
+    drifted = []
+    for path in sorted([*(ROOT / "torch_bps").rglob("*.py"), *(ROOT / "triton_kernels").rglob("*.py")]):
+        header = _may_import(path)
+        if header is None:
+            continue
+        named = {w.rstrip(".*") for w in re.findall(r"[A-Za-z_][\w.*]*", header)}
+        named |= {f"torch_bps.{w}" for w in named if not w.startswith(("torch", "triton"))}
+        package = ".".join(path.relative_to(ROOT).parts[:-1])
+        for name in sorted(torch_bps_imports(path)):
+            own = package != "torch_bps" and (name == package or name.startswith(package + "."))
+            if not own and not any(name == w or name.startswith(w + ".") for w in named):
+                drifted.append(f"{path.relative_to(ROOT)} imports {name}; its header: May import: {header}")
+    assert not drifted, "\n".join(drifted)

@@ -19,7 +19,7 @@ or dtype, a non-contiguous tensor) raises LocalInputError on every rank, and the
 usable. Any other failure (a dead or departed peer, a timeout, an interrupt) marks it broken: this rank
 raises, its peers see it ABORTED within ~50 ms and raise too, and later calls raise at once.
 
-May import: torch, torch.distributed (the Store), torch_bps.errors and torch_bps.local.*.
+May import: torch, torch.distributed (the Store), torch_bps.errors, torch_bps.wire (dtype codes) and torch_bps.local.*.
 """
 
 from __future__ import annotations

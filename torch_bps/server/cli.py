@@ -1,6 +1,6 @@
 """`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT or SIGTERM.
 
-May import: the standard library, torch, torch_bps.address, torch_bps.security and torch_bps.server.
+May import: the standard library, torch, torch_bps.address, torch_bps.registry, torch_bps.security and torch_bps.server.
 """
 
 from __future__ import annotations
