@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 # What `listening_line` prints: its groups are the port and the incarnation.
-LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
+_LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -27,5 +27,5 @@ def listening_line(address: str, port: int, incarnation: int) -> str:
 
 def parse_listening(line: str) -> tuple[int, int] | None:
     """(port, incarnation) of a `listening_line` in `line`; None if there is none."""
-    m = LISTENING.search(line)
+    m = _LISTENING.search(line)
     return (int(m.group(1)), int(m.group(2), 16)) if m else None
