@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from torch_bps.address import parse_listening
+from torch_bps.address import parse_listening, split_host_port
 from torch_bps.security import ClientKeys
 from torch_bps.wire import HEADER_SIZE, Command, Header
 
@@ -288,8 +288,7 @@ class TcpRelay:
     """
 
     def __init__(self, target: str, rate: float | None = None):
-        host, _, port = target.rpartition(":")
-        self.target, self.rate = (host, int(port)), rate
+        self.target, self.rate = split_host_port(target), rate
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.frozen = threading.Event()

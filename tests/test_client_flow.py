@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import start_servers, stop_servers
+from torch_bps.address import split_host_port
 from torch_bps.client import Client
 from torch_bps.config import Config
 from torch_bps.engine.placement import MIN_RECEIVE_WINDOW, Server, receive_buffers
@@ -95,7 +96,7 @@ def _client_buffers(port: int) -> list[tuple[int, int]]:
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 def test_socket_buffers_are_set_on_every_server_connection(server, job_id):
     """SO_RCVBUF and SO_SNDBUF reach the kernel (which doubles them), on the connection the client opened."""
-    port = int(server.address.rpartition(":")[2])
+    port = split_host_port(server.address)[1]
     before = set(_client_buffers(port))
     with Client([server.address], job_id, 0, 1, timeout=30, socket_buffer_bytes=24 << 10) as c:
         assert torch.equal(c.push_pull(torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))

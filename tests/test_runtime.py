@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import ServerProcess
+from torch_bps.address import split_host_port
 from torch_bps.config import DEFAULT_CREDIT_BYTES
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,11 +31,10 @@ def _data(rank: int, numel: int, dtype: torch.dtype, step: int) -> torch.Tensor:
 
 
 def _wait_until_refused(address: str, timeout: float = 30) -> None:
-    host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            socket.create_connection((host, int(port)), timeout=1).close()
+            socket.create_connection(split_host_port(address), timeout=1).close()
         except OSError:
             return
         time.sleep(0.05)
