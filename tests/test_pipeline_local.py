@@ -113,7 +113,7 @@ def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
 
 def _alone_bursts(engine: PushPullEngine, local_rank: int):
     """Bursts of collectives on a machine that is the whole job: some gathered on the reduce-scatter thread, some
-    handed to the all-gather thread, every sum exact. Returns (collectives, handed off)."""
+    gathered on a completion thread, every sum exact. Returns (collectives, handed off)."""
     rng = random.Random(5)  # the same sizes on both ranks
     done = 0
     for step in range(40):
@@ -197,7 +197,7 @@ def test_two_local_ranks_sum_through_the_local_stages_and_the_server(server, job
 
 def test_a_machine_alone_sums_bursts_in_order_on_one_thread_or_two(server, job_id):
     """Alone, a collective with nothing before or behind it is gathered on the reduce-scatter thread, the others on
-    the all-gather thread: both happen in these bursts, and the local ranks meet in the same order either way."""
+    a completion thread: both happen in these bursts, and the local ranks meet in the same order either way."""
     out = run("alone_bursts", server, job_id, alone=True)
     for done, handed in out.values():
         assert done >= 40 and 0 < handed < done, (done, handed)

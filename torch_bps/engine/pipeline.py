@@ -15,20 +15,31 @@ ends the network stage. What no request bounds, a collective whose network stage
 longer than any request may take (`stall_seconds`).
 
 With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
-several, the machine is one worker to the servers, and the local stages run on two threads of their own
-(reduce-scatter in submission order, all-gather in submission order; a COPY tensor's first stage is a local
-all-gather of the local ranks' ranges instead, so that the machine pushes its ranks' bytes once), because
-every local rank must meet the others in the same sequence; the network stage in between is fully pipelined
-across collectives. The all-gather thread hands `done` to the client's completion threads, so a blocking
-`done` never stalls it. When the machine is the whole job (`alone`) the local stages already make the result:
-nothing goes to a server, and a collective with none before or behind it is gathered on the reduce-scatter thread
-(a hand-off less: most of a small collective's time is hand-offs).
+several, the machine is one worker to the servers, and each collective goes through three named steps:
+
+    reduce-scatter (the stage thread) -> network (the client) -> all-gather and `done` (whoever ended the network)
+
+The stage thread ("bps-local-rs") runs the local reduce-scatters in submission order, because every local rank
+must meet the others in the same sequence (a COPY tensor's first step is a local all-gather of the local ranks'
+ranges instead, so that the machine pushes its ranks' bytes once), and hands the partitions to the client; the
+network stage is fully pipelined across collectives. The all-gathers must keep submission order too, but need
+no thread of their own: the completion thread that ends a collective's network stage gathers it and runs its
+`done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
+a fresh completion task before `done` runs, because `done` may block on a later collective. When the machine is
+the whole job (`alone`) the local stages already make the result: nothing goes to a server, and a collective
+with none before or behind it is gathered on the stage thread itself.
+
+Why the stage thread may gather, and only so: a thread that drives both local channels must meet its peers'
+threads in the same interleaving. The stage thread gathers only the collective it has just reduce-scattered,
+with nothing before it left to gather, so its sequence is always reduce-scatter k, all-gather k, reduce-scatter
+k + 1; a completion thread only ever gathers.
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import queue
@@ -57,12 +68,10 @@ class _Op:
     plans: list[list[Part]]  # this rank's partitions of each tensor
     priority: int
     done: Done
-    # Several local ranks only (made per collective, an Event costs more than the rest of `run` on one rank):
-    net_done: threading.Event | None = None  # set when the network stage ended, for the all-gather thread
-    slices: list[torch.Tensor] = field(default_factory=list)  # this rank's slices after the local reduce-scatter
+    slices: list[torch.Tensor] = field(default_factory=list)  # several local ranks: this rank's reduced slices
     error: BaseException | None = None
     sent_at: float = 0.0  # when its partitions went to the client (time.monotonic())
-    network_ended: bool = False  # under the engine's _stall_lock: a late second ending is ignored
+    network_ended: bool = False  # under the engine's _state lock: a late second ending is ignored
 
 
 class PushPullEngine:
@@ -73,7 +82,7 @@ class PushPullEngine:
             partitions within its credit of bytes in flight.
         keys: the KeyBook (partitioning and placement).
         local: (reduce_scatter, all_gather) LocalComm channels among this machine's ranks, or None for one
-            rank per machine. Two channels, because the two stages run on their own threads and each
+            rank per machine. Two channels, because the two steps run on different threads and each
             channel needs its calls in the same order on every local rank.
         local_rank: this rank's index within its machine.
         timeout: the client's request timeout; a local stage waits a little longer for the network stage, so
@@ -107,21 +116,20 @@ class PushPullEngine:
         self.local_rank = local_rank
         self.timeout = timeout
         self._lock = threading.Lock()  # collectives may come from several threads; plans must stay in order
-        self._threads: list[threading.Thread] = []
-        # The stall check: collectives in their network stage, by id, and the thread that watches them.
-        self._stall_lock = threading.Lock()
+        # Under _state: the collectives in their network stage, by id (for the stall check, and the thread that runs
+        # it); with several local ranks, those not yet gathered, in submission order, and whether a gatherer runs.
+        self._state = threading.Lock()
         self._in_network: dict[int, _Op] = {}
         self._stall_check: threading.Thread | None = None
         self._closing = threading.Event()
+        self._to_gather: collections.deque[_Op] = collections.deque()
+        self._gathering = False
+        self._handed = 0  # collectives gathered off the stage thread (counted by the one gatherer)
+        self._stage_thread: threading.Thread | None = None
         if local is not None:
             self._rs_queue: queue.Queue = queue.Queue()
-            self._ag_queue: queue.Queue = queue.Queue()
-            # Collectives handed to the all-gather thread, and those it finished: each counted by one thread only.
-            self._handed = self._gathered = 0
-            for name, target in (("bps-local-rs", self._reduce_scatter_loop), ("bps-local-ag", self._all_gather_loop)):
-                t = threading.Thread(target=target, name=name, daemon=True)
-                t.start()
-                self._threads.append(t)
+            self._stage_thread = threading.Thread(target=self._reduce_scatter_loop, name="bps-local-rs", daemon=True)
+            self._stage_thread.start()
 
     def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
         """Sum one tensor in place (see `run`); return a Future of it. For tests and benchmarks."""
@@ -148,7 +156,7 @@ class PushPullEngine:
             if self.local is None:
                 self._schedule(_Op(items, plans, priority, done))
             else:
-                self._rs_queue.put(_Op(items, plans, priority, done, threading.Event()))
+                self._rs_queue.put(_Op(items, plans, priority, done))
 
     def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
@@ -163,21 +171,17 @@ class PushPullEngine:
             self._worker_ranks = range(self.client.worker * size, (self.client.worker + 1) * size)
         return self._worker_ranks
 
-    # -- stage: local reduce-scatter (several local ranks only)
+    # -- step 1: local reduce-scatter, on the stage thread (several local ranks only)
     def _reduce_scatter_loop(self) -> None:
         while (op := self._rs_queue.get()) is not None:
+            with self._state:
+                self._to_gather.append(op)  # before its network stage can end: gathers keep submission order
             try:
                 self._local_reduce_scatter(op)
-                self._schedule(op)
             except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails, the loop serves the next one
-                op.error = op.error or e
-            if self.alone and self._handed == self._gathered and self._rs_queue.empty():
-                # Alone, nothing runs between the stages: with no collective behind it to overlap with, and none
-                # ahead of it on the all-gather thread, gathering here spares a hand-off in order.
-                self._gather_and_complete(op)
+                self._network_done(op, e)
             else:
-                self._handed += 1
-                self._ag_queue.put(op)
+                self._schedule(op)
 
     def _local_reduce_scatter(self, op: _Op) -> None:
         with stage(lambda: _span_name("local_reduce_scatter", op.items)):
@@ -217,7 +221,7 @@ class PushPullEngine:
             self._network_done(op, None)
             return
         done = span(lambda: self._network_name(parts), lambda error: self._network_done(op, error))
-        with self._stall_lock:
+        with self._state:
             op.sent_at = time.monotonic()
             self._in_network[id(op)] = op
             if self._stall_check is None:
@@ -258,40 +262,61 @@ class PushPullEngine:
         return parts
 
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
-        with self._stall_lock:
+        with self._state:
             if op.network_ended:
                 return  # the stall check ended it already: a completion after that changes nothing
             op.network_ended = True
             self._in_network.pop(id(op), None)
-        op.error = op.error or error
-        if self.local is None:
+            op.error = op.error or error
+            if self.local is None:
+                gather = None
+            elif self._gathering or self._to_gather[0] is not op:
+                return  # the gatherer, or the collective ahead of it when it ends, gathers it in turn
+            else:
+                self._gathering = True
+                # On the stage thread, gather only the collective just reduce-scattered, with none behind it to
+                # overlap with (see the module's docstring); otherwise a completion task does.
+                gather = "here" if threading.current_thread() is not self._stage_thread else (
+                    "stage" if self._rs_queue.empty() else "post")  # fmt: skip
+        if gather is None:
             op.done(op.error)
+        elif gather == "here":
+            self._gather_next()
+        elif gather == "post":
+            self.client.post(self._gather_next)
         else:
-            op.net_done.set()
-
-    # -- stage: local all-gather (several local ranks only)
-    def _all_gather_loop(self) -> None:
-        while (op := self._ag_queue.get()) is not None:
-            self._gather_and_complete(op)
-            self._gathered += 1
-
-    def _gather_and_complete(self, op: _Op) -> None:
-        # Whatever raises, the op completes with it and the thread lives: a dead stage thread leaves this
-        # collective and every later one unfinished, and the caller's Future.wait() has no timeout.
-        try:
+            with self._state:
+                self._to_gather.popleft()  # `op`
             self._local_all_gather(op)
-        except BaseException as e:  # noqa: BLE001
-            op.error = op.error or e
-        self.client.post(lambda op=op: op.done(op.error))
+            with self._state:
+                self._gathering = False  # none behind it has been reduce-scattered yet
+            self.client.post(lambda: op.done(op.error))  # `done` may block: never on the stage thread
+
+    # -- step 3: local all-gather and completion, by the one gatherer (several local ranks only)
+    def _gather_next(self) -> None:
+        """Gather the first collective not yet gathered (its network stage ended) and complete it; the caller holds
+        the gatherer's role, which passes to a fresh completion task if the next one is ready too."""
+        with self._state:
+            op = self._to_gather.popleft()
+        self._handed += 1
+        self._local_all_gather(op)
+        with self._state:
+            more = bool(self._to_gather) and self._to_gather[0].network_ended
+            self._gathering = more
+        if more:  # before `done`, which may block on a later collective
+            self.client.post(self._gather_next)
+        op.done(op.error)
 
     def _local_all_gather(self, op: _Op) -> None:
+        """Whatever raises, the op ends with it: a gatherer that dies leaves every later collective unfinished."""
         if op.error is not None:  # failed before or in the network stage: nothing to gather
             return
-        op.net_done.wait()  # bounded: the client's request timeouts, and the stall check
-        if op.error is None:
+        try:
             with stage(lambda: _span_name("local_all_gather", op.items)):
                 for slice_, x in zip(op.slices, op.items, strict=True):
                     self.local[1].all_gather(slice_, x.tensor)
+        except BaseException as e:  # noqa: BLE001
+            op.error = e
 
     @property
     def stall_seconds(self) -> float:
@@ -314,7 +339,7 @@ class PushPullEngine:
                 if progress != before or (self.router is not None and self.router.failing_over()):
                     moved = now
                     continue
-                with self._stall_lock:
+                with self._state:
                     stuck = [op for op in self._in_network.values() if now - max(op.sent_at, moved) >= wait]
                     for op in stuck:
                         del self._in_network[id(op)]
@@ -341,11 +366,9 @@ class PushPullEngine:
         self._closing.set()
         if self._stall_check is not None:
             self._stall_check.join(timeout=5)
-        if self.local is not None:
+        if self._stage_thread is not None:
             self._rs_queue.put(None)
-            self._ag_queue.put(None)
-            for t in self._threads:
-                t.join(timeout=5)
+            self._stage_thread.join(timeout=5)
 
 
 def _span_name(what: str, items: Sequence[Exchange]) -> str:
