@@ -82,9 +82,13 @@ class _Futex:
         return sys.platform.startswith("linux") and platform.machine().lower() in cls._NR
 
     def __init__(self):
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._syscall = libc.syscall
-        self._syscall.restype = ctypes.c_long
+        # FUTEX_WAIT sleeps, so it lets go of the GIL (CDLL); FUTEX_WAKE never blocks, so it keeps it (PyDLL): a
+        # thread that lets go of the GIL for a syscall of a microsecond may wait a whole switch interval to get it
+        # back while another thread of this process runs Python.
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall_holding_gil = ctypes.PyDLL(None, use_errno=True).syscall
+        for call in (self._syscall, self._syscall_holding_gil):
+            call.restype = ctypes.c_long
         self._nr = ctypes.c_long(self._NR[platform.machine().lower()])
         self._wait_op, self._wake_op = ctypes.c_int(0), ctypes.c_int(1)  # FUTEX_WAIT, FUTEX_WAKE
         self._all = ctypes.c_int(0x7FFFFFFF)
@@ -100,7 +104,7 @@ class _Futex:
         )
 
     def wake(self, addr: int) -> None:
-        self._syscall(self._nr, ctypes.c_void_p(addr), self._wake_op, self._all, None, None, 0)
+        self._syscall_holding_gil(self._nr, ctypes.c_void_p(addr), self._wake_op, self._all, None, None, 0)
 
 
 class Board:
