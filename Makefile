@@ -92,4 +92,5 @@ gpu-test: gpu-build
 
 gpu-bench: gpu-build
 	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda
-	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py --json docs/results/gpu.json
+	mkdir -p results
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py --json results/gpu.json

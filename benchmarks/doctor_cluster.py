@@ -5,7 +5,7 @@ links; `--slow w1=50` shapes one host's link slower), `python -m torch_bps.docto
 table gives the doctor's predicted communication time (the paper's t_opt at the links it measured), the
 push_pull it measured, gloo's all_reduce, and what it named as the limit. Needs root and iproute2.
 
-    python benchmarks/doctor_cluster.py --workers 4 --rate 500 --mb 32 --json docs/results/doctor_cluster.json
+    python benchmarks/doctor_cluster.py --workers 4 --rate 500 --mb 32 --json results/doctor_cluster.json
 
 May import: the standard library, benchmarks.cluster.
 """
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k} | {v['predicted'] * 1e3:.0f} | {m['collective'] * 1e3:.0f} | {row['ratio']:.2f} | "
               f"{m['gloo'] * 1e3:.0f} | {v['limits'][0]}", flush=True)  # fmt: skip
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "args": vars(args), "rows": rows}, f, indent=1)
     return 0

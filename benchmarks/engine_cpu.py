@@ -9,7 +9,7 @@ Each tree runs in a child process of its own interpreter (`--baseline-python`, `
 build, whose engine schedules every partition in Python), alternating with this tree, `--repeats` times;
 the ratios new / baseline are taken within each repeat (the machine is shared and noisy).
 
-Usage: python benchmarks/engine_cpu.py --baseline-repo /work/main [--json docs/results/engine_cpu.json]
+Usage: python benchmarks/engine_cpu.py --baseline-repo /work/main [--json results/engine_cpu.json]
 May import: the standard library, torch and torch_bps (of the tree under test, in the child).
 """
 
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = dict(when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), baseline=args.baseline_repo,
                     command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])))  # fmt: skip
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     return 0
