@@ -23,7 +23,7 @@ from torch_bps.engine.placement import server_weights
 from torch_bps.failover import RECOVERY_BIT, Agreement, Router
 from torch_bps.server.metrics import query_stats
 from torch_bps.wire import DTYPE_CODES as PROTOCOL_CODES
-from torch_bps.wire import Command, Mode
+from torch_bps.wire import Command, Mode, Partition
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -232,6 +232,7 @@ def rank0():
 
 def submit(router, parts) -> torch.futures.Future:
     fut = torch.futures.Future()
+    parts = [Partition(*p) for p in parts]
     router.submit(parts, 0, lambda error: fut.set_exception(error) if error else fut.set_result(None))
     return fut
 

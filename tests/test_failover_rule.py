@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from torch_bps.engine.placement import server_weights
 from torch_bps.failover import RECOVERY_BIT, decide, owner, place_moved, recovery_part
-from torch_bps.wire import Mode
+from torch_bps.wire import Mode, Partition
 
 N = 12  # elements per key
 
@@ -79,7 +79,7 @@ def test_every_rank_ends_with_the_open_rounds_result(workers, data, mode):
             counts.append({7: (lo, False)})
             kept.append(None)
             out = torch.zeros(hi_ - lo_)
-            held.append((push, 7, 0, out, wire_mode, N, offset, lo_))
+            held.append(Partition(push, 7, 0, out, wire_mode, N, offset, lo_))
             tensors.append(out)
     actions = decide(counts)
     if not pulled:

@@ -37,7 +37,7 @@ from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_tran
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientKeys
-from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode
+from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode, Partition
 
 _U64 = 1 << 64
 # A batch part's outcome (push_pull_batch's `outcomes`; cpp_ext/client.h PartOutcome).
@@ -286,7 +286,7 @@ class Client:
 
     def push_pull_batch(
         self,
-        parts: Sequence[tuple],
+        parts: Sequence[Partition],
         *,
         priority: int = 0,
         on_done: Callable[[BaseException | None], None] | None = None,
@@ -300,7 +300,7 @@ class Client:
         completes once, with the first part's error.
 
         Args:
-            parts: per part `(tensor, key, server, out, mode, key_numel, offset, out_offset)`, `push_pull`'s
+            parts: a `torch_bps.wire.Partition` per part (or a tuple of its fields, in order): `push_pull`'s
                 arguments (`server` and `out` may be None, as there).
             priority: the batch's, for all its parts.
             on_done: instead of the future, a callable run with None or the error on a completion thread.
@@ -308,7 +308,7 @@ class Client:
                 (OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN). With `failover`, every part runs
                 whatever the others do.
 
-        Example: `client.push_pull_batch([(g[:n], 0, None, None, Mode.SUM, None, 0, 0), ...], priority=3).wait()`
+        Example: `client.push_pull_batch([Partition(g[:n], key=0), ...], priority=3).wait()`
         """
         specs = [self._part_args(*part) for part in parts]
         future = None

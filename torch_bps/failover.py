@@ -36,7 +36,7 @@ import torch
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
 from torch_bps.engine.placement import Placement, Server, server_weights
 from torch_bps.errors import BpsTimeoutError
-from torch_bps.wire import Mode
+from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps")
 
@@ -96,8 +96,9 @@ def owner(key: int, servers: list[Server]) -> int:
 
 
 def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, kept: torch.Tensor | None,
-                  held: tuple | None, spec: tuple[int, torch.dtype, Mode], push_offset: int) -> tuple:  # fmt: skip
-    """This rank's part (a push_pull_batch tuple; server None) of the round that finishes `key`'s round lo, on
+                  held: Partition | None, spec: tuple[int, torch.dtype, Mode],
+                  push_offset: int) -> Partition:  # fmt: skip
+    """This rank's part (server None) of the round that finishes `key`'s round lo, on
     key | RECOVERY_BIT. held: this rank's failed part of round lo (ranks at lo); kept: what this rank kept of
     round lo (ranks at lo + 1, uint8); spec: the key's (numel, dtype, mode); push_offset: of the kept bytes."""
     lo, source = action
@@ -105,14 +106,17 @@ def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, 
     empty = torch.empty(0, dtype=dtype)
     if source >= 0:  # a broadcast of the kept result: a COPY round
         tensor = kept.view(dtype) if rank == source else empty
-        out, out_offset = (held[3], held[7]) if completed == lo else (empty, 0)
-        return (tensor, key | RECOVERY_BIT, None, out, Mode.COPY, numel, 0, out_offset)
+        out, out_offset = (held.out, held.out_offset) if completed == lo else (empty, 0)
+        return Partition(tensor, key | RECOVERY_BIT, None, out, Mode.COPY, numel, 0, out_offset)
     if completed == lo:  # push round lo again, pull what this rank still needs
-        return (held[0], key | RECOVERY_BIT, None, held[3], mode, numel, held[6], held[7])
-    return (kept.view(dtype), key | RECOVERY_BIT, None, empty, mode, numel, push_offset // dtype.itemsize, 0)
+        return held._replace(key=key | RECOVERY_BIT, server=None, mode=mode, key_numel=numel)
+    return Partition(kept.view(dtype), key | RECOVERY_BIT, None, empty, mode, numel, push_offset // dtype.itemsize, 0)
 
 
 # -- the router
+Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
+
+
 @dataclass(eq=False)
 class _Call:
     """One collective: `pending` counts its batches in flight, plus one while parts of it are held (`holding`: a
@@ -161,7 +165,7 @@ class Router:
         self._lock = threading.Lock()
         self._epochs = [_Epoch(client, list(servers))]
         self._routes: dict[int, tuple[int, int]] = {}  # keys that moved: key -> (epoch, server index)
-        self._held: list[tuple[tuple[int, int], tuple, _Call]] = []  # (order, part, call)
+        self._held: list[tuple[tuple[int, int], Partition, _Call]] = []  # (order, part, call)
         self._calls = 0
         self._seen: set[str] = set()  # lost servers some part or link reported
         self._lost: set[str] = set()  # failed over
@@ -191,8 +195,8 @@ class Router:
         with self._lock:
             return [e.client for e in self._epochs]
 
-    def submit(self, parts: list[tuple], priority: int, done: Done) -> None:
-        """Run a collective's parts (push_pull_batch tuples, servers indexed as at epoch 0); call `done` once,
+    def submit(self, parts: list[Partition], priority: int, done: Done) -> None:
+        """Run a collective's parts (servers indexed as at epoch 0); call `done` once,
         when all are back, wherever they went."""
         with self._lock:
             if self._failure is not None:
@@ -215,7 +219,7 @@ class Router:
                 where = self._routes[key] = (e, owner(key, epoch.servers))
         return where
 
-    def _send(self, call: _Call, items: list[tuple[tuple[int, int], tuple]], epoch: int | None = None) -> list[_Call]:
+    def _send(self, call: _Call, items: list[Ordered], epoch: int | None = None) -> list[_Call]:
         """Send items ((order, part)) to their keys' servers; with `epoch`, parts are already routed there."""
         groups: dict[int, list] = {}
         if epoch is not None:
@@ -224,8 +228,8 @@ class Router:
             groups[0] = items
         else:
             for order, part in items:
-                e, server = self._route(part[1], part[2], part[5] * part[0].element_size())
-                groups.setdefault(e, []).append((order, part if e == 0 else (*part[:2], server, *part[3:])))
+                e, server = self._route(part.key, part.server, part.key_numel * part.tensor.element_size())
+                groups.setdefault(e, []).append((order, part if e == 0 else part._replace(server=server)))
         call.pending += len(groups)
         finished = []
         for e, group in groups.items():
@@ -245,7 +249,7 @@ class Router:
             if error is not None:
                 lost = []
                 for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
-                    server = self._epochs[epoch].servers[part[2]]
+                    server = self._epochs[epoch].servers[part.server]
                     if outcome == OUTCOME_SERVER_LOST and server.dedicated and self._failure is None:
                         lost.append((order, part, server.address))
                     elif outcome != OUTCOME_OK:
@@ -256,7 +260,7 @@ class Router:
         for c in finished:
             c.done(c.error)
 
-    def _hold(self, call: _Call, lost: list[tuple[tuple[int, int], tuple, str]]) -> list[_Call]:
+    def _hold(self, call: _Call, lost: list[tuple[tuple[int, int], Partition, str]]) -> list[_Call]:
         """Parts whose server is lost: held until the failover, or sent on if it happened already."""
         late = [(order, part) for order, part, address in lost if address in self._lost]
         held = [(order, part, address) for order, part, address in lost if address not in self._lost]
@@ -269,21 +273,21 @@ class Router:
                 self._notice(address)
         return self._resend(call, late) if late else []
 
-    def _resend(self, call: _Call, items: list[tuple[tuple[int, int], tuple]]) -> list[_Call]:
+    def _resend(self, call: _Call, items: list[Ordered]) -> list[_Call]:
         """Send held parts to their keys' new owners; a key's part of an unfinished round becomes its recovery."""
         finished, plain = [], []
         for order, part in items:
-            if part[1] in self._recover:
-                finished += self._send_recovery(call, part[1], part)
+            if part.key in self._recover:
+                finished += self._send_recovery(call, part.key, part)
             else:
                 plain.append((order, part))
         return finished + (self._send(call, plain) if plain else [])
 
-    def _send_recovery(self, call: _Call, key: int, held: tuple | None) -> list[_Call]:
+    def _send_recovery(self, call: _Call, key: int, held: Partition | None) -> list[_Call]:
         epoch, server = self._routes[key]  # a moved key: routed when the failover was applied
         action, completed, kept, spec, push_offset = self._recover.pop(key)
         part = recovery_part(key, action, self._agree.rank, completed, kept, held, spec, push_offset)
-        return self._send(call, [((0, 0), (*part[:2], server, *part[3:]))], epoch=epoch)
+        return self._send(call, [((0, 0), part._replace(server=server))], epoch=epoch)
 
     def _end(self, call: _Call) -> list[_Call]:
         call.pending -= 1

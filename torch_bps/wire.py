@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +83,30 @@ DTYPES: dict[int, torch.dtype] = {
 DTYPE_CODES: dict[torch.dtype, int] = {dt: code for code, dt in DTYPES.items()}
 
 # STATS payload: this many little-endian uint64 counters, in this order (docs/protocol.md says what each counts).
+
+
+class Partition(NamedTuple):
+    """One partition of a collective, the one record the engine, the failover router and the client pass around:
+    push `tensor` into `key` at element `offset` and pull the key's result from element `out_offset` into `out`.
+
+    A SUM key is pushed whole (offset 0, `tensor` of `key_numel` elements) and pulled into `out` (default:
+    `tensor` itself); a COPY key takes each worker's range at its offset and needs `out`. `server` indexes the
+    client's servers (None: `key % servers`). The client checks a partition once, when it turns it into the C++
+    client's PartSpec (cpp_ext: the same fields in bytes).
+
+    Example: `Partition(grad[:n], key=7, server=0)` sums `grad[:n]` in place.
+    """
+
+    tensor: torch.Tensor
+    key: int
+    server: int | None = None
+    out: torch.Tensor | None = None
+    mode: Mode = Mode.SUM
+    key_numel: int | None = None  # default: tensor.numel()
+    offset: int = 0
+    out_offset: int = 0
+
+
 STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum_ns", "errors", "sums", "requests",
                 "wakeups", "keys_waiting", "jobs", "memory_charged", "resident_bytes")  # fmt: skip
 

@@ -55,7 +55,7 @@ from torch_bps.engine.partition import KeyBook, Part
 from torch_bps.engine.trace import describe, span, stage
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
-from torch_bps.wire import Mode
+from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps.engine")
 
@@ -235,12 +235,12 @@ class PushPullEngine:
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
             self._network_done(op, e)
 
-    def _network_name(self, parts: list[tuple]) -> str:
-        keys = [p[1] for p in parts]
-        servers = ", ".join(self.client.servers[i] for i in sorted({p[2] for p in parts}))
+    def _network_name(self, parts: list[Partition]) -> str:
+        keys = [p.key for p in parts]
+        servers = ", ".join(self.client.servers[i] for i in sorted({p.server for p in parts}))
         return f"torch_bps::network {len(parts)} partitions, keys {min(keys):#x}..{max(keys):#x}, servers {servers}"
 
-    def _parts(self, x: Exchange, plan: list[Part]) -> list[tuple]:
+    def _parts(self, x: Exchange, plan: list[Part]) -> list[Partition]:
         """This rank's partitions of one tensor, as push_pull_batch takes them."""
         t = x.tensor
         # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
@@ -257,8 +257,7 @@ class PushPullEngine:
             # over the range it pushed (any all-reduce's) uses one tensor for both.
             pushing = t if src == whole else t[src[0] : src[1]]
             out = pushing if dst == src else t[dst[0] : dst[1]]
-            # (tensor, key, server, out, mode, key_numel, offset, out_offset): push_pull's arguments
-            parts.append((pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
+            parts.append(Partition(pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
