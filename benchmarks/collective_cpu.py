@@ -1,11 +1,13 @@
 """CPU per collective of one machine's local ranks: this tree against a baseline tree, with gloo beside them.
 
-Two processes on this machine form a job of one machine ("byteps" sums among its local ranks and sends nothing to a
-server, as `make demo` runs). Each runs --iters `dist.all_reduce`s of a tensor of --sizes bytes, one at a time
-(`wait()` after each: a DDP bucket's hook waits the same way), and reports its process's CPU (all threads) and wall
-time per collective. The trees alternate `--repeats` times, each in its own interpreter (`--baseline-python`,
-`--baseline-repo`), and the ratios new / baseline are taken within each repeat (the machine is shared and noisy).
-What a collective costs beyond its memory work shows at 4 bytes; at 1 MB the copies and sums come on top.
+--ranks processes on this machine form a job of one machine ("byteps" sums among its local ranks and sends nothing
+to a server, as `make demo` runs), or with --nodes N, a job of N emulated machines of --ranks local ranks each (their
+embedded servers on loopback: the local stages, the network and the completion all run). Each rank runs --iters
+`dist.all_reduce`s of a tensor of --sizes bytes, one at a time (`wait()` after each: a DDP bucket's hook waits the
+same way), and reports its process's CPU (all threads) and wall time per collective. The trees alternate
+`--repeats` times, each in its own interpreter (`--baseline-python`, `--baseline-repo`), and the ratios new /
+baseline are taken within each repeat (the machine is shared and noisy). What a collective costs beyond its memory
+work shows at 4 bytes; at 1 MB the copies and sums come on top.
 
 Usage: python benchmarks/collective_cpu.py --baseline-repo DIR [--json FILE]
 May import: the standard library, torch and torch_bps (of the tree under test, in the child).
@@ -48,16 +50,17 @@ def child(repo: str, backend: str, size: int, iters: int) -> dict:
     return dict(cpu_us=cpu / iters * 1e6, wall_us=wall / iters * 1e6)
 
 
-def run_job(python: str, repo: str, backend: str, size: int, iters: int, ranks: int) -> dict:
-    """Start `ranks` processes of one job; return rank 0's figures, with every rank's CPU averaged in `cpu_us`."""
+def run_job(python: str, repo: str, backend: str, size: int, iters: int, ranks: int, nodes: int) -> dict:
+    """Start `nodes` x `ranks` processes of one job; return rank 0's wall time and every rank's CPU averaged."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(ranks):
+    for rank in range(nodes * ranks):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}  # fmt: skip
+               "WORLD_SIZE": str(nodes * ranks), "LOCAL_RANK": str(rank % ranks), "LOCAL_WORLD_SIZE": str(ranks),
+               "GROUP_RANK": str(rank // ranks), "GROUP_WORLD_SIZE": str(nodes), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": repo}  # fmt: skip
         cmd = [python, os.path.abspath(__file__), "--child", repo, "--backend", backend, "--size", str(size),
                "--iters", str(iters)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-python", default="", help="its interpreter; default <baseline-repo>/.venv/bin/python")
     p.add_argument("--sizes", default="4,1048576", help="bytes per all_reduce, comma-separated")
     p.add_argument("--iters", type=int, default=2000, help="all-reduces per measurement (a tenth of it at >= 1 MB)")
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2, help="local ranks per machine")
+    p.add_argument("--nodes", type=int, default=1, help="emulated machines")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         iters = args.iters if size < 1 << 20 else max(50, args.iters // 10)
         reps = []
         for _ in range(args.repeats):  # alternating, so drifting load hits all alike
-            reps.append({name: run_job(py, repo, be, size, iters, args.ranks) for name, (py, repo, be) in runs.items()})
+            reps.append({name: run_job(py, repo, be, size, iters, args.ranks, args.nodes)
+                         for name, (py, repo, be) in runs.items()})  # fmt: skip
         ratio = [r["new"]["cpu_us"] / r["baseline"]["cpu_us"] for r in reps]
         med = {name: {f: statistics.median(r[name][f] for r in reps) for f in ("cpu_us", "wall_us")} for name in runs}
         rows.append(dict(size=size, iters=iters, runs=reps, cpu_new_vs_baseline=ratio))
