@@ -14,11 +14,10 @@ test: install
 stress: install
 	$(PYTEST) -q tests -m slow
 
-# "byteps", gloo, then gloo with no communication at all: the most any backend could reach on this model.
+# "byteps", gloo, then gloo with no communication at all (the most any backend could reach on this model), and the
+# share of that bound each reaches.
 demo: install
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 100
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 100 --backend gloo
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --steps 100 --backend gloo --no-comm
+	$(PY) benchmarks/demo_share.py --rounds 1
 
 bench: install
 	$(PY) benchmarks/pushpull.py --quick
