@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_bps import _C
-from torch_bps.engine.scheduler import CreditScheduler
+from torch_bps._reference.scheduler import CreditScheduler
 
 
 def test_high_priority_overtakes_queued_low_priority():

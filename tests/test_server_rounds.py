@@ -1,4 +1,4 @@
-"""The server's native rounds (cpp_ext/server_rounds.h) against their reference, rounds.py's KeyRounds.
+"""The server's native rounds (cpp_ext/server_rounds.h) against their reference, torch_bps/_reference/rounds.py.
 
 Both are driven with the same random sequences of push, pull, refused push, lost worker and expiry, and must
 give the same answers (token, status, result bytes or error text), refuse the same calls with the same words,
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from torch_bps import _C
+from torch_bps._reference.rounds import KeyRounds, Round, SumCounters
 from torch_bps.errors import ProtocolError
-from torch_bps.server.rounds import Job, KeyRounds, Round, SumCounters
+from torch_bps.server.job import Job
 from torch_bps.wire import DTYPES, Mode, Status
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,7 +27,7 @@ SUM_DTYPES = [1, 3, 4, 8, 6]  # float32, float16, bfloat16, int8 (wraps), int64
 
 
 class Reference:
-    """rounds.py's KeyRounds, with its answers put in the shape KeyRoundsProbe returns."""
+    """_reference/rounds.py's KeyRounds, with its answers put in the shape KeyRoundsProbe returns."""
 
     def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int):
         self.job = Job(num_workers)

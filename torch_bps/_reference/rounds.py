@@ -1,4 +1,4 @@
-"""Versioned rounds of one key: results kept apart per round, closed by distinct workers, bounded memory.
+"""Reference model, not run by the server: versioned rounds of one key, closed by distinct workers, bounded memory.
 
 A SUM key's round adds whole-key pushes; a COPY key's round writes each push's bytes at its offset (an
 all-gather or broadcast: bytes are copied, never summed, so every bit pattern and any dtype survives), and
@@ -10,11 +10,11 @@ floor + 1). A round that a lost worker has not pushed can never close: its pulls
 naming the worker. A pull that waited longer than it
 allows fails with ROUND_TIMEOUT, naming the workers that have not pushed (a stalled rank).
 
-The server runs the native rounds (cpp_ext/server_rounds.h); this module is their reference:
-tests/test_server_rounds.py drives both with the same random sequences and compares every answer. Job is also
-what the server's control plane knows of a job (server.py). Nothing here locks: one thread uses a KeyRounds.
+The server runs the native rounds (cpp_ext/server_rounds.h); this module states the same rules in Python and
+nothing in torch_bps imports it: tests/server/test_server_rounds.py drives both with the same random sequences
+and compares every answer. Nothing here locks: one thread uses a KeyRounds.
 
-May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
+May import: the standard library, torch, torch_bps.wire, torch_bps.errors and torch_bps.server.job.
 """
 
 from __future__ import annotations
@@ -26,27 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from torch_bps.errors import ProtocolError
+from torch_bps.server.job import Job
 from torch_bps.wire import Mode, Status
-
-
-@dataclass
-class Job:
-    """What a server knows of one job's workers."""
-
-    num_workers: int
-    workers: set[int] = field(default_factory=set)
-    peers: dict[int, str] = field(default_factory=dict)  # worker -> the address its last HELLO came from
-    last_seen: dict[int, float] = field(default_factory=dict)  # worker -> time.monotonic() of its last request
-    lost: dict[int, str] = field(default_factory=dict)  # worker -> how it was lost
-
-    def describe(self, worker: int) -> str:
-        """Name a worker the way an operator finds it: index, address, when it was last heard from."""
-        if worker in self.lost:
-            return self.lost[worker]
-        if worker not in self.peers:
-            return f"worker {worker} (never said HELLO to this server)"
-        heard = f"last request {time.monotonic() - self.last_seen[worker]:.1f} s ago"
-        return f"worker {worker} (at {self.peers[worker]}, {heard})"
 
 
 @dataclass
