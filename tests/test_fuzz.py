@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import RawPeer, ServerProcess, rss_bytes
 from torch_bps.client import Client
-from torch_bps.security import ClientKeys, new_secret
+from torch_bps.security import ClientCredentials, new_secret
 from torch_bps.wire import MAGIC, VERSION, Command, Header, Mode
 
 MB = 1 << 20
@@ -106,10 +106,10 @@ class Fuzzing:
         self.job_secret = new_secret()
         pool = [os.environ["BPS_POOL_CREDENTIAL"]]
         self.peers = [
-            RawPeer(self.server.address, auth=ClientKeys.for_servers(self.job_secret, pool)),  # the job's own identity
-            RawPeer(self.server.address, auth=ClientKeys.for_servers(new_secret(), pool)),  # another job's
+            RawPeer(self.server.address, auth=ClientCredentials.for_servers(self.job_secret, pool)),  # the job's own
+            RawPeer(self.server.address, auth=ClientCredentials.for_servers(new_secret(), pool)),  # another job's
             RawPeer(self.server.address, auth=False),  # no credential at all
-            RawPeer(self.server.address, auth=ClientKeys.for_servers(new_secret(), ["another pool"])),
+            RawPeer(self.server.address, auth=ClientCredentials.for_servers(new_secret(), ["another pool"])),
         ]
         self.sent = 0
 
@@ -131,8 +131,8 @@ class Fuzzing:
         assert self.server.alive()
         grown = rss_bytes(self.server.proc.pid) - self.rss_before
         assert grown < MAX_MEMORY + SLACK, f"server grew by {grown >> 20} MiB after {self.sent} messages"
-        keys = ClientKeys.for_servers(self.job_secret, [os.environ["BPS_POOL_CREDENTIAL"]])
-        clients = [Client([self.server.address], LEGIT_JOB, w, 2, timeout=30, auth=keys) for w in range(2)]
+        credentials = ClientCredentials.for_servers(self.job_secret, [os.environ["BPS_POOL_CREDENTIAL"]])
+        clients = [Client([self.server.address], LEGIT_JOB, w, 2, timeout=30, auth=credentials) for w in range(2)]
         try:
             for rnd in range(3):
                 ts = [torch.arange(20000, dtype=torch.float32) * (w + rnd) for w in range(2)]

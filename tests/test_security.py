@@ -22,8 +22,8 @@ from torch_bps.client import Client
 from torch_bps.config import Config
 from torch_bps.engine.placement import Server
 from torch_bps.errors import ConfigError, TransportError
-from torch_bps.runtime import _client_keys, _start_server
-from torch_bps.security import ClientKeys, KeyPair, derive, new_secret, token
+from torch_bps.runtime import _client_credentials, _start_server
+from torch_bps.security import ClientCredentials, KeyPair, derive, new_secret, token
 from torch_bps.wire import Command, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,14 +36,14 @@ def pool() -> str:
 
 
 def job_clients(server: ServerProcess, secret: str, job_id: int = JOB, n: int = 2) -> list[Client]:
-    keys = ClientKeys.for_servers(secret, [pool()], server.mechanism)
-    return [Client([server.address], job_id, w, n, timeout=20, auth=keys) for w in range(n)]
+    credentials = ClientCredentials.for_servers(secret, [pool()], server.mechanism)
+    return [Client([server.address], job_id, w, n, timeout=20, auth=credentials) for w in range(n)]
 
 
 def neighbour(server: ServerProcess, job_id: int = JOB, worker: int = 0) -> RawPeer:
     """A peer holding the pool credential with an identity of its own (another job on the pool)."""
     return RawPeer(server.address, job_id, worker, 2, timeout=5,
-                   auth=ClientKeys.for_servers(new_secret(), [pool()], server.mechanism))  # fmt: skip
+                   auth=ClientCredentials.for_servers(new_secret(), [pool()], server.mechanism))  # fmt: skip
 
 
 def all_reduce_rounds(clients: list[Client], rounds: int, key: int = 3) -> int:
@@ -75,7 +75,7 @@ def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool
 
     def attack():
         stranger = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, auth=False)
-        other_pool = ClientKeys.for_servers(new_secret(), ["another pool"], pool_server.mechanism)
+        other_pool = ClientCredentials.for_servers(new_secret(), ["another pool"], pool_server.mechanism)
         wrong_pool = RawPeer(pool_server.address, JOB, 0, 2, timeout=0.2, auth=other_pool)
         insider = neighbour(pool_server)
         while not stop.is_set():
@@ -128,9 +128,9 @@ def test_two_jobs_with_different_secrets_on_one_pool_cannot_touch_each_others_ke
     a = job_clients(pool_server, new_secret(), JOB + 2)
     try:
         assert all_reduce_rounds(a, 1) == 0  # job A holds its job id and key 3 now
-        b_keys = ClientKeys.for_servers(new_secret(), [pool()], pool_server.mechanism)
+        b_credentials = ClientCredentials.for_servers(new_secret(), [pool()], pool_server.mechanism)
         with pytest.raises(Exception, match="belongs to another job"):  # B names A's job id
-            Client([pool_server.address], JOB + 2, 0, 2, auth=b_keys, connect_timeout=5)
+            Client([pool_server.address], JOB + 2, 0, 2, auth=b_credentials, connect_timeout=5)
         b_peer = neighbour(pool_server, JOB + 2)
         for command in (Command.INIT, Command.PUSH, Command.PULL):
             frames = [b"\0" * 16384] if command == Command.PUSH else []
@@ -138,7 +138,7 @@ def test_two_jobs_with_different_secrets_on_one_pool_cannot_touch_each_others_ke
                                      incarnation=pool_server.incarnation)  # fmt: skip
             assert h.status == Status.UNKNOWN_JOB and rest[0].endswith(b"has not said HELLO to this server")
         b_peer.close()
-        b = [Client([pool_server.address], JOB + 3, w, 2, auth=b_keys) for w in range(2)]  # B's own job works
+        b = [Client([pool_server.address], JOB + 3, w, 2, auth=b_credentials) for w in range(2)]  # B's own job works
         try:
             assert all_reduce_rounds(b, 3) == 0
             assert all_reduce_rounds(a, 3) == 0
@@ -157,19 +157,19 @@ def test_an_embedded_server_lets_in_its_job_only_and_listens_on_the_jobs_interfa
     try:
         assert _listening(proc.pid, port) == {"127.0.0.1"}
         address = f"127.0.0.1:{port}"
-        mine = ClientKeys.for_servers(secret, [secret], mechanism)
+        mine = ClientCredentials.for_servers(secret, [secret], mechanism)
         with Client([address], 9, 0, 1, auth=mine) as c:
             assert torch.equal(c.push_pull(torch.ones(3), 0).wait(), torch.ones(3))
         # Knowing the server's secret is not enough here: the ZAP handler admits the job's own identity only.
-        other = ClientKeys._make(derive(new_secret(), "client"), [secret], mechanism)
+        other = ClientCredentials._make(derive(new_secret(), "client"), [secret], mechanism)
         # The job's identity with a proof made without the secret: a token of another secret, a CURVE secret key
         # that is not the identity's.
-        forged = ClientKeys(KeyPair(mine.client.public, other.client.secret), mine.server_keys,
+        forged = ClientCredentials(KeyPair(mine.client.public, other.client.secret), mine.server_keys,
                             (token(new_secret(), mine.client.public),), mechanism)  # fmt: skip
-        other_mechanism = ClientKeys.for_servers(secret, [secret], "curve" if mechanism == "token" else "token")
-        for keys in (other, forged, other_mechanism, ClientKeys.for_pool(pool(), 9, 1, mechanism), False):
+        other_mechanism = ClientCredentials.for_servers(secret, [secret], "curve" if mechanism == "token" else "token")
+        for credentials in (other, forged, other_mechanism, ClientCredentials.for_pool(pool(), 9, 1, mechanism), False):
             with pytest.raises(TransportError, match="drops the connection"):
-                Client([address], 9, 0, 1, auth=keys, connect_timeout=5)
+                Client([address], 9, 0, 1, auth=credentials, connect_timeout=5)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -178,10 +178,10 @@ def test_an_embedded_server_lets_in_its_job_only_and_listens_on_the_jobs_interfa
 def test_dedicated_servers_without_the_pool_credential_are_a_config_error():
     servers = [Server("10.0.0.5:9000", True, 0.5), Server("127.0.0.1:1", False, 0.5)]
     with pytest.raises(ConfigError, match="BPS_POOL_CREDENTIAL"):
-        _client_keys(Config(), new_secret(), servers)
-    keys = _client_keys(Config(pool_credential="p"), "s", servers)
-    assert keys.server_keys == (derive("p", "server").public, derive("s", "server").public)
-    assert _client_keys(Config(auth="off"), "s", servers) is False
+        _client_credentials(Config(), new_secret(), servers)
+    credentials = _client_credentials(Config(pool_credential="p"), "s", servers)
+    assert credentials.server_keys == (derive("p", "server").public, derive("s", "server").public)
+    assert _client_credentials(Config(auth="off"), "s", servers) is False
     assert "s3cret" not in repr(Config(pool_credential="s3cret"))  # never printed
 
 

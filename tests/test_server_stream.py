@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import RawPeer, ServerProcess, StreamPeer
-from torch_bps.security import ClientKeys, new_secret
+from torch_bps.client import default_credentials
+from torch_bps.security import ClientCredentials, new_secret
 from torch_bps.wire import STREAM_LOCAL, Command, Header, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,8 +68,9 @@ def test_the_hello_reply_offers_a_stream_port_unless_curve_or_off():
     try:
         offer = stream_port(plain)
         assert 0 < offer & 0xFFFF != plain.port and offer & ~0xFFFF == STREAM_LOCAL, hex(offer)  # + the local one
-        keys = ClientKeys.for_servers(os.environ["BPS_POOL_CREDENTIAL"], [os.environ["BPS_POOL_CREDENTIAL"]], "curve")
-        peer = RawPeer(curve.address, 0x7E57, auth=keys)
+        pool = os.environ["BPS_POOL_CREDENTIAL"]
+        credentials = ClientCredentials.for_servers(pool, [pool], "curve")
+        peer = RawPeer(curve.address, 0x7E57, auth=credentials)
         assert peer.hello().length == 0, "a stream is not encrypted: none under curve"
         peer.close()
         assert stream_port(off) == 0
@@ -135,8 +137,8 @@ def test_a_strangers_stream_cannot_push_into_a_job(server):
     owner = StreamPeer(server.address, port, job, 0, 2)
     other = StreamPeer(server.address, port, job, 1, 2)
     # Holds the pool credential but not the job's identity: admitted, then refused the job like on ZeroMQ.
-    neighbour_keys = ClientKeys.for_servers(new_secret(), [os.environ["BPS_POOL_CREDENTIAL"]], "token")
-    neighbour = StreamPeer(server.address, port, job, 1, 2, auth=neighbour_keys)
+    neighbour_credentials = ClientCredentials.for_servers(new_secret(), [os.environ["BPS_POOL_CREDENTIAL"]], "token")
+    neighbour = StreamPeer(server.address, port, job, 1, 2, auth=neighbour_credentials)
     try:
         owner.hello()
         other.hello()
@@ -213,11 +215,11 @@ def test_a_zeromq_peer_claiming_a_streams_identity_gets_nothing():
     server = ServerProcess()
     job = 0x57_0008
     victim = StreamPeer(server.address, stream_port(server), job, 0, 1)  # the server's first stream: number 1
-    keys = ClientKeys.from_environment(job, 1)
+    credentials = default_credentials(job, 1)
     spoofer = zmq.Context.instance().socket(zmq.DEALER)
     spoofer.setsockopt(zmq.LINGER, 0)
     spoofer.setsockopt(zmq.ROUTING_ID, b"\x00S" + (1).to_bytes(8, "little"))
-    spoofer.plain_username, spoofer.plain_password = keys.client.public, keys.tokens[0]
+    spoofer.plain_username, spoofer.plain_password = credentials.client.public, credentials.tokens[0]
     spoofer.connect(f"tcp://{server.address}")
     try:
         victim.hello()

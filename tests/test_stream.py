@@ -21,10 +21,10 @@ import torch
 import zmq
 
 from tests.helpers import ServerProcess, run_ranks
-from torch_bps.client import Client, job_id_from_name
+from torch_bps.client import Client, default_credentials, job_id_from_name
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError, TransportError
-from torch_bps.security import ClientKeys, derive, new_secret
+from torch_bps.security import ClientCredentials, derive, new_secret
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Command, Header, Mode
 
 pytestmark = pytest.mark.timeout(120)
@@ -260,10 +260,10 @@ def test_requests_go_on_a_ready_stream_and_sums_come_back():
 
 def test_token_auth_sends_the_dealers_identity_and_token_in_auth():
     secret = new_secret()
-    keys = ClientKeys.for_servers(secret, [secret], "token")
-    with FakeServer(mechanism="token") as srv, Client([srv.address], 1, 0, 1, auth=keys, stream=True) as c:
+    credentials = ClientCredentials.for_servers(secret, [secret], "token")
+    with FakeServer(mechanism="token") as srv, Client([srv.address], 1, 0, 1, auth=credentials, stream=True) as c:
         assert c.stream_ready(0)
-        assert srv.auths == [[GREETING, b"PLAIN", keys.client.public, keys.tokens[0]]]
+        assert srv.auths == [[GREETING, b"PLAIN", credentials.client.public, credentials.tokens[0]]]
         sums(c, 1)
         assert srv.requests["stream"]["PUSH"] == 1
 
@@ -271,10 +271,10 @@ def test_token_auth_sends_the_dealers_identity_and_token_in_auth():
 def test_curve_never_opens_a_stream_even_if_offered():
     """A stream is not encrypted: under CURVE the client keeps to ZeroMQ, whatever the server offers."""
     secret = new_secret()
-    keys = ClientKeys.for_servers(secret, [secret], "curve")
+    credentials = ClientCredentials.for_servers(secret, [secret], "curve")
     with (
         FakeServer(mechanism="curve", secret=secret) as srv,
-        Client([srv.address], 1, 0, 1, auth=keys, stream=True) as c,
+        Client([srv.address], 1, 0, 1, auth=credentials, stream=True) as c,
     ):
         sums(c, 2)
         assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
@@ -473,10 +473,10 @@ def run_job(address: str, job_id: int, stream: bool, auth, num_workers: int = 2,
 def test_sums_over_streams_are_those_over_zmq(auth):
     server = ServerProcess(auth=auth)
     try:
-        keys = None if auth else False  # None: the pool credential of the suite (BPS_AUTH=token)
-        by_zmq, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"zmq-{auth}"), False, keys)
+        creds = None if auth else False  # None: the pool credential of the suite (BPS_AUTH=token)
+        by_zmq, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"zmq-{auth}"), False, creds)
         assert not any(ready) and stream_bytes == [0, 0] and all(b > 0 for b in zmq_bytes)
-        by_stream, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"st-{auth}"), True, keys)
+        by_stream, zmq_bytes, stream_bytes, ready = run_job(server.address, job_id_from_name(f"st-{auth}"), True, creds)
         # Every request of the job went on the streams: ZeroMQ carried nothing after HELLO.
         assert all(ready) and zmq_bytes == [0, 0] and all(b > 3 * 5000 for b in stream_bytes)
         for w in range(2):
@@ -490,8 +490,8 @@ def test_sums_over_streams_are_those_over_zmq(auth):
 def test_curve_server_offers_no_stream_and_zmq_carries_the_job():
     server = ServerProcess(extra_args=("--auth", "curve"))
     try:
-        keys = ClientKeys.for_pool(os.environ["BPS_POOL_CREDENTIAL"], 5, 1, "curve")
-        with Client([server.address], 5, 0, 1, auth=keys, stream=True) as c:
+        credentials = ClientCredentials.for_pool(os.environ["BPS_POOL_CREDENTIAL"], 5, 1, "curve")
+        with Client([server.address], 5, 0, 1, auth=credentials, stream=True) as c:
             sums(c, 2)
             assert not c.stream_ready(0) and c.stream_bytes() == [(0, 0)]
     finally:
@@ -662,8 +662,8 @@ def _shared_memory(size: int = 4096 + 2 * RING, seal: bool = True) -> int:
 
 def _auth_on_local_stream(server: ServerProcess, job_id: int, fd: int | None) -> tuple[socket.socket, list[bytes]]:
     """Connect to the server's local stream, AUTH (passing `fd` beside it), return the socket and the answer."""
-    keys = ClientKeys.from_environment(job_id, 1)
-    frames = [GREETING, b"PLAIN", keys.client.public, keys.tokens[0]] if keys else [GREETING, b"NULL"]
+    creds = default_credentials(job_id, 1)
+    frames = [GREETING, b"PLAIN", creds.client.public, creds.tokens[0]] if creds else [GREETING, b"NULL"]
     auth = b"".join(struct.pack("<Q", len(f) | (MORE if i + 1 < len(frames) else 0)) + f for i, f in enumerate(frames))
     s = _local_stream_socket(server)
     if fd is None:

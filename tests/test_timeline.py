@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.helpers import REPO, run_ranks
 from torch_bps.client import Client
 from torch_bps.timeline.merge import load, merge
-from torch_bps.timeline.recorder import TraceSpec, recording
+from torch_bps.timeline.recorder import TimelineSpec, recording
 from torch_bps.wire import Mode
 
 _PHASES = {"X", "i", "C", "M"}
@@ -193,8 +193,8 @@ def test_merge_reads_a_server_file_a_killed_server_left_open(tmp_path):
 
 
 def test_trace_spec():
-    assert TraceSpec.parse("") is None
-    assert TraceSpec.parse("/tmp/t") == TraceSpec("/tmp/t", 0, 50)
-    assert TraceSpec.parse("/tmp/t,10:20") == TraceSpec("/tmp/t", 10, 20)
+    assert TimelineSpec.parse("") is None
+    assert TimelineSpec.parse("/tmp/t") == TimelineSpec("/tmp/t", 0, 50)
+    assert TimelineSpec.parse("/tmp/t,10:20") == TimelineSpec("/tmp/t", 10, 20)
     with pytest.raises(Exception, match="START:END"):
-        TraceSpec.parse("/tmp/t,20:10")
+        TimelineSpec.parse("/tmp/t,20:10")

@@ -37,8 +37,8 @@ from torch_bps.engine.placement import Placement, receive_buffers, server_weight
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
-from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
-from torch_bps.timeline.recorder import Recorder, TraceSpec
+from torch_bps.security import JOB_SECRET_ENV, ClientCredentials, new_secret
+from torch_bps.timeline.recorder import Recorder, TimelineSpec
 from torch_bps.topology import Topology
 
 log = logging.getLogger("torch_bps")
@@ -110,7 +110,7 @@ class Runtime:
         with_dedicated = any(s.dedicated for s in weights)
         failover = config.failover and num_workers > 1 and with_dedicated
         router_box: list = []  # the client's link-down handler reaches the router made after it
-        client = _client(config, addresses, job_id, worker, num_workers, _client_keys(config, secret, weights),
+        client = _client(config, addresses, job_id, worker, num_workers, _client_credentials(config, secret, weights),
                          connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
@@ -136,9 +136,10 @@ class Runtime:
         config, topology = self.config, self.topology
 
         def make_client(servers, new_job_id, on_link_down):
-            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers,
-                           _client_keys(config, self._secret, servers), dedicated=self._with_dedicated, weights=servers,
-                           failover=True, on_link_down=on_link_down)  # fmt: skip
+            credentials = _client_credentials(config, self._secret, servers)
+            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials,
+                           dedicated=self._with_dedicated, weights=servers, failover=True,
+                           on_link_down=on_link_down)  # fmt: skip
 
         def registry():
             return connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
@@ -223,7 +224,7 @@ class Runtime:
         config = self.config
         embedded = address in self._colocated or address in self._fallback_colocated
         held = self._secret if embedded else config.pool_credential  # dedicated: started with, standby, registered
-        auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
+        auth = False if config.auth == "off" else ClientCredentials.for_servers(self._secret, [held], config.auth)
         job_id = int.from_bytes(os.urandom(8), "little")
         return _client(config, [address], job_id, 0, 1, auth, connect_timeout, dedicated=self._with_dedicated)
 
@@ -377,7 +378,7 @@ def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
     return ns.get("secret").decode()
 
 
-def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
+def _client_credentials(config: Config, secret: str, weights) -> ClientCredentials | bool:
     """Credentials for the servers in placement order: embedded ones from the job's secret, dedicated ones
     from the pool credential."""
     if config.auth == "off":
@@ -388,7 +389,7 @@ def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
             "(or BPS_AUTH=off if they run with --auth off, on a trusted network)"
         )
     held = [config.pool_credential if s.dedicated else secret for s in weights]
-    return ClientKeys.for_servers(secret, held, config.auth)
+    return ClientCredentials.for_servers(secret, held, config.auth)
 
 
 def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
@@ -422,7 +423,7 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     env = {**os.environ, JOB_SECRET_ENV: secret}
     cmd += ["--auth", config.auth]
     if config.trace:
-        cmd += ["--trace", TraceSpec.parse(config.trace).directory]
+        cmd += ["--trace", TimelineSpec.parse(config.trace).directory]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)

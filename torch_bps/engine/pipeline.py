@@ -41,7 +41,7 @@ import torch
 
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
-from torch_bps.engine.trace import describe, span, stage
+from torch_bps.engine.spans import describe, span, stage
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
 from torch_bps.wire import Mode

@@ -1,4 +1,4 @@
-"""What the engine shows in a torch.profiler trace: a span per collective and per stage, named with their sizes.
+"""Profiler spans: what the engine shows in a torch.profiler recording, a span per collective and per stage.
 
 A span opened on the thread that issues a collective and closed when it completes (on a completion thread) is
 a `record_function` whose end is tied to a torch Future: the profiler records it on the issuing thread, which
