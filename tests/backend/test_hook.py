@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import torch_bps
+from tests.backend.test_ddp import _train_pair
 from tests.helpers import run_ranks
-from tests.test_ddp import _train_pair
 
 
 def _hooked(rank, world, gloo):

@@ -35,8 +35,8 @@ from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.errors import NamespaceError
 from benchmarks.cluster.topology import Cluster, Shaping
 from benchmarks.cluster.workers import ddp_train
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_netns = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import RawPeer, ServerProcess, rss_bytes
-from tests.test_server import declare, error_of, pull, push
+from tests.server.test_server import declare, error_of, pull, push
 from torch_bps.wire import Command, Status
 
 pytestmark = pytest.mark.timeout(120)

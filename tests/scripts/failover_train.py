@@ -1,4 +1,4 @@
-"""DDP training for tests/test_failover.py, run by torchrun: deterministic data, and rank 0 may SIGKILL a
+"""DDP training for tests/faults/test_failover.py, run by torchrun: deterministic data, and rank 0 may SIGKILL a
 summation server at a chosen moment of a chosen step. Rank 0 saves the final parameters and what every
 failover did to --out.
 

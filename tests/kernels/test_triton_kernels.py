@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import REPO
 from triton_kernels import (
     BLOCK_SIZE,
     MAX_TENSORS,
@@ -35,7 +36,6 @@ from triton_kernels import (
 from triton_kernels._common import CPU_CHUNK_ELEMENTS, resolve_backend
 from triton_kernels.reduce import _sum_scale_cast_kernel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCE = {
     torch.float32: {"rtol": 2**-23, "atol": 1e-6},

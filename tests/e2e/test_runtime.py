@@ -164,7 +164,7 @@ def test_emulated_machines_each_start_a_colocated_server():
 def test_killed_server_fails_the_collective_not_hangs():
     server = ServerProcess()
     try:
-        # Failover off: with it, training goes on (tests/test_failover.py).
+        # Failover off: with it, training goes on (tests/faults/test_failover.py).
         env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "60", "BPS_LOCAL_REDUCE": "0", "BPS_FAILOVER": "0"}
         out = run(2, lambda r: env, "server_killed", on_ready=server.kill)
         for rank in range(2):

@@ -13,7 +13,7 @@ from tests.helpers import REPO, ServerProcess, _free_port
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = os.path.join(REPO, "tests", "rdzv_worker.py")
+SCRIPT = os.path.join(REPO, "tests", "scripts", "rdzv_worker.py")
 
 
 def _torchrun(endpoint: str, env: dict[str, str], timeout: float = 150) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@ builds from `decide` and `recovery_part` gives each rank that had not completed 
 round's result, from a broadcast of a kept result or from every rank pushing again, never summing anyone twice.
 
 The server's side of the recovery round is modelled here (a SUM adds every push, a COPY places them); the real
-server runs it in tests/test_failover.py.
+server runs it in tests/faults/test_failover.py.
 """
 
 from __future__ import annotations

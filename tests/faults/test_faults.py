@@ -2,7 +2,7 @@
 culprit (no SIGSEGV, no hang), and nothing is left behind.
 
 Each test runs two emulated machines (one torchrun each, one rank each, static rendezvous) training a DDP
-model with tests/fault_train.py, either on the "byteps" backend or with bps_hook on a gloo group, injects a
+model with tests/scripts/fault_train.py, either on the "byteps" backend or with bps_hook on a gloo group, injects a
 fault mid-training, and reads every rank's own outcome file and its torchrun's report of the exit code.
 """
 
@@ -25,7 +25,7 @@ from torch_bps.local.shm import SHM_DIR
 
 pytestmark = pytest.mark.timeout(180)
 
-SCRIPT = os.path.join(REPO, "tests", "fault_train.py")
+SCRIPT = os.path.join(REPO, "tests", "scripts", "fault_train.py")
 DOORS = {"byteps": ["--backend", "byteps"], "hook": ["--backend", "gloo", "--hook"]}
 # With buffers, every forward also broadcasts them through the group: a second failing path besides the buckets.
 WITH_BUFFERS = {**DOORS, "byteps+buffers": ["--backend", "byteps", "--buffers"]}
@@ -166,7 +166,7 @@ def _check_survivor(m: Machines, rank: int, kinds: tuple[str, ...], culprits: tu
 
 @pytest.mark.parametrize("door", sorted(WITH_BUFFERS))
 def test_killed_dedicated_server(machines, door):
-    # With failover off (BPS_FAILOVER=0): with it, training goes on (tests/test_failover.py).
+    # With failover off (BPS_FAILOVER=0): with it, training goes on (tests/faults/test_failover.py).
     server = ServerProcess()
     try:
         m = machines(WITH_BUFFERS[door], {"BPS_SERVERS": server.address, "BPS_FAILOVER": "0"})

@@ -1,4 +1,4 @@
-"""DDP training for tests/test_faults.py, run by torchrun: prints a line per step and, when training fails,
+"""DDP training for tests/faults/test_faults.py, run by torchrun: prints a line per step and, when training fails,
 writes <outcome-dir>/rank<R>.json naming the error (type, message with notes, wall time) before re-raising.
 
 Faults it can inject into itself: a rank that stalls (sleeps) at a step, a rank that SIGKILLs itself.
