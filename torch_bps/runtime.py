@@ -57,8 +57,8 @@ class Runtime:
     """One group's connection to the summation service. Create with `Runtime.create`."""
 
     def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
-                 client, local, server_proc: subprocess.Popen | None, addresses: list[str], colocated: list[str],
-                 dedicated: list[str]):  # fmt: skip
+                 client, local_channels, server_proc: subprocess.Popen | None, addresses: list[str],
+                 colocated: list[str], dedicated: list[str]):  # fmt: skip
         self.name = name
         self.config = config
         self.topology = topology
@@ -69,7 +69,7 @@ class Runtime:
         self._store = store
         self._engine = engine
         self._client = client
-        self._local = local
+        self._local_channels = local_channels
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         # Bytes go to dedicated servers, which sets the default credit (Config.credit); set by create(). Chosen
@@ -114,11 +114,11 @@ class Runtime:
                          connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
-        local = _local_comms(ns, topology, job_id, config) if hierarchical else None
-        engine = PushPullEngine(client, _key_book(weights, config, topology, local), local=local,
+        channels = _local_comms(ns, topology, job_id, config) if hierarchical else None
+        engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
                                 local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1)  # fmt: skip
-        rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
+        rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated)
         rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:
             engine.router = rt._router(weights, worker, num_workers, _store_host(store), job_id)
@@ -233,7 +233,7 @@ class Runtime:
         if not hasattr(error, "add_note"):
             return
         if isinstance(error, (ServerError, BpsTimeoutError)):  # the servers' errors name workers by index
-            if self._local is not None:
+            if self._local_channels is not None:
                 L, me = self.topology.local_size, self.topology.node_rank
                 error.add_note(f"torch_bps[{self.name}]: the servers' worker i is machine i (global ranks "
                                f"i*{L} .. i*{L}+{L - 1}); this is rank {self.rank}, machine {me}")  # fmt: skip
@@ -266,7 +266,7 @@ class Runtime:
             self._engine.router.close()
         self._timeline.close()
         self._client.close()
-        for channel in self._local or ():
+        for channel in self._local_channels or ():
             channel.close()
         for proc in [self._server_proc, *self._fallback_procs]:
             if proc is None:
@@ -329,9 +329,9 @@ def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config
     )
 
 
-def _key_book(weights, config: Config, topology: Topology, local) -> KeyBook:
+def _key_book(weights, config: Config, topology: Topology, local_channels) -> KeyBook:
     """How tensors are cut into keys and placed: one slice per local rank when the machine reduces locally."""
-    slices = local[0].slice_range if local is not None else None
+    slices = local_channels[0].slice_range if local_channels is not None else None
     return KeyBook(
         Placement(weights),
         config.partition_bytes,

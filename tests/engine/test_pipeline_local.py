@@ -69,7 +69,7 @@ def _sums(engine: PushPullEngine, local_rank: int) -> int:
 def _all_gather_never_met(engine: PushPullEngine, local_rank: int):
     """Local rank 1 stops (SIGSTOP: alive, never arriving) on reaching the all-gather; rank 0 must fail, twice."""
     if local_rank == 1:
-        engine.local[1].all_gather = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
+        engine.local_channels[1].all_gather = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
     outcomes = []
     for _ in range(2):  # the second collective finds rank 1 missing at the reduce-scatter
         started = time.monotonic()
@@ -139,18 +139,20 @@ def _rank(local_rank, port, server, job_id, node, scenario, results, client_kwar
     """A local rank: wired as Runtime.create wires one of a machine's ranks; runs `scenario`, reports."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    local, client, engine = (), None, None
+    channels, client, engine = (), None, None
     try:
-        local = tuple(LocalComm(store, local_rank, 2, f"{node}-{stage}", timeout=TIMEOUT) for stage in ("rs", "ag"))
+        channels = tuple(LocalComm(store, local_rank, 2, f"{node}-{stage}", timeout=TIMEOUT) for stage in ("rs", "ag"))
         client = Client([server], job_id, 0, 1, timeout=TIMEOUT, **client_kwargs)
-        slices = lambda n: [local[0].slice_range(n, r) for r in range(2)]  # noqa: E731
+        slices = lambda n: [channels[0].slice_range(n, r) for r in range(2)]  # noqa: E731
         keys = KeyBook(Placement(server_weights([], [server])), PARTITION, slices)
-        engine = PushPullEngine(client, keys, local=local, local_rank=local_rank, timeout=TIMEOUT, alone=alone)
+        engine = PushPullEngine(
+            client, keys, local_channels=channels, local_rank=local_rank, timeout=TIMEOUT, alone=alone
+        )
         results.put((local_rank, "ok", SCENARIOS[scenario](engine, local_rank)))
     except BaseException as e:  # noqa: BLE001
         results.put((local_rank, type(e).__name__, f"{e}\n{traceback.format_exc()}"))
     finally:
-        for closing in (engine, client, *local):
+        for closing in (engine, client, *channels):
             if closing is not None:
                 closing.close()
 
