@@ -5,7 +5,7 @@ links; `--slow w1=50` shapes one host's link slower), `python -m torch_bps.docto
 table gives the doctor's predicted communication time (the paper's t_opt at the links it measured), the
 push_pull it measured, gloo's all_reduce, and what it named as the limit. Needs root and iproute2.
 
-    python benchmarks/doctor_cluster.py --workers 4 --rate 500 --mb 32 --json docs/results/doctor_cluster.json
+    python benchmarks/doctor_cluster.py --workers 4 --rate 500 --mb 32 --json doctor_cluster.json
 
 May import: the standard library, benchmarks.cluster.
 """

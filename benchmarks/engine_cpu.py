@@ -9,7 +9,7 @@ Each tree runs in a child process of its own interpreter (`--baseline-python`, `
 build, whose engine schedules every partition in Python), alternating with this tree, `--repeats` times;
 the ratios new / baseline are taken within each repeat (the machine is shared and noisy).
 
-Usage: python benchmarks/engine_cpu.py --baseline-repo /work/main [--json docs/results/engine_cpu.json]
+Usage: python benchmarks/engine_cpu.py --baseline-repo /work/main [--json engine_cpu.json]
 May import: the standard library, torch and torch_bps (of the tree under test, in the child).
 """
 

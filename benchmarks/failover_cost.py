@@ -6,7 +6,7 @@ table gives the steady state before, the step that lost the server, and the stea
 to the servers that remain, or to a standby host with --standby), each against t_opt of its placement.
 Needs root and iproute2.
 
-    python benchmarks/failover_cost.py --workers 4 --servers 2 --rate 500 --mb 16 --json docs/results/failover_cost.json
+    python benchmarks/failover_cost.py --workers 4 --servers 2 --rate 500 --mb 16 --json failover_cost.json
 
 `--overhead N` measures instead what failover costs when nothing fails, on loopback: 2 ranks (torchrun, one
 machine, BPS_LOCAL_REDUCE=0) and 2 dedicated servers, BPS_FAILOVER=1 and =0 alternated N times; median step

@@ -7,7 +7,7 @@ default: the local stream, big frames through shared memory). The figures are CP
 PUSH + one PULL) of the worker process (every thread) and of the server process, and the goodput; ratios against
 the first transport are taken within a repeat, then their median.
 
-    python benchmarks/transport_cpu.py --sizes-kib 64,256,1024 --repeats 3 --json docs/results/transport_cpu.json
+    python benchmarks/transport_cpu.py --sizes-kib 64,256,1024 --repeats 3 --json transport_cpu.json
 """
 
 from __future__ import annotations

@@ -110,9 +110,9 @@ def _torch_hooks(rank, world, gloo):
     worst["powerSGD"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
     # Its callbacks block on nested all_reduces: no deadlock is what finishing proves. Whether one ran on a
     # completion thread (and the pool had to grow) depends on timing: a future already complete when PowerSGD
-    # attaches its callback runs it on the caller's thread. On a loaded machine every one did so in a clean-clone
-    # run (2026-11-27: peak 1). test_client's test_callbacks_run_off_the_io_thread_and_may_block holds the
-    # growth to account with the order fixed.
+    # attaches its callback runs it on the caller's thread, and on a loaded machine every one may (a peak of 1).
+    # test_client's test_callbacks_run_off_the_io_thread_and_may_block holds the growth to account with the order
+    # fixed.
     # the bps_hook on a "byteps" group reuses the group's Runtime
     import torch_bps
 

@@ -201,8 +201,8 @@ def _sample_low_water(stream: socket.socket, push_pull) -> list[int]:
 def test_a_locked_receive_buffer_keeps_the_low_water_mark_under_a_quarter_of_it(job_id):
     """While a pull's reply arrives, the client waits for its missing bytes (SO_RCVLOWAT), but on a receive buffer
     it set (locked) never for more than a quarter of it: the kernel would allow half, and a queue that full
-    overflows the buffer's accounting and drops packets (docs/issue15.md, "A low-water mark under the locked receive
-    buffer"). Sampled from a duplicate of the client's stream socket during a 12 MiB reply."""
+    overflows the buffer's accounting and drops packets. Sampled from a duplicate of the client's stream socket
+    during a 12 MiB reply."""
     servers = start_servers(1)
     big = torch.ones(3 << 20)  # 12 MiB: one frame, under the server's 16 MiB bound
     try:
