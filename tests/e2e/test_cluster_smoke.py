@@ -53,7 +53,7 @@ def test_two_workers_one_server_exchange_bytes_and_leave_nothing():
     with Cluster(n_workers=2, n_servers=1, rate_mbit=500) as cluster:
         run_id = cluster.run_id
         assert len(_ours(run_id)[0]) == 4  # bridge + w0 + w1 + s0
-        got = calibrate(cluster, seconds=1.0)  # 0.5 s read 0.53 x the rate once on a busy machine (slow start)
+        got = calibrate(cluster, seconds=1.0)  # 0.5 s is too short on a busy machine: TCP's slow start shows
     # Shaped: a stream gets close to the rate, and not over it (a broken tbf would give GBit/s).
     assert 0.6 < got["ratio"] < 1.02, got
     spaces, links = _ours(run_id)

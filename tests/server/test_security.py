@@ -67,8 +67,9 @@ def pool_server(request):
 
 def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool_server):
     """A process that knows the address and the job id says HELLO as worker 0 and pushes into every next round
-    while the job runs (issue 12: 99 of 400 sums were wrong). Strangers get no byte back; a neighbour holding
-    the pool credential gets refusals that name nothing of the job; every sum stays right."""
+    while the job runs (issue 12: without authentication its pushes land in the job's sums). Strangers get no byte
+    back; a neighbour holding the pool credential gets refusals that name nothing of the job; every sum stays
+    right."""
     clients = job_clients(pool_server, new_secret())
     stop = threading.Event()
     seen: list[tuple[int, bytes]] = []
@@ -107,7 +108,7 @@ def test_the_issues_attack_a_foreign_pusher_is_rejected_and_sums_stay_right(pool
 
 
 def test_a_stranger_cannot_squat_the_jobs_keys(pool_server):
-    """INIT of the job's keys with a wrong size before the job starts used to kill the job."""
+    """INIT of the job's keys with a wrong size, by a stranger before the job starts, does not kill the job."""
     secret = new_secret()
     stranger = RawPeer(pool_server.address, JOB + 1, 0, 2, timeout=0.5, auth=False)
     with pytest.raises(TimeoutError):

@@ -122,8 +122,8 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
     return draw(st.binary(min_size=nbytes, max_size=nbytes))
 
 
-# No shrinking: a failing sequence is reported as found (shrinking these took minutes on a busy machine, past the
-# timeout), with the step that diverged.
+# No shrinking: a failing sequence is reported as found (shrinking these can take minutes on a busy machine, past
+# the timeout), with the step that diverged.
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
 @given(scenario=scenarios())

@@ -268,8 +268,8 @@ def test_a_burst_of_completions_does_not_start_a_thread_each(server, job_id):
     with Client([server.address], job_id, 0, 1, timeout=10) as c:
         futures = [c.push_pull(torch.ones(64), key).then(lambda f: f.value()) for key in range(200)]
         assert all(f.wait()[0].item() == 1.0 for f in futures)
-        # Before: one thread per completion that found none idle, up to 64. A thread is added only when
-        # none started a task for 2 ms, which a loaded 2-core machine does now and then.
+        # Not one thread per completion that finds none idle: a thread is added only when none started a task for
+        # 2 ms, which a loaded 2-core machine does now and then.
         assert c._impl.completion_threads_peak() <= 8
 
 
@@ -600,8 +600,8 @@ def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id
     (cpp_ext/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
     with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=256 << 10, auto_credit=auto) as c:
         # Parts wait for credit for 0.5 s (ten sizer windows) however fast the machine: four 64 MiB batches in turn,
-        # each resubmitted when it is done, so three stay queued. One batch of 256 MiB was not enough: at 2.3 GB/s
-        # it lasted two windows, the first paced by the starting credit and the second holding the drained tail.
+        # each resubmitted when it is done, so three stay queued. One batch of 256 MiB would not do: on a fast machine
+        # it lasts two windows, the first paced by the starting credit and the second holding the drained tail.
         tensors = [torch.ones(1 << 24) for _ in range(4)]
         futures = [c.push_pull_batch(_parts(t, i << 12, 32 << 10)) for i, t in enumerate(tensors)]
         start, sent = time.monotonic(), 0
