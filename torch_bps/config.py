@@ -33,7 +33,7 @@ def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
 
     Why: the credit is counted in bytes but buys whole partitions in flight; F times bigger middle partitions
     in the same 2 MiB leave each dedicated server with F times fewer pushes queued, and it idles between them.
-    Colocated servers are fed by every worker at once and do not idle so; there a bigger credit buys nothing.
+    With colocated servers only, a bigger credit does not shorten the step on the emulated cluster.
 
     Example: default_credit_bytes(2, dedicated=True) == 4 << 20; default_credit_bytes(2, dedicated=False) == 2 << 20
     """
