@@ -25,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.pushpull import MB, start_process, stop  # noqa: E402
-from torch_bps.security import ClientKeys, new_secret  # noqa: E402
+from torch_bps.client import default_credentials  # noqa: E402
+from torch_bps.security import new_secret  # noqa: E402
 from torch_bps.wire import Command, Header  # noqa: E402
 
 
@@ -38,14 +39,14 @@ class Peer:
     """An authenticated DEALER that sends requests and drains replies without waiting on each."""
 
     def __init__(self, address: str, job_id: int, num_workers: int):
-        keys = ClientKeys.from_environment(job_id, 1)
+        credentials = default_credentials(job_id, 1)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if keys.mechanism == "curve":
-            self.sock.curve_publickey, self.sock.curve_secretkey = keys.client.public, keys.client.secret
-            self.sock.curve_serverkey = keys.server_keys[0]
+        if credentials.mechanism == "curve":
+            self.sock.curve_publickey, self.sock.curve_secretkey = credentials.client.public, credentials.client.secret
+            self.sock.curve_serverkey = credentials.server_keys[0]
         else:
-            self.sock.plain_username, self.sock.plain_password = keys.client.public, keys.tokens[0]
+            self.sock.plain_username, self.sock.plain_password = credentials.client.public, credentials.tokens[0]
         self.sock.connect(f"tcp://{address}")
         self.job_id, self.num_workers, self.incarnation = job_id, num_workers, 0
 

@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.pushpull import KB, MB, human, library_engine, start_server, stop, timed  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
-from torch_bps.security import ClientKeys  # noqa: E402
+from torch_bps.security import ClientCredentials  # noqa: E402
 
 FULL_SIZES = [64 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB]
 QUICK_SIZES = [1 * MB, 16 * MB]
@@ -42,8 +42,9 @@ class Setup:
 
         def client(job: str, worker: int, n: int) -> Client:
             job_id = job_id_from_name(f"{job}-{tag}")
-            keys = auth != "off" and ClientKeys.for_pool(os.environ["BPS_POOL_CREDENTIAL"], job_id, 1, auth)
-            return Client([address], job_id, worker, n, auth=keys)
+            pool = os.environ["BPS_POOL_CREDENTIAL"]
+            credentials = auth != "off" and ClientCredentials.for_pool(pool, job_id, 1, auth)
+            return Client([address], job_id, worker, n, auth=credentials)
 
         self.engine_client = client("engine", 0, 1)
         self.engine = library_engine(self.engine_client, address)

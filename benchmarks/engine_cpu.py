@@ -51,7 +51,8 @@ def child(repo: str, partition: int, size: int, seconds: float) -> dict:
         address = f"127.0.0.1:{port}"
         with Client([address], 1, 0, 1, timeout=60, auth=False) as client:
             keys = KeyBook(Placement(server_weights([address], [])), partition, lambda n: [(0, n)])
-            if "scheduler" in inspect.signature(PushPullEngine).parameters:  # the engine scheduling in Python
+            # A baseline tree whose engine schedules in Python (its CreditScheduler lived in torch_bps.engine then).
+            if "scheduler" in inspect.signature(PushPullEngine).parameters:
                 from torch_bps.engine.scheduler import CreditScheduler
 
                 engine = PushPullEngine(client, keys, CreditScheduler(2 << 20))

@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     # DDP (its reducer, which holds the comm hook) goes before the process group, while the interpreter is whole:
-    # left to the collector at exit, it aborted the process now and then ("terminate called without an active
-    # exception", the --no-comm run of tests/test_torchrun.py in about one clean clone of ten).
+    # left to the collector at exit, it can abort the process ("terminate called without an active exception").
     del model, opt
     gc.collect()
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from torch_bps.address import parse_listening, split_host_port
-from torch_bps.security import ClientKeys
+from torch_bps.security import ClientCredentials
 from torch_bps.wire import HEADER_SIZE, Command, Header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +143,7 @@ class RawPeer:
     """A worker speaking the wire protocol by hand through a pyzmq DEALER: for server-side tests."""
 
     def __init__(self, address: str, job_id: int = 1, worker: int = 0, num_workers: int = 1, timeout: float = 10.0,
-                 auth: ClientKeys | bool | None = None):  # fmt: skip
+                 auth: ClientCredentials | bool | None = None):  # fmt: skip
         """auth: credentials to connect with (their server 0's); None: those of BPS_POOL_CREDENTIAL for
         job_id, as `Client` uses, if it is set; False: none."""
         self.ctx = zmq.Context.instance()
@@ -151,7 +151,9 @@ class RawPeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a refused handshake leaves no pipe: send blocks
         if auth is None:
-            auth = ClientKeys.from_environment(job_id, 1)
+            from torch_bps.client import default_credentials  # here: importing the client loads the C++ extension
+
+            auth = default_credentials(job_id, 1)
         if auth and auth.mechanism == "curve":
             self.sock.curve_publickey, self.sock.curve_secretkey = auth.client.public, auth.client.secret
             self.sock.curve_serverkey = auth.server_keys[0]
@@ -217,14 +219,16 @@ class StreamPeer(RawPeer):
     MORE = 1 << 63
 
     def __init__(self, address: str, port: int, job_id: int = 1, worker: int = 0, num_workers: int = 1,
-                 timeout: float = 10.0, auth: ClientKeys | bool | None = None, open: bool = True):  # fmt: skip
+                 timeout: float = 10.0, auth: ClientCredentials | bool | None = None, open: bool = True):  # fmt: skip
         self.sock = socket.create_connection((address.rsplit(":", 1)[0], port), timeout=timeout)
         self.address, self.timeout = f"{address.rsplit(':', 1)[0]}:{port}", timeout
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self.incarnation = 0
         self._next_id = 1
         if auth is None:
-            auth = ClientKeys.from_environment(job_id, 1)
+            from torch_bps.client import default_credentials  # here: importing the client loads the C++ extension
+
+            auth = default_credentials(job_id, 1)
         self.credentials = [b"PLAIN", auth.client.public, auth.tokens[0]] if auth else [b"NULL"]
         if open:
             self.send_frames([b"BPS-STREAM-1", *self.credentials])

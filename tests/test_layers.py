@@ -1,4 +1,5 @@
-"""Layers point one way: transport <- engine <- front doors; the server and the kernels stand alone."""
+"""Layers point one way: transport <- engine <- front doors; the server and the kernels stand alone; the reference
+models are imported by tests only."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ ALLOWED = {
     # The timeline reads the client it is handed; it imports no layer above it.
     "torch_bps/timeline": {"torch_bps.errors", "torch_bps.timeline"},
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
+    # Python statements of what the C++ core runs: they import what they model, nothing above it.
+    "torch_bps/_reference": {"torch_bps.errors", "torch_bps.wire", "torch_bps.server.job"},
     "triton_kernels": {"triton_kernels"},
 }
 
@@ -56,6 +59,16 @@ def test_imports_point_one_way(folder):
             )
 
 
+def test_nothing_in_the_package_imports_the_reference_models():
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "torch_bps").rglob("*.py"))
+        if "_reference" not in path.parts
+        and any(n == "torch_bps._reference" or n.startswith("torch_bps._reference.") for n in torch_bps_imports(path))
+    ]
+    assert not importers, f"{importers} import torch_bps._reference, which only the tests may"
+
+
 def _may_import(path: pathlib.Path) -> str | None:
     """The text after "May import:" in a module's docstring (to the paragraph's end); None if it has none."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
@@ -73,6 +86,7 @@ def test_each_modules_may_import_line_names_what_it_imports():
             continue
         named = {w.rstrip(".*") for w in re.findall(r"[A-Za-z_][\w.*]*", header)}
         named |= {f"torch_bps.{w}" for w in named if not w.startswith(("torch", "triton"))}
+        named.discard("torch_bps")  # the bare package ("`import torch_bps` must not ...") names no module
         package = ".".join(path.relative_to(ROOT).parts[:-1])
         for name in sorted(torch_bps_imports(path)):
             own = package != "torch_bps" and (name == package or name.startswith(package + "."))

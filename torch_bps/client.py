@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,10 +32,10 @@ import torch
 
 from torch_bps import _C
 from torch_bps.address import split_host_port
-from torch_bps.config import DEFAULT_CREDIT_BYTES, DEFAULT_TRANSPORT, parse_transport, transport_options
+from torch_bps.config import DEFAULT_CREDIT_BYTES, from_environment, transport_options
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
-from torch_bps.security import ClientKeys
+from torch_bps.security import ClientCredentials
 from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode, Partition
 
 _U64 = 1 << 64
@@ -78,6 +77,18 @@ def _check_tensor(t: object, name: str) -> None:
         raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}): call .contiguous()")
 
 
+def default_credentials(job_id: int, num_servers: int) -> ClientCredentials | None:
+    """Return what a Client given no credentials presents: `ClientCredentials.for_pool` with BPS_POOL_CREDENTIAL and
+    BPS_AUTH's mechanism, or None (no authentication) if the credential is unset or BPS_AUTH=off.
+
+    Example: `RawPeer(address, job_id, auth=default_credentials(job_id, 1))` speaks as that job's Client would.
+    """
+    credential, mechanism = from_environment("pool_credential"), from_environment("auth")
+    if not credential or mechanism == "off":
+        return None
+    return ClientCredentials.for_pool(credential, job_id, num_servers, mechanism)
+
+
 class Client:
     """A worker's connection to the summation servers of one job.
 
@@ -91,9 +102,9 @@ class Client:
         connect_timeout: seconds to wait for every server's HELLO reply.
         heartbeat_interval, heartbeat_timeout: a server silent for heartbeat_timeout seconds after a
             heartbeat (stopped, cut off) counts as lost; a killed one is known at once.
-        auth: credentials (torch_bps.security.ClientKeys, for every server): every connection is
+        auth: credentials (torch_bps.security.ClientCredentials, for every server): every connection is
             authenticated by token, or also encrypted by CURVE (`auth.mechanism`). None: those of
-            BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is not off; see ClientKeys.from_environment);
+            BPS_POOL_CREDENTIAL if it is set (and BPS_AUTH is not off; see `default_credentials`);
             False: no authentication, for servers run with `--auth off`.
         credit_bytes: bytes of `push_pull_batch` pushes in flight (sent, not yet acknowledged) at most; one
             partition may always go, however big. With `auto_credit`, where the credit starts.
@@ -135,7 +146,7 @@ class Client:
         connect_timeout: float = 30.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
-        auth: ClientKeys | bool | None = None,
+        auth: ClientCredentials | bool | None = None,
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
         server_credit_bytes: int = 0,
         socket_buffer_bytes: int = 0,
@@ -178,7 +189,7 @@ class Client:
                 f"receive_buffer_bytes {receive_buffer_bytes} must hold one size in [0, 2^31) per server "
                 f"({len(self._servers)})"
             )
-        by_name = transport_options(parse_transport(os.environ.get("BPS_TRANSPORT") or DEFAULT_TRANSPORT))
+        by_name = transport_options(from_environment("transport"))
         stream = by_name["stream"] if stream is None else stream
         local_stream = by_name["local_stream"] if local_stream is None else local_stream
         shared_memory = by_name["shared_memory"] if shared_memory is None else shared_memory
@@ -187,30 +198,30 @@ class Client:
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
         self._keys: dict[int, tuple[int, torch.dtype, int, Mode]] = {}  # key -> (numel, dtype, server, mode)
         self._pending = _Pending()
-        keys = {}
+        credentials = {}  # the C++ client's keywords
         if auth is None:
-            auth = ClientKeys.from_environment(job_id, len(self._servers))
-        if isinstance(auth, ClientKeys):
+            auth = default_credentials(job_id, len(self._servers))
+        if isinstance(auth, ClientCredentials):
             if len(auth.tokens) != len(self._servers):
                 raise ValueError(f"auth has credentials for {len(auth.tokens)} servers, not {len(self._servers)}")
-            keys = {"identity": auth.client.public.decode()}
+            credentials = {"identity": auth.client.public.decode()}
             if auth.mechanism == "curve":
-                keys["curve_secret"] = auth.client.secret.decode()
-                keys["curve_server_keys"] = [k.decode() for k in auth.server_keys]
+                credentials["curve_secret"] = auth.client.secret.decode()
+                credentials["curve_server_keys"] = [k.decode() for k in auth.server_keys]
             else:
-                keys["tokens"] = [t.decode() for t in auth.tokens]
+                credentials["tokens"] = [t.decode() for t in auth.tokens]
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
                                receive_buffer_bytes=receive_buffer_bytes, local_stream=local_stream,
-                               shared_memory=shared_memory, **keys)  # fmt: skip
+                               shared_memory=shared_memory, **credentials)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
         except TransportError as e:
             self.close()
-            how = f"with BPS_AUTH={auth.mechanism}" if isinstance(auth, ClientKeys) else "without authentication"
+            how = f"with BPS_AUTH={auth.mechanism}" if isinstance(auth, ClientCredentials) else "without authentication"
             raise TransportError(
                 f"{e}. This client connects {how}: a server that runs otherwise, or holds another credential, "
                 "drops the connection (check BPS_AUTH and BPS_POOL_CREDENTIAL on both sides)"
@@ -401,7 +412,7 @@ class Client:
         # Counters are u64 on the wire; they stay far below 2**63, so int64 reads them unchanged.
         return dict(zip(STATS_FIELDS, future.wait().tolist(), strict=True))
 
-    def trace(self, capacity: int) -> tuple[torch.Tensor, int]:
+    def record_steps(self, capacity: int) -> tuple[torch.Tensor, int]:
         """Return (events, dropped) the IO thread recorded since the last call and record up to `capacity` more
         (0: stop): the partitions' steps, for torch_bps.timeline (cpp_ext/trace.h has the columns)."""
         return self._impl.trace(capacity)

@@ -1,7 +1,8 @@
 """One place for configuration: environment variables and keywords resolved once into a dataclass.
 
-Keywords win over environment variables, which win over defaults. Every BPS_* variable is listed in
-`Config`'s fields below; resolve with `Config.resolve(**keywords)` and pass the result explicitly.
+Keywords win over environment variables, which win over defaults. Every BPS_* variable a worker reads is listed
+in `Config`'s fields below and read here only; resolve with `Config.resolve(**keywords)` and pass the result
+explicitly. What runs without a resolved Config (a bare `Client`) reads single fields with `from_environment`.
 May import: the standard library, torch_bps.address and torch_bps.errors only.
 """
 
@@ -17,8 +18,7 @@ from torch_bps.errors import ConfigError
 # Where the credit of bytes in flight per worker starts (the C++ client schedules within it and, unless
 # BPS_CREDIT_BYTES fixes it, sizes it from its acknowledged pushes: cpp_ext/credit_sizer.h). It must keep the
 # uplink busy, and each step pays for it once: a step's first sums come back after about credit / link rate. No
-# fixed size serves every link: 1 MiB suits 250-500 Mbit/s and starves 2 Gbit/s, where 2 MiB suits (docs/issue15.md,
-# "Credit and partition size, measured on the links").
+# fixed size serves every link, which is why the client sizes it; 2 MiB keeps a fast link busy from the start.
 DEFAULT_CREDIT_BYTES = 2 << 20
 # The smallest partition (torch_bps.engine.partition.KeyBook.partition_size says how it was chosen), unless
 # socket buffers are set (Config.partition_floor).
@@ -33,8 +33,7 @@ def default_credit_bytes(middle_partition_factor: int, dedicated: bool) -> int:
 
     Why: the credit is counted in bytes but buys whole partitions in flight; F times bigger middle partitions
     in the same 2 MiB leave each dedicated server with F times fewer pushes queued, and it idles between them.
-    With colocated servers only, the bigger credit bought nothing at n = 4 (docs/issue15.md, "Bigger middle partitions";
-    at n = 8, k = 0 F = 2 was slower with either credit).
+    With colocated servers only, a bigger credit does not shorten the step on the emulated cluster.
 
     Example: default_credit_bytes(2, dedicated=True) == 4 << 20; default_credit_bytes(2, dedicated=False) == 2 << 20
     """
@@ -74,6 +73,12 @@ def transport_options(transport: str) -> dict[str, bool]:
         "local_stream": transport in ("stream", "unix"),
         "shared_memory": transport == "stream",
     }
+
+
+def _parse_auth(value: str) -> str:
+    if value not in ("token", "curve", "off"):
+        raise ValueError("use token (the default), curve or off")
+    return value
 
 
 def _parse_bool(value: str) -> bool:
@@ -138,7 +143,7 @@ class Config:
     # "token": only workers that prove the job's secret (or the pool credential) get in, not encrypted;
     # "curve": the same, and every connection encrypted (CurveZMQ; for networks you do not control);
     # "off": plain connections anyone who reaches a server's port can use. See torch_bps/security.py.
-    auth: str = field(default="token", metadata={"env": "BPS_AUTH", "parse": str})
+    auth: str = field(default="token", metadata={"env": "BPS_AUTH", "parse": _parse_auth})
     # The secret a pool of dedicated servers was given by its operator (bps-server's BPS_POOL_CREDENTIAL):
     # needed to use dedicated servers with auth on. Embedded servers need none: their job's secret comes
     # from the rendezvous store.
@@ -163,13 +168,12 @@ class Config:
         """Return the smallest partition: min_partition_bytes if set; else DEFAULT_MIN_PARTITION_BYTES, or the socket
         buffer if one is set and smaller (not under SMALLEST_PARTITION_BYTES).
 
-        Why, measured rather than derived: socket buffers are set where a link's queue is small for its
-        connections (about queue / (3 x connections)), and there the partitions' size paced the step. At n = 8,
-        250 Mbit/s (buffers of 29.7-31.5 KB) a 32 KiB floor took k = 4 and 6 from 1.17-1.21 to 1.10-1.13 x t_opt in
-        five runs each, k = 0 and 8 unchanged, for 50-100% more of our CPU there; 48 KiB did not, nor 64 KiB at
-        k = 6 (docs/issue15.md, "A partition floor under the socket buffer"). Each worker's credit keeps a partition in
-        flight toward every server, and smaller ones made it 0.6 MB instead of 1.8-2.2. With the kernel's
-        buffers nothing changes: on fast links messages cost more than fill and drain (docs/scaling.md).
+        Why: socket buffers are set where a link's queue is small for its connections (about queue /
+        (3 x connections)), and there the partitions' size paces the step: each worker's credit keeps a partition
+        in flight toward every server, so partitions no bigger than the buffer keep the bytes in flight within
+        what the queue holds, at the price of more messages (more CPU). A floor near the buffer's size is where
+        that trade paid on the emulated cluster (docs/benchmarks.md). With the kernel's buffers nothing changes: on
+        fast links messages cost more than fill and drain.
         """
         if self.min_partition_bytes:
             return self.min_partition_bytes
@@ -207,14 +211,8 @@ class Config:
                 if f.name in ("servers", "standby_servers"):
                     value = _parse_servers(value) if isinstance(value, str) else _parse_servers(",".join(value))
                 values[f.name] = value
-                continue
-            raw = os.environ.get(f.metadata["env"])
-            if raw is None or raw == "":
-                continue
-            try:
-                values[f.name] = f.metadata["parse"](raw)
-            except (ValueError, ConfigError) as e:
-                raise ConfigError(f"{f.metadata['env']}={raw!r}: {e}") from None
+            else:
+                values[f.name] = _from_environment(f)
         config = cls(**values)
         config._check()
         return config
@@ -256,3 +254,25 @@ class Config:
             raise ConfigError(f"standby_wait={self.standby_wait} must not be negative")
         if self.num_servers < 0:
             raise ConfigError(f"num_servers={self.num_servers} must not be negative")
+
+
+def from_environment(name: str):
+    """Return Config's field `name` as its BPS_* variable sets it (parsed as `Config.resolve` parses it), else the
+    field's default. For what runs without a resolved Config: a bare `Client`, a test's raw peer.
+
+    Example: `from_environment("transport")` is "stream" unless BPS_TRANSPORT says otherwise.
+    """
+    return _from_environment(_FIELDS[name])
+
+
+def _from_environment(f: dataclasses.Field):
+    raw = os.environ.get(f.metadata["env"])
+    if raw is None or raw == "":
+        return f.default  # every field has a plain default
+    try:
+        return f.metadata["parse"](raw)
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"{f.metadata['env']}={raw!r}: {e}") from None
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -25,8 +25,8 @@ are launched under a per-group lock, so one collective's push_pulls stay contigu
 threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must still call
 collectives in the same order, as with any backend.
 
-May import: torch, torch_bps.config, torch_bps.errors, torch_bps.pg; torch_bps.runtime and torch_bps._C only
-when a group is created (they load the C++ client, which `import torch_bps` must not).
+May import: torch, torch_bps.config, torch_bps.errors, torch_bps.wire, torch_bps.pg; torch_bps.runtime and
+torch_bps._C only when a group is created (they load the C++ client, which `import torch_bps` must not).
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from torch_bps.engine.placement import Placement, receive_buffers, server_weight
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
-from torch_bps.security import JOB_SECRET_ENV, ClientKeys, new_secret
-from torch_bps.timeline.recorder import Recorder, TraceSpec
+from torch_bps.security import JOB_SECRET_ENV, ClientCredentials, new_secret
+from torch_bps.timeline.recorder import Recorder, TimelineSpec
 from torch_bps.topology import Topology
 
 log = logging.getLogger("torch_bps")
@@ -57,8 +57,8 @@ class Runtime:
     """One group's connection to the summation service. Create with `Runtime.create`."""
 
     def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
-                 client, local, server_proc: subprocess.Popen | None, addresses: list[str], colocated: list[str],
-                 dedicated: list[str]):  # fmt: skip
+                 client, local_channels, server_proc: subprocess.Popen | None, addresses: list[str],
+                 colocated: list[str], dedicated: list[str]):  # fmt: skip
         self.name = name
         self.config = config
         self.topology = topology
@@ -69,7 +69,7 @@ class Runtime:
         self._store = store
         self._engine = engine
         self._client = client
-        self._local = local
+        self._local_channels = local_channels
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         # Bytes go to dedicated servers, which sets the default credit (Config.credit); set by create(). Chosen
@@ -110,15 +110,15 @@ class Runtime:
         with_dedicated = any(s.dedicated for s in weights)
         failover = config.failover and num_workers > 1 and with_dedicated
         router_box: list = []  # the client's link-down handler reaches the router made after it
-        client = _client(config, addresses, job_id, worker, num_workers, _client_keys(config, secret, weights),
+        client = _client(config, addresses, job_id, worker, num_workers, _client_credentials(config, secret, weights),
                          connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
-        local = _local_comms(ns, topology, job_id, config) if hierarchical else None
-        engine = PushPullEngine(client, _key_book(weights, config, topology, local), local=local,
+        channels = _local_comms(ns, topology, job_id, config) if hierarchical else None
+        engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
                                 local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1)  # fmt: skip
-        rt = cls(name, config, topology, ns, engine, client, local, server_proc, addresses, colocated, dedicated)
+        rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated)
         rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:
             engine.router = rt._router(weights, worker, num_workers, _store_host(store), job_id)
@@ -136,9 +136,10 @@ class Runtime:
         config, topology = self.config, self.topology
 
         def make_client(servers, new_job_id, on_link_down):
-            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers,
-                           _client_keys(config, self._secret, servers), dedicated=self._with_dedicated, weights=servers,
-                           failover=True, on_link_down=on_link_down)  # fmt: skip
+            credentials = _client_credentials(config, self._secret, servers)
+            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials,
+                           dedicated=self._with_dedicated, weights=servers, failover=True,
+                           on_link_down=on_link_down)  # fmt: skip
 
         def registry():
             return connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
@@ -223,7 +224,7 @@ class Runtime:
         config = self.config
         embedded = address in self._colocated or address in self._fallback_colocated
         held = self._secret if embedded else config.pool_credential  # dedicated: started with, standby, registered
-        auth = False if config.auth == "off" else ClientKeys.for_servers(self._secret, [held], config.auth)
+        auth = False if config.auth == "off" else ClientCredentials.for_servers(self._secret, [held], config.auth)
         job_id = int.from_bytes(os.urandom(8), "little")
         return _client(config, [address], job_id, 0, 1, auth, connect_timeout, dedicated=self._with_dedicated)
 
@@ -232,7 +233,7 @@ class Runtime:
         if not hasattr(error, "add_note"):
             return
         if isinstance(error, (ServerError, BpsTimeoutError)):  # the servers' errors name workers by index
-            if self._local is not None:
+            if self._local_channels is not None:
                 L, me = self.topology.local_size, self.topology.node_rank
                 error.add_note(f"torch_bps[{self.name}]: the servers' worker i is machine i (global ranks "
                                f"i*{L} .. i*{L}+{L - 1}); this is rank {self.rank}, machine {me}")  # fmt: skip
@@ -265,7 +266,7 @@ class Runtime:
             self._engine.router.close()
         self._timeline.close()
         self._client.close()
-        for channel in self._local or ():
+        for channel in self._local_channels or ():
             channel.close()
         for proc in [self._server_proc, *self._fallback_procs]:
             if proc is None:
@@ -328,9 +329,9 @@ def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config
     )
 
 
-def _key_book(weights, config: Config, topology: Topology, local) -> KeyBook:
+def _key_book(weights, config: Config, topology: Topology, local_channels) -> KeyBook:
     """How tensors are cut into keys and placed: one slice per local rank when the machine reduces locally."""
-    slices = local[0].slice_range if local is not None else None
+    slices = local_channels[0].slice_range if local_channels is not None else None
     return KeyBook(
         Placement(weights),
         config.partition_bytes,
@@ -377,7 +378,7 @@ def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
     return ns.get("secret").decode()
 
 
-def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
+def _client_credentials(config: Config, secret: str, weights) -> ClientCredentials | bool:
     """Credentials for the servers in placement order: embedded ones from the job's secret, dedicated ones
     from the pool credential."""
     if config.auth == "off":
@@ -388,7 +389,7 @@ def _client_keys(config: Config, secret: str, weights) -> ClientKeys | bool:
             "(or BPS_AUTH=off if they run with --auth off, on a trusted network)"
         )
     held = [config.pool_credential if s.dedicated else secret for s in weights]
-    return ClientKeys.for_servers(secret, held, config.auth)
+    return ClientCredentials.for_servers(secret, held, config.auth)
 
 
 def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
@@ -422,7 +423,7 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     env = {**os.environ, JOB_SECRET_ENV: secret}
     cmd += ["--auth", config.auth]
     if config.trace:
-        cmd += ["--trace", TraceSpec.parse(config.trace).directory]
+        cmd += ["--trace", TimelineSpec.parse(config.trace).directory]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = [""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)

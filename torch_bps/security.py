@@ -33,7 +33,6 @@ May import: the standard library and pyzmq.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from dataclasses import dataclass
 
@@ -85,7 +84,7 @@ MECHANISMS = ("token", "curve")  # what BPS_AUTH may be besides "off"
 
 
 @dataclass(frozen=True)
-class ClientKeys:
+class ClientCredentials:
     """What a client needs to connect with authentication: its identity and, per server, what proves it.
 
     `tokens[i]` is the token server i accepts (mechanism "token"); `server_keys[i]` server i's CURVE
@@ -102,35 +101,25 @@ class ClientKeys:
             raise ValueError(f"mechanism {self.mechanism!r}: use one of {MECHANISMS}")
 
     @classmethod
-    def _make(cls, client: KeyPair, servers: list[str], mechanism: str) -> ClientKeys:
-        keys = tuple(derive(s, "server").public for s in servers)
-        return cls(client, keys, tuple(token(s, client.public) for s in servers), mechanism)
+    def _make(cls, client: KeyPair, servers: list[str], mechanism: str) -> ClientCredentials:
+        public_keys = tuple(derive(s, "server").public for s in servers)
+        return cls(client, public_keys, tuple(token(s, client.public) for s in servers), mechanism)
 
     @classmethod
-    def for_servers(cls, job_secret: str, servers: list[str | None], mechanism: str = "token") -> ClientKeys:
-        """Keys for a job: `servers[i]` is the secret server i holds (a job secret or a pool credential).
-        Example: `ClientKeys.for_servers(s, [s, s])` for two embedded servers of job secret s.
+    def for_servers(cls, job_secret: str, servers: list[str | None], mechanism: str = "token") -> ClientCredentials:
+        """Credentials for a job: `servers[i]` is the secret server i holds (a job secret or a pool credential).
+        Example: `ClientCredentials.for_servers(s, [s, s])` for two embedded servers of job secret s.
         """
         return cls._make(derive(job_secret, "client"), servers, mechanism)
 
     @classmethod
-    def for_pool(cls, credential: str, job_id: int, num_servers: int, mechanism: str = "token") -> ClientKeys:
-        """Keys for a job on a pool, with the job's identity derived from the credential and the job id.
+    def for_pool(cls, credential: str, job_id: int, num_servers: int, mechanism: str = "token") -> ClientCredentials:
+        """Credentials for a job on a pool, with the job's identity derived from the credential and the job id.
 
-        What `Client` uses when given no keys: any holder of the credential who knows the job id can act
+        What `Client` uses when given no credentials: any holder of the credential who knows the job id can act
         as this job. The runtime instead draws a random job secret per job (`for_servers`).
         """
         return cls._make(derive(f"{credential}/job/{job_id:#x}", "client"), [credential] * num_servers, mechanism)
-
-    @classmethod
-    def from_environment(cls, job_id: int, num_servers: int) -> ClientKeys | None:
-        """`for_pool` with BPS_POOL_CREDENTIAL and BPS_AUTH's mechanism, or None (no authentication) if the
-        credential is unset or BPS_AUTH=off."""
-        credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
-        mechanism = os.environ.get("BPS_AUTH", "token")
-        if not credential or mechanism == "off":
-            return None
-        return cls.for_pool(credential, job_id, num_servers, mechanism)
 
 
 if __name__ == "__main__":  # `python -m torch_bps.security`: print a new pool credential

@@ -150,8 +150,7 @@ def run_torch_bps(
     (`socket_buffer_for`: 0 where the queue holds every connection's minimum), 0 leaves the kernel's buffers.
     Bind the keywords with functools.partial to pass it as a runner. `trace_dir`: the workers' timed steps and the
     servers are recorded into trace_dir/kK (torch_bps.timeline's files). Each worker's receive buffer toward a
-    server goes by the server's share, as the library sizes it; `equal_receive_buffers`: all the socket buffer
-    (before 2026-11-26).
+    server goes by the server's share, as the library sizes it; `equal_receive_buffers`: all the socket buffer.
     `server_receive_buffers`: the servers' too (`bps-server --receive-buffer-bytes`), else the kernel's.
     `pairs`: then that many pairs of blocks of gloo all_reduce and push/pull steps, alternated in the same processes
     (`paired_cpu`).
@@ -260,9 +259,8 @@ def paired_cpu(results: list[dict]) -> dict:
 
 
 # What the kernel keeps of one TCP connection in its host's link queue however small the connection's share: TCP
-# small queues let two packets wait in the qdisc, and a packet is a GSO burst of up to 64 KiB. Measured: 6 connections
-# through a 1.38 MB queue (n = 4, k = 0 at 500 Mbit/s) never dropped with the kernel's buffers, 8 through 756 KB
-# (n = 8, k = 8 at 250 Mbit/s) dropped thousands (docs/issue15.md, "Small windows only where the queue needs them").
+# small queues let two packets wait in the qdisc, and a packet is a GSO burst of up to 64 KiB. A queue that holds
+# this much for every connection through it does not drop with the kernel's buffers; a smaller one overflows.
 KERNEL_QUEUE_PER_CONNECTION = 128 << 10
 
 
@@ -286,12 +284,11 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     Otherwise: a worker's link carries its connection to each server and, at k < n, its colocated server's
     connections to the other workers, each with at most about the buffer's size in flight (the kernel doubles the
     value for its bookkeeping). A third more than an even share of the queue per connection fits: the flows are
-    rarely all full at once (docs/issue15.md, "n = 8: where the drops were").
+    rarely all full at once.
 
     The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
     effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
-    the dedicated servers' connections, which carry most bytes, of window (docs/issue15.md, "What paces a mixed-k
-    step").
+    the dedicated servers' connections, which carry most bytes, of window.
     """
     if uplink_connections(n, k) * KERNEL_QUEUE_PER_CONNECTION <= link_queue_bytes:
         return 0

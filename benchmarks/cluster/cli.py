@@ -39,8 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tcp-congestion",
         default="reno",
-        help="every host's TCP congestion control (default reno; '' keeps the machine's: bbr here, as in every run "
-        "before 2026-11-27)",
+        help="every host's TCP congestion control (default reno; '' keeps the machine's: bbr here)",
     )
     p.add_argument("--steps", type=int, help="timed steps per measurement (default 5; --quick 3)")
     p.add_argument(

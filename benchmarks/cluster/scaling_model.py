@@ -28,7 +28,7 @@ from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES as MIN_PARTITION
 from torch_bps.engine.partition import PARTS_PER_SERVER
 
 GOODPUT = 0.95  # TCP over tbf at MTU 1500 (the calibration stream: 0.93-0.96)
-# Measured with the stream transport on 2026-11-26 (docs/benchmarks.md), medians of 3 repeats:
+# The costs the model charges, from these commands with the stream transport (medians of 3 repeats):
 # `python benchmarks/server_cpu.py --sizes 65536,131072,262144,1048576 --mib 64`: the add + copy floor 0.50-0.65 ns
 # per byte pushed, and 3-30 us per message (PUSH or PULL) beyond it;
 SERVER_NS_PER_BYTE = 0.57

@@ -46,7 +46,7 @@ class Plan:
     socket_buffer_bytes: int = -1  # the byteps DDP / FSDP workers' BPS_SOCKET_BUFFER_BYTES (-1: socket_buffer_for)
     # Every host's TCP congestion control ("": the machine's). Reno is loss-based, as datacenter TCP (CUBIC, DCTCP)
     # is. This machine's default, BBR, holds every flow at 4 packets for 200 ms every 10 s (PROBE_RTT) when the
-    # queues keep the RTT up: one step of ~6 ran 0.1-0.2 s longer in every runner, gloo's and plain TCP's included.
+    # queues keep the RTT up, which costs a step tenths of a second in every runner, gloo's and plain TCP's too.
     tcp_congestion: str = "reno"
 
     @property

@@ -54,7 +54,7 @@ def run_tcp_matrix(
     Servers stand where run_torch_bps starts them: one per dedicated host and, when the split gives them bytes,
     one on each worker host. `socket_buffer_bytes` as in run_torch_bps (-1: socket_buffer_for).
     `pace` > 0 caps every connection's rate at its bytes per step / (pace x t_opt): the rates t_opt needs, which
-    TCP's sharing of a link between its connections does not give them (docs/issue15.md, "Plain TCP on a step's bytes").
+    TCP's sharing of a link between its connections does not give them.
     `buffers_by_share` sizes each connection's buffers (both ends) in proportion to its server's share of the bytes
     instead: socket_buffer_bytes x share x effective servers (1 / sum share^2), so that the windows share each link.
     `lead_bytes` > 0 (rounds): a server reads no worker's pushes more than that ahead of the slowest worker's, and

@@ -3,7 +3,7 @@
 Every dtype the engine uses (float32, float16, bfloat16, in and out), 1 to MAX_TENSORS inputs or destinations,
 sizes at the block edges and a few MB, in place, local_sum's (L, n) view of shared rows, and offsets past 2**31
 elements (the kernels compute 64-bit offsets). Tolerance: one unit in the last place of the output dtype, the
-contract tests/test_triton_kernels.py holds the interpreted kernels to (the kernels do the reference's fp32
+contract tests/kernels/test_triton_kernels.py holds the interpreted kernels to (the kernels do the reference's fp32
 operations in the reference's order with FMA fusion off; only the final cast may round differently).
 
 Dry run on CPU: TRITON_INTERPRET=1 runs these on CPU tensors under the interpreter (not a GPU result).

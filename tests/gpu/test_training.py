@@ -5,7 +5,7 @@ World 2 and 4 processes share the one GPU (tests.helpers.run_ranks), laid out as
 test_collectives.py. The reference is DDP on a gloo group of the
 same ranks with the same model on the same device (gloo carries CUDA tensors for DDP), so both sides run the same
 kernels and only the gradient sums differ in order: gradients are compared every step and parameters at the end
-within TOL (the CPU suite's tolerance in tests/test_ddp.py).
+within TOL (the CPU suite's tolerance in tests/backend/test_ddp.py).
 
 Dry run on CPU: TORCH_BPS_TEST_DEVICE=cpu (not a GPU result).
 """

@@ -1,4 +1,4 @@
 """`python -m torch_bps.doctor`: why is (or isn't) this job faster? See __main__.py.
 
-May import: torch, torch_bps and torch_bps.doctor.
+May import: nothing.
 """

@@ -6,7 +6,7 @@ best, and what limits it (verdict.py). Rank 0 prints; `--json` writes the measur
 
     torchrun --nnodes 4 --nproc-per-node 8 ... -m torch_bps.doctor --mb 64 --json doctor.json
 
-May import: the standard library, torch and torch_bps.
+May import: the standard library, torch and torch_bps.doctor.
 """
 
 from __future__ import annotations

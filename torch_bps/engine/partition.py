@@ -123,10 +123,9 @@ class KeyBook:
         Why: a partition's sum can only come back once every worker pushed all of it, so the first
         partition's push (fill) and the last one's pull (drain) are times no pipelining hides: about 2/P of the
         step with P partitions per server, hence 64 of them. Every message costs CPU on both ends, hence a floor;
-        128 KiB is where the emulated cluster's fastest points were with the stream transport and the sized
-        credit, on 2 cores (docs/issue15.md, "The partition floor" and "Credit and partition size, measured on the
-        links"). With socket buffers set it is their size (Config.partition_floor: measured at n = 8). A machine
-        with cores to spare may lower it, one bound by CPU raise it (BPS_MIN_PARTITION_BYTES).
+        128 KiB is where the emulated cluster's fastest points are with the stream transport and the sized
+        credit, on 2 cores (docs/benchmarks.md). With socket buffers set it is their size (Config.partition_floor).
+        A machine with cores to spare may lower it, one bound by CPU raise it (BPS_MIN_PARTITION_BYTES).
         """
         # The server with the smallest share (a colocated one under the paper's split) sets the size.
         smallest = min(s.weight for s in self.placement.servers)

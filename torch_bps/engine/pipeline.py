@@ -52,7 +52,7 @@ import torch
 
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
-from torch_bps.engine.trace import describe, span, stage
+from torch_bps.engine.spans import describe, span, stage
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
 from torch_bps.wire import Mode, Partition
@@ -81,8 +81,8 @@ class PushPullEngine:
         client: a torch_bps.client.Client (worker = this machine, num_workers = machines); it schedules the
             partitions within its credit of bytes in flight.
         keys: the KeyBook (partitioning and placement).
-        local: (reduce_scatter, all_gather) LocalComm channels among this machine's ranks, or None for one
-            rank per machine. Two channels, because the two steps run on different threads and each
+        local_channels: (reduce_scatter, all_gather) LocalComm channels among this machine's ranks, or None for
+            one rank per machine. Two channels, because the two steps run on different threads and each
             channel needs its calls in the same order on every local rank.
         local_rank: this rank's index within its machine.
         timeout: the client's request timeout; a local stage waits a little longer for the network stage, so
@@ -100,7 +100,7 @@ class PushPullEngine:
         client,
         keys: KeyBook,
         *,
-        local=None,
+        local_channels=None,
         local_rank: int = 0,
         timeout: float = 300.0,
         worker_ranks: Sequence[int] | None = None,
@@ -112,7 +112,7 @@ class PushPullEngine:
         self.alone = alone
         self._worker_ranks = worker_ranks
         self.keys = keys
-        self.local = local
+        self.local_channels = local_channels
         self.local_rank = local_rank
         self.timeout = timeout
         self._lock = threading.Lock()  # collectives may come from several threads; plans must stay in order
@@ -126,7 +126,7 @@ class PushPullEngine:
         self._gathering = False
         self._handed = 0  # collectives gathered off the stage thread (counted by the one gatherer)
         self._stage_thread: threading.Thread | None = None
-        if local is not None:
+        if local_channels is not None:
             self._rs_queue: queue.Queue = queue.Queue()
             self._stage_thread = threading.Thread(target=self._reduce_scatter_loop, name="bps-local-rs", daemon=True)
             self._stage_thread.start()
@@ -149,11 +149,11 @@ class PushPullEngine:
             t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
-        mine = self.local_rank if self.local is not None else 0
+        mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
-            if self.local is None:
+            if self.local_channels is None:
                 self._schedule(_Op(items, plans, priority, done))
             else:
                 self._rs_queue.put(_Op(items, plans, priority, done))
@@ -162,12 +162,12 @@ class PushPullEngine:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
         placed at the start, its bytes)."""
         with self._lock:
-            return self.keys.keys_of(None if every_slice else self.local_rank if self.local is not None else 0)
+            return self.keys.keys_of(None if every_slice else self.local_rank if self.local_channels is not None else 0)
 
     @property
     def worker_ranks(self) -> Sequence[int]:
         if self._worker_ranks is None:
-            size = self.local[0].local_size if self.local is not None else 1
+            size = self.local_channels[0].local_size if self.local_channels is not None else 1
             self._worker_ranks = range(self.client.worker * size, (self.client.worker + 1) * size)
         return self._worker_ranks
 
@@ -187,12 +187,12 @@ class PushPullEngine:
         with stage(lambda: _span_name("local_reduce_scatter", op.items)):
             for x in op.items:
                 t = x.tensor
-                lo, hi = self.local[0].slice_range(t.numel())
+                lo, hi = self.local_channels[0].slice_range(t.numel())
                 if x.mode == Mode.COPY:
                     self._share_local_ranges(x)
                     op.slices.append(t[lo:hi])
                 else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
-                    op.slices.append(self.local[0].reduce_scatter(t, out=t[lo:hi]))
+                    op.slices.append(self.local_channels[0].reduce_scatter(t, out=t[lo:hi]))
 
     def _share_local_ranges(self, x: Exchange) -> None:
         """Give every local rank the other local ranks' COPY ranges, so the machine pushes them once.
@@ -200,7 +200,7 @@ class PushPullEngine:
         Ranges may differ in length (a broadcast's root has all, the others none): each rank's goes into a
         block of the longest one's size, and one local all-gather of the blocks moves them all.
         """
-        comm, me, t = self.local[0], self.local_rank, x.tensor
+        comm, me, t = self.local_channels[0], self.local_rank, x.tensor
         ranges = [x.push[r] for r in self.worker_ranks]
         block = max(hi - lo for lo, hi in ranges)
         if block == 0:
@@ -244,7 +244,7 @@ class PushPullEngine:
         """This rank's partitions of one tensor, as push_pull_batch takes them."""
         t = x.tensor
         # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
-        base = self.local[0].slice_range(t.numel())[0] if self.local is not None else 0
+        base = self.local_channels[0].slice_range(t.numel())[0] if self.local_channels is not None else 0
         ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
         pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
         whole = (0, t.numel())
@@ -267,7 +267,7 @@ class PushPullEngine:
             op.network_ended = True
             self._in_network.pop(id(op), None)
             op.error = op.error or error
-            if self.local is None:
+            if self.local_channels is None:
                 gather = None
             elif self._gathering or self._to_gather[0] is not op:
                 return  # the gatherer, or the collective ahead of it when it ends, gathers it in turn
@@ -313,7 +313,7 @@ class PushPullEngine:
         try:
             with stage(lambda: _span_name("local_all_gather", op.items)):
                 for slice_, x in zip(op.slices, op.items, strict=True):
-                    self.local[1].all_gather(slice_, x.tensor)
+                    self.local_channels[1].all_gather(slice_, x.tensor)
         except BaseException as e:  # noqa: BLE001
             op.error = e
 
@@ -350,7 +350,7 @@ class PushPullEngine:
     def _stalled(self, op: _Op, wait: float) -> BpsTimeoutError:
         keys = [p.key for plan in op.plans for p in plan]
         which = f"keys {min(keys):#x}..{max(keys):#x}" if keys else "no keys"
-        who = f"local rank {self.local_rank}: " if self.local is not None else ""
+        who = f"local rank {self.local_rank}: " if self.local_channels is not None else ""
         return BpsTimeoutError(
             f"{who}the network stage of a collective of {_size(op.items)} ({which}) has not ended and no partition "
             f"was sent or acknowledged in the last {wait:.1f} s"

@@ -52,8 +52,6 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
 
     Example: `launch(rt, "barrier", [Transfer(torch.zeros(1))], [], where="on group 0", timeout=60)`.
     """
-    from torch_bps import _C
-
     on_device = device is not None and device.type != "cpu"
     future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
 
@@ -73,7 +71,7 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
         fail(future, error)
 
     runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
-    return _C.make_work(future, timeout, f"{op} {where}")
+    return make_work(future, timeout, f"{op} {where}")
 
 
 def make_work(future: torch.futures.Future, timeout: float, what: str) -> dist.Work:

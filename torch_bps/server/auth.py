@@ -72,7 +72,7 @@ class ServerSecurity:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism {mechanism!r}: use one of {MECHANISMS}")
         self._secret = secret
-        self._keys = derive(secret, "server")
+        self._key_pair = derive(secret, "server")
         self.allowed = allowed  # the client identities that may in; None: any that proves the secret
         self.kind = kind  # "job" or "pool", for logs
         self.mechanism = mechanism
@@ -105,7 +105,7 @@ class ServerSecurity:
         before it binds); return the handler that answers the ZAP requests."""
         if self.mechanism == "curve":
             core.set_option(zmq.CURVE_SERVER, 1)
-            core.set_option(zmq.CURVE_SECRETKEY, self._keys.secret)
+            core.set_option(zmq.CURVE_SECRETKEY, self._key_pair.secret)
         else:
             core.set_option(zmq.PLAIN_SERVER, 1)
         core.set_option(zmq.ZAP_DOMAIN, ZAP_DOMAIN)

@@ -1,5 +1,10 @@
 """`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT or SIGTERM.
 
+This is the server's one configuration point: its settings are the options below, whose defaults come from
+environment variables (BPS_SERVER_*, BPS_AUTH...) read here only, through `_env`; so does the pool credential
+(BPS_POOL_CREDENTIAL, or --credential-file), which never goes on the command line. The workers' settings are
+`torch_bps.config.Config`'s.
+
 May import: the standard library, torch, torch_bps.address, torch_bps.registry, torch_bps.security and torch_bps.server.
 """
 
@@ -32,20 +37,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--host",
         "--bind",
         dest="host",
-        default=os.environ.get("BPS_SERVER_HOST"),
+        default=_env("BPS_SERVER_HOST"),
         help="address to listen on, required: the interface workers reach this server at (0.0.0.0: every "
         "interface); env BPS_SERVER_HOST",
     )
     _option(p, "--port", "BPS_SERVER_PORT", int, 9000, "TCP port; 0 picks a free one")
     p.add_argument(
         "--log-level",
-        default=os.environ.get("BPS_LOG_LEVEL", "WARNING"),
+        default=_env("BPS_LOG_LEVEL", "WARNING"),
         help="DEBUG, INFO, WARNING... (default %(default)s)",
     )
     p.add_argument(
         "--register",
         metavar="HOST:PORT",
-        default=os.environ.get("BPS_REGISTER"),
+        default=_env("BPS_REGISTER"),
         help="register this server in the TCPStore at HOST:PORT, where workers with BPS_NUM_SERVERS=k wait for k "
         "registrations: the workers' BPS_REGISTRY (under torchrun's c10d rendezvous: its --rdzv-endpoint), or their "
         "MASTER_ADDR:MASTER_PORT under a static rendezvous. Waits for that store to listen; env BPS_REGISTER",
@@ -69,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     auth.add_argument(
         "--auth",
         choices=("token", "curve", "off"),
-        default=os.environ.get("BPS_AUTH", "token"),
+        default=_env("BPS_AUTH", "token"),
         help="token: only workers that prove they hold the pool credential get in, connections not encrypted; "
         "curve: the same, every connection encrypted (networks you do not control); off: anyone who reaches "
         "the port (a trusted network only). Env BPS_AUTH (default %(default)s)",
@@ -77,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     auth.add_argument(
         "--stream",
         choices=("on", "off"),
-        default=os.environ.get("BPS_SERVER_STREAM", "on"),
+        default=_env("BPS_SERVER_STREAM", "on"),
         help="on: also listen for the stream transport on a second, free port, offered to workers in the HELLO "
         "reply (never under curve: streams are not encrypted); off: ZeroMQ only. Env BPS_SERVER_STREAM "
         "(default %(default)s)",
@@ -88,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="file holding the pool credential (default: env BPS_POOL_CREDENTIAL); give jobs the same one",
     )
     see = p.add_argument_group("timeline and counters (see torch_bps/server/timeline.py and metrics.py)")
-    see.add_argument("--trace", metavar="DIR", default=os.environ.get("BPS_SERVER_TRACE"),
+    see.add_argument("--trace", metavar="DIR", default=_env("BPS_SERVER_TRACE"),
                      help="record sums and queue depth into DIR/server-HOST-PORT.json (Chrome-trace JSON; merge with "
                      "the workers' files: python -m torch_bps.timeline DIR); env BPS_SERVER_TRACE")  # fmt: skip
     _option(see, "--trace-events", "BPS_SERVER_TRACE_EVENTS", int, 500_000, "events recorded at most")
@@ -113,6 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "seconds without a request after which a job is forgotten")  # fmt: skip
     _option(limits, "--lost-job-lease", "BPS_SERVER_LOST_JOB_LEASE", float, Limits.lost_job_seconds,
             "seconds without a request after which a job whose workers are all lost is forgotten")  # fmt: skip
+    p.set_defaults(pool_credential=_env("BPS_POOL_CREDENTIAL", ""))  # never an option: the command line is public
     args = p.parse_args(argv)
     if args.stats:
         return args
@@ -158,7 +164,7 @@ def _security(args: argparse.Namespace) -> ServerSecurity | None:
 def _credential(args: argparse.Namespace) -> str:
     """The pool credential: --credential-file's, else BPS_POOL_CREDENTIAL's, else ""."""
     if not args.credential_file:
-        return os.environ.get("BPS_POOL_CREDENTIAL", "")
+        return args.pool_credential
     with open(args.credential_file) as f:
         credential = f.read().strip()
     if not credential:
@@ -186,9 +192,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _env(name: str, default: str | None = None) -> str | None:
+    """Return environment variable `name`, or `default` if it is unset: the one place the server reads settings
+    from the environment (an embedded server's job secret is handed over apart, by `_security`)."""
+    return os.environ.get(name, default)
+
+
 def _option(group, flag: str, env: str, kind, default, text: str) -> None:
     """Add a numeric option whose default comes from environment variable `env`, else `default`."""
-    raw = os.environ.get(env)
+    raw = _env(env)
     group.add_argument(flag, type=kind, default=kind(raw) if raw else default,
                        help=f"{text} (env {env}; default %(default)s)")  # fmt: skip
 
@@ -223,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics is None:
             return 1
     if args.trace:
-        server.trace(args.trace, args.trace_events)
+        server.record_timeline(args.trace, args.trace_events)
     print(listening_line(server.address, server.port, server.incarnation), flush=True)  # what launchers wait for
     if metrics is not None:
         print(f"bps-server metrics at http://{metrics.host}:{metrics.port}/metrics", flush=True)

@@ -1,6 +1,6 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
-A server holds, per key, at most two live rounds (each one tensor of the key's size, see rounds.py),
+A server holds, per key, at most two live rounds (each one tensor of the key's size, cpp_ext/server_rounds.h),
 at most one waiting PULL per worker and round, and a little metadata. That is known the moment a key is
 declared, so the book charges it then: INIT of a key that would take its job past the job's quota, or the
 server past its bound, is refused with OVER_QUOTA before anything is allocated. HELLO of a new job is
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from torch_bps.errors import ProtocolError
 from torch_bps.wire import Status
 
-# What the server holds besides round data, per thing, rounded up from measurements with tracemalloc
-# (a key's KeyInfo + KeyRounds + dict slots ~0.6 KB; a waiting pull's identity frame and header ~0.3 KB).
+# What the server holds besides round data, per thing, rounded up so the book never undercounts: a key's
+# declaration, its rounds' bookkeeping and their table slots; a waiting pull's identity frame and header.
 JOB_OVERHEAD = 4096
 KEY_OVERHEAD = 1024
 PULL_OVERHEAD = 512

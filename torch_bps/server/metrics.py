@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import zmq
 
-from torch_bps.security import ClientKeys
+from torch_bps.security import ClientCredentials
 from torch_bps.wire import STATS_FIELDS, Command, Header, Status
 
 # (STATS field, Prometheus name, type, help) of the server's totals and of each job's share.
@@ -135,12 +135,12 @@ def query_stats(address: str, *, credential: str = "", mechanism: str = "token",
             if not credential:
                 raise ValueError("the server authenticates: give its pool credential (BPS_POOL_CREDENTIAL, "
                                  "--credential-file) or --auth off")  # fmt: skip
-            keys = ClientKeys.for_pool(credential, 0, 1, mechanism)
+            credentials = ClientCredentials.for_pool(credential, 0, 1, mechanism)
             if mechanism == "curve":
-                sock.curve_publickey, sock.curve_secretkey = keys.client.public, keys.client.secret
-                sock.curve_serverkey = keys.server_keys[0]
+                sock.curve_publickey, sock.curve_secretkey = credentials.client.public, credentials.client.secret
+                sock.curve_serverkey = credentials.server_keys[0]
             else:
-                sock.plain_username, sock.plain_password = keys.client.public, keys.tokens[0]
+                sock.plain_username, sock.plain_password = credentials.client.public, credentials.tokens[0]
         sock.connect(f"tcp://{address}")
         sock.send_multipart([Header(command=Command.STATS, request_id=1).pack()])
         if not sock.poll(int(timeout * 1000)):

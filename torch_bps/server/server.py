@@ -4,7 +4,7 @@ The core (`torch_bps._C.ServerCore`, cpp_ext/server_core.h) owns the ROUTER and 
 local stream) with their streams (docs/protocol.md, "The stream transport"; their requests take the ROUTER's path)
 and runs its loop on the thread that calls `serve_forever`. PUSH and PULL of a declared key never enter Python: the
 core checks the header, the job's identity and the key's declaration, runs the key's rounds (cpp_ext/server_rounds.h,
-the rules of rounds.py, which stays as the reference it is tested against), sums in place into the first push's received
+held to torch_bps/_reference/rounds.py by the tests), sums in place into the first push's received
 message and answers pulls with that message itself (shared by reference count). Everything else comes here,
 synchronously on the same thread, so every peer's messages keep their order (an INIT pipelined in front of
 its key's first PUSH is declared before that PUSH is read): HELLO, INIT, STATS, garbage and every request
@@ -39,10 +39,10 @@ import zmq
 import torch_bps._C as _C
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
+from torch_bps.server.job import Job
 from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
 from torch_bps.server.metrics import resident_bytes
-from torch_bps.server.rounds import Job
 from torch_bps.server.timeline import ServerTimeline
 from torch_bps.wire import LOCAL_PEER, REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status
 
@@ -131,7 +131,7 @@ class SummationServer:
             if self._timeline is not None:
                 self._timeline.close()
 
-    def trace(self, directory: str, max_events: int = 500_000) -> str:
+    def record_timeline(self, directory: str, max_events: int = 500_000) -> str:
         """Record a timeline of sums and queue depth into DIRECTORY/server-HOST-PORT.json (see timeline.py);
         before serve_forever. Return the file's path."""
         host = self.host if self.host not in ("0.0.0.0", "*", "") else socket.gethostname()

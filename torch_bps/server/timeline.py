@@ -29,7 +29,7 @@ _BUFFER_EVENTS = 1 << 16  # recorded between two ticks at most (0.2 s); more are
 
 
 class ServerTimeline:
-    """Streams the core's trace events into `path`, `max_events` at most.
+    """Streams the core's timeline events into `path`, `max_events` at most.
 
     Example: `t = ServerTimeline(core, "/tmp/trace/server-h-9000.json", "server h:9000"); t.flush(); t.close()`.
     """
@@ -56,7 +56,7 @@ class ServerTimeline:
         self._dropped += dropped
         rows = events.tolist()[: max(self._left, 0)]
         if rows and len(rows) >= self._left:
-            log.warning("trace %s: full (%d events, --trace-events): recording stops", self.path, self._max)
+            log.warning("timeline %s: full (%d events, --trace-events): recording stops", self.path, self._max)
         self._left -= len(rows)
         out = [e for row in rows if (e := self._event(row)) is not None]
         if out:
@@ -70,7 +70,7 @@ class ServerTimeline:
         self.flush()
         self._core.trace(0)
         if self._dropped:
-            log.warning("trace %s: %d events were dropped (more than %d between two ticks)", self.path,
+            log.warning("timeline %s: %d events were dropped (more than %d between two ticks)", self.path,
                         self._dropped, _BUFFER_EVENTS)  # fmt: skip
         self._file.write("\n]\n")
         self._file.close()

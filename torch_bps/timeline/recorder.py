@@ -33,7 +33,7 @@ DEFAULT_WINDOW = (0, 50)
 
 
 @dataclass(frozen=True)
-class TraceSpec:
+class TimelineSpec:
     """Where the files go and which collectives: [start, end)."""
 
     directory: str
@@ -41,10 +41,10 @@ class TraceSpec:
     end: int = DEFAULT_WINDOW[1]
 
     @classmethod
-    def parse(cls, value: str) -> TraceSpec | None:
+    def parse(cls, value: str) -> TimelineSpec | None:
         """Parse BPS_TRACE: "" -> None, "DIR" -> the default window, "DIR,START:END" -> collectives [START, END).
 
-        Example: `TraceSpec.parse("/tmp/trace,10:20")` -> TraceSpec("/tmp/trace", 10, 20).
+        Example: `TimelineSpec.parse("/tmp/trace,10:20")` -> TimelineSpec("/tmp/trace", 10, 20).
         """
         if not value:
             return None
@@ -63,7 +63,7 @@ class Recorder:
     Example: `rec = Recorder.create(config.trace, client, "worker 0", "/tmp/t/worker-0.json")`.
     """
 
-    def __init__(self, client, spec: TraceSpec | None, name: str, path: str):
+    def __init__(self, client, spec: TimelineSpec | None, name: str, path: str):
         self._client, self._spec, self._name, self.path = client, spec, name, path
         self._lock = threading.Lock()
         self._issued = 0
@@ -72,9 +72,9 @@ class Recorder:
         self._collectives: dict[int, list] = {}  # index -> [index, start ns, end ns or None, what, error]
 
     @classmethod
-    def create(cls, trace: str, client, rank: int, group: str) -> Recorder:
-        """The recorder BPS_TRACE (`trace`) asks for, for rank `rank` of group `group`: off if it is empty."""
-        spec = TraceSpec.parse(trace)
+    def create(cls, setting: str, client, rank: int, group: str) -> Recorder:
+        """The recorder BPS_TRACE (`setting`) asks for, for rank `rank` of group `group`: off if it is empty."""
+        spec = TimelineSpec.parse(setting)
         suffix = "" if group == "default" else f"-{group}"
         path = os.path.join(spec.directory, f"worker-{rank}{suffix}.json") if spec else ""
         return cls(client, spec, f"worker {rank}" + (f" ({group})" if suffix else ""), path)
@@ -90,7 +90,7 @@ class Recorder:
                 return done
             if not self._started:
                 self._started = True
-                self._client.trace(CAPACITY)  # starts recording before this collective's partitions are queued
+                self._client.record_steps(CAPACITY)  # starts recording before this collective's partitions are queued
             what = _describe(tensors)
             record = self._collectives[index] = [index, time.time_ns(), None, what, None]
             self._pending += 1
@@ -116,7 +116,7 @@ class Recorder:
             started = self._started
         if not started:
             return
-        rows, dropped = self._client.trace(0)
+        rows, dropped = self._client.record_steps(0)
         pid = os.getpid()
         out = events.partition_events(rows.tolist(), self._client.servers, pid)
         out += events.collective_events([tuple(c) for c in self._collectives.values()], pid)
@@ -143,11 +143,11 @@ def recording(client, path: str, name: str = "worker") -> Iterator[None]:
         with recording(client, "trace/worker-0.json"):
             client.push_pull_batch(parts).wait()
     """
-    client.trace(CAPACITY)
+    client.record_steps(CAPACITY)
     try:
         yield
     finally:
-        rows, dropped = client.trace(0)
+        rows, dropped = client.record_steps(0)
         pid = os.getpid()
         out = events.partition_events(rows.tolist(), client.servers, pid)
         events.write(path, out, name, pid, {"dropped_events": dropped})

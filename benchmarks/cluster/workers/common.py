@@ -31,9 +31,9 @@ def settle() -> None:
     """Collect Python's garbage before the timed steps, as `timeit` does, in every runner alike.
 
     Why: the warm-up builds what the timed steps reuse (torch_bps's partition plans, one per key slot), and the
-    objects it leaves behind make a full collection due soon after. One ran in a worker's main thread while it
-    handed a step's partitions down and held that step back ~340 ms at n = 8, 250 Mbit/s (a 166k-object heap, ~75
-    ms on an idle machine): once per run, 4% of five steps. A training job pays it once, not once in five steps.
+    objects it leaves behind make a full collection due soon after. Run in a worker's main thread while it hands a
+    step's partitions down, that collection holds the step back: once per run, a large share of a few timed
+    steps. A training job pays it once, not once in five steps.
     """
     gc.collect()
 

@@ -1,0 +1,61 @@
+"""bps_hook: DDP on a gloo group whose gradient buckets are averaged on the summation servers, against the same
+DDP on gloo without a hook (gradients within TOL every step, parameters identical across ranks)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import torch_bps
+from tests.backend.test_ddp import _train_pair
+from tests.helpers import run_ranks
+
+
+def _hooked(rank, world, gloo):
+    assert dist.get_backend() == "gloo"
+    worst = {}
+    # several buckets (bucket_cap_mb tiny), bucket views, the default group; the state's Runtime is made lazily
+    state = torch_bps.BpsHookState()
+    hooks = {"byteps": (state, torch_bps.bps_hook)}
+    kwargs = dict(bucket_cap_mb=0.002, gradient_as_bucket_view=True)
+    worst["gloo+bps_hook"] = _train_pair(rank, world, gloo, gloo, kwargs, False, hooks)
+    assert state.connect().world_size == world and state.connect().name == "hook"
+    # unused parameters: DDP's own bookkeeping all_reduce stays on gloo, the buckets go through the hook.
+    # A second model's state on the same group shares the first one's Runtime (one rendezvous per name).
+    second = torch_bps.BpsHookState()
+    assert second.connect() is state.connect()
+    hooks = {"byteps": (second, torch_bps.bps_hook)}
+    worst["unused"] = _train_pair(rank, world, gloo, gloo, dict(find_unused_parameters=True), True, hooks)
+    # hooks compose: the bucket travels as float16 (divided first, so no overflow), decompressed after
+    hooks = {"byteps": (state, default_hooks.fp16_compress_wrapper(torch_bps.bps_hook)),
+             "gloo": (gloo, default_hooks.fp16_compress_hook)}  # fmt: skip
+    worst["fp16_wrapper"] = _train_pair(rank, world, gloo, gloo, {}, False, hooks, tol=dict(rtol=1e-3, atol=1e-3))
+    second.close()
+    state.close()
+    # a "byteps" subgroup as the hook's group: the hook uses that group's Runtime, DDP uses the group too
+    sub = dist.new_group(backend="byteps")
+    assert dist.get_backend(sub) == "byteps"
+    sub_state = torch_bps.BpsHookState(process_group=sub)
+    hooks = {"byteps": (sub_state, torch_bps.bps_hook)}
+    worst["byteps_subgroup"] = _train_pair(rank, world, gloo, sub, {}, False, hooks)
+    assert sub_state.connect() is torch_bps.implementation(sub).runtime
+    return worst
+
+
+@pytest.mark.timeout(180)
+def test_bps_hook_on_gloo_matches_gloo_without_hook():
+    results = run_ranks(_hooked, 2, backend="gloo", timeout=160)
+    # Two ranks: a + b rounds the same whichever side adds, and halving is exact, so the hook matches gloo bit
+    # for bit.
+    assert results == [dict.fromkeys(("gloo+bps_hook", "unused", "fp16_wrapper", "byteps_subgroup"), 0.0)] * 2
+
+
+def test_hook_signature_is_what_ddp_accepts():
+    """DDP compares annotations with the real types (strings from `from __future__ import annotations` fail)."""
+    sig = inspect.signature(torch_bps.bps_hook)
+    assert sig.parameters["bucket"].annotation is dist.GradBucket
+    assert sig.return_annotation == torch.futures.Future[torch.Tensor]

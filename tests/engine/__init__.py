@@ -1,0 +1,1 @@
+"""Tests of the worker-side engine: placement, partitioning, scheduling, the pipeline and the local stages."""

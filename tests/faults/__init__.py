@@ -1,0 +1,1 @@
+"""Fault tests with real processes: killed and stalled ranks and servers, failover, garbage on the wire."""

@@ -1,0 +1,445 @@
+"""A lost dedicated server costs no step: DDP training under torchrun (2 workers, BPS_LOCAL_REDUCE=0) goes on
+through SIGKILLed summation servers and ends with parameters bit-identical to an uninterrupted run (two
+workers' sums cannot differ in order). See torch_bps/failover.py and docs/protocol.md "Failover".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port, start_servers, stop_servers
+from torch_bps.client import Client
+from torch_bps.engine.placement import server_weights
+from torch_bps.failover import RECOVERY_BIT, Agreement, Router
+from torch_bps.server.metrics import query_stats
+from torch_bps.wire import DTYPE_CODES as PROTOCOL_CODES
+from torch_bps.wire import Command, Mode, Partition
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "failover_train.py")
+STEPS = 10
+
+
+def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None, hook: bool = False, name="run",
+          workers: int = 2):  # fmt: skip
+    """Run tests/scripts/failover_train.py on `workers` workers; return (final parameters, failover records, output)."""
+    out = str(tmp_path / name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS),
+           "--kill", kill]  # fmt: skip
+    if hook:
+        cmd.append("--hook")
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
+           "BPS_SERVERS": ",".join(servers), "BPS_FAILOVER_TIMEOUT": "30", **(env or {})}  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    with open(out + ".json") as f:
+        records = json.load(f)
+    return torch.load(out + ".pt"), records, output
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    servers = start_servers(2)
+    try:
+        params, records, _ = train(tmp_path_factory.mktemp("baseline"), [s.address for s in servers])
+    finally:
+        stop_servers(servers)
+    assert records == []
+    return params
+
+
+def assert_identical(params, baseline) -> None:
+    assert params.keys() == baseline.keys()
+    for name, value in params.items():
+        assert torch.equal(value, baseline[name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("step,when", [(0, "backward"), (3, "start"), (4, "backward")])
+def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
+    servers = start_servers(2)
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:{step}:{when}")
+    finally:
+        stop_servers(servers)
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+    assert records[0]["servers"] == [servers[1].address]
+    assert "failover 1: lost" in output
+
+
+def test_three_workers_end_within_summation_order_of_an_uninterrupted_run(tmp_path):
+    """With three workers a server may add in another order (an uninterrupted run's sums vary too): the kill
+    costs no step and moves the parameters no further than summation order does."""
+    servers = start_servers(2)
+    try:
+        addresses = [s.address for s in servers]
+        reference, _, _ = train(tmp_path, addresses, workers=3, name="reference")
+        params, records, output = train(tmp_path, addresses, f"{servers[0].proc.pid}:4:backward", workers=3)
+    finally:
+        stop_servers(servers)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+    for name, value in params.items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{name} moved too far")
+
+
+def test_stopped_server_is_failed_over_after_the_heartbeat_timeout(tmp_path, baseline):
+    """A SIGSTOPped server keeps its connections open: the heartbeats find it silent, then it is failed over."""
+    servers = start_servers(2)
+    try:
+        heartbeats = {"BPS_HEARTBEAT_TIMEOUT": "1.5", "BPS_HEARTBEAT_INTERVAL": "0.5"}
+        kill = f"{servers[0].proc.pid}:3:backward:stop"
+        params, records, output = train(tmp_path, [s.address for s in servers], kill, env=heartbeats)
+    finally:
+        os.kill(servers[0].proc.pid, signal.SIGCONT)
+        stop_servers(servers)
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+
+
+def test_standby_server_takes_over(tmp_path, baseline):
+    *servers, standby = start_servers(3)
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[1].proc.pid}:2:backward",
+                                        env={"BPS_STANDBY_SERVERS": standby.address})  # fmt: skip
+        stats = standby  # the standby summed what moved to it
+    finally:
+        stop_servers([*servers, standby])
+    assert_identical(params, baseline)
+    assert records[0]["standby"] == [stats.address], output[-3000:]
+    assert set(records[0]["servers"]) == {servers[0].address, standby.address}
+    # The standby took the lost server's keys, and so its share: the paper's split of two servers again.
+    shares = records[0]["shares"]
+    assert shares.keys() == {servers[0].address, standby.address} and min(shares.values()) > 0.48, shares
+
+
+def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline):
+    """Two failovers in one run: to the survivor, then (none left) to colocated servers the workers start."""
+    servers = start_servers(2)
+    try:
+        kill = f"{servers[0].proc.pid}:2:backward,{servers[1].proc.pid}:6:start"
+        params, records, output = train(tmp_path, [s.address for s in servers], kill)
+    finally:
+        stop_servers(servers)
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address], [servers[1].address]], output[-3000:]
+    # One machine (torchrun --nproc-per-node 2): its local rank 0 started the one colocated server.
+    assert len(records[1]["servers"]) == 1 and records[1]["servers"][0] not in {s.address for s in servers}
+
+
+def test_hook_door(tmp_path, baseline):
+    servers = start_servers(2)
+    try:
+        params, records, output = train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
+                                        hook=True)  # fmt: skip
+    finally:
+        stop_servers(servers)
+    assert_identical(params, baseline)
+    assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
+
+
+def test_failover_off_fails_fast(tmp_path):
+    servers = start_servers(2)
+    try:
+        with pytest.raises(AssertionError, match="TransportError"):
+            train(tmp_path, [s.address for s in servers], f"{servers[0].proc.pid}:3:backward",
+                  env={"BPS_FAILOVER": "0"})  # fmt: skip
+    finally:
+        stop_servers(servers)
+
+
+# -- The open round, deterministically: rank 0 is a real Router (its client and the agreement), rank 1 is played
+# by hand through RawPeers and the store, so that the server dies exactly where the test wants.
+N = 1000  # elements of the key
+
+
+class HandRank:
+    """Rank 1, by hand: pushes and pulls through RawPeers, reports through the store like a Router."""
+
+    def __init__(self, store, address: str, job_id: int):
+        self.store = store
+        self.peer = RawPeer(address, job_id=job_id, worker=1, num_workers=2)
+        self.peer.hello()
+
+    def push(self, peer, key: int, round_: int, t: torch.Tensor, mode=Mode.SUM, init=True, offset=0, nbytes=None):
+        nbytes = nbytes if nbytes is not None else N * 4
+        common = dict(key=key, nbytes=nbytes, dtype=PROTOCOL_CODES[torch.float32], mode=int(mode))
+        if init:
+            h, _ = peer.request(Command.INIT, **common)
+            assert h.status == 0
+        h, _ = peer.request(Command.PUSH, t.numpy().tobytes(), round=round_, offset=offset * 4, **common)
+        assert h.status == 0, h
+
+    def pull(self, peer, key: int, round_: int, mode=Mode.SUM) -> torch.Tensor:
+        h, frames = peer.request(Command.PULL, key=key, round=round_, nbytes=N * 4, mode=int(mode),
+                                 dtype=PROTOCOL_CODES[torch.float32], wait_ms=20000)  # fmt: skip
+        assert h.status == 0, (h, frames)
+        return torch.frombuffer(bytearray(frames[0]), dtype=torch.float32)
+
+    def report(self, epoch: int, lost: list[str], counts: dict[int, tuple[int, bool]]) -> dict:
+        ns = f"failover/{epoch}/"
+        self.store.set(f"{ns}lost/1", json.dumps(lost))
+        self.store.set(f"{ns}counts/1", json.dumps({str(k): [*v, N * 4] for k, v in counts.items()}))
+        self.store.wait([ns + "decision"], timedelta(seconds=30))
+        return json.loads(self.store.get(ns + "decision"))
+
+
+def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
+    """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated; anything with .address)."""
+    weights = server_weights([], [s.address for s in servers])
+    box = []
+    client = Client([s.address for s in servers], job_id, 0, 2, timeout=30, failover=True,
+                    on_link_down=lambda s, why: box[0].on_link_down(0, s, why))  # fmt: skip
+
+    def make_client(new, new_job, on_link_down):
+        return Client([s.address for s in new], new_job, 0, 2, timeout=30, failover=True, on_link_down=on_link_down)
+
+    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
+    no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
+    agreement = Agreement(store, 0, 2, 30.0, "optimal", own_keys, make_client, lambda n: [], no_colocated,
+                          lambda: ([], []))  # fmt: skip
+    router = Router(client, weights, agreement, "test")
+    box.append(router)
+    return client, router
+
+
+@pytest.fixture
+def rank0():
+    """`router_rank0`, closing what it made when the test ends."""
+    made = []
+
+    def make(*args):
+        made.append(router_rank0(*args))
+        return made[-1]
+
+    yield make
+    for client, router in made:
+        router.close()
+        client.close()
+
+
+def submit(router, parts) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    parts = [Partition(*p) for p in parts]
+    router.submit(parts, 0, lambda error: fut.set_exception(error) if error else fut.set_result(None))
+    return fut
+
+
+@pytest.mark.parametrize("pull", ["whole", "shard"])
+def test_open_round_is_finished_by_the_rank_that_completed_it(pull, rank0):
+    """Rank 0 pulled round 0 of a key, rank 1 did not; the server dies. Whole pull: rank 0 broadcasts the result
+    it kept. Shard pull (a reduce-scatter): rank 0 pushes again the copy of its input it kept. Either way rank 1
+    gets round 0's sum from the new owner, and round 1 completes there."""
+    servers = start_servers(2)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    job = 0x5EED0001
+    key = 0x7 << 24  # on server 0 (the test gives the placement)
+    try:
+        # A store client of its own: a TCPStore client serves one wait at a time, and rank 0's failover waits too.
+        hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
+        client, router = rank0(store, servers, job, {key: 0})
+        a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.5)
+        t = a0.clone()
+        out = t if pull == "whole" else t[: N // 2]
+        f0 = submit(router, [(t, key, 0, out, Mode.SUM, N, 0, 0)])
+        hand.push(hand.peer, key, 0, b0)
+        f0.wait()  # rank 0 completed round 0; rank 1 never pulls it from this server
+        assert torch.equal(out, (a0 + b0)[: out.numel()])
+        assert client.kept(key)[:2] == (1, pull == "whole")
+        a1, b1 = torch.full((N,), 3.0), torch.full((N,), 4.0)
+        t1 = a1.clone()
+        f1 = submit(router, [(t1, key, 0, t1, Mode.SUM, N, 0, 0)])  # round 1: rank 1 has not pushed it
+        servers[0].kill()
+        decision = hand.report(1, [servers[0].address], {key: (0, False)})
+        assert decision["dedicated"] == [servers[1].address]
+        assert decision["actions"] == {str(key): [0, 0 if pull == "whole" else -1]}
+        new = RawPeer(servers[1].address, job_id=decision["job_id"], worker=1, num_workers=2)
+        new.hello()
+        if pull == "whole":  # a broadcast: rank 1 pushes nothing and pulls the result rank 0 kept
+            hand.push(new, key | RECOVERY_BIT, 0, torch.empty(0), mode=Mode.COPY)
+            got = hand.pull(new, key | RECOVERY_BIT, 0, mode=Mode.COPY)
+        else:  # summed again: rank 1 pushes its round-0 input again
+            hand.push(new, key | RECOVERY_BIT, 0, b0)
+            got = hand.pull(new, key | RECOVERY_BIT, 0)
+        assert torch.equal(got, a0 + b0), "rank 1 did not get round 0's sum"
+        hand.push(new, key, 0, b1)  # the key's round 1, the new job's round 0
+        assert torch.equal(hand.pull(new, key, 0), a1 + b1)
+        f1.wait()
+        assert torch.equal(t1, a1 + b1)
+        assert router.failovers[0]["held_parts"] == 1
+        assert router.clients()[0] is client and len(router.clients()) == 2  # the engine's stall check reads both
+        new.close()
+        hand.peer.close()
+    finally:
+        stop_servers(servers)
+
+
+def test_open_round_is_finished_for_the_rank_that_had_not_completed_it(rank0):
+    """Rank 1 pulled round 0 of a key, rank 0's reply is lost with the server (frozen in a proxy, then cut): rank 0
+    holds its part; rank 1 broadcasts the result it kept and rank 0's held part receives it from the new owner."""
+    # The relayed server offers no stream: the relay carries its ZeroMQ port only, a stream would go around it.
+    servers = [ServerProcess(extra_args=("--stream", "off"), wait=False), ServerProcess(wait=False)]
+    for s in servers:
+        s.wait_listening()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    proxy = TcpRelay(servers[0].address)
+    job, key = 0x5EED0002, 0x9 << 24
+    try:
+        hand = HandRank(dist.TCPStore("127.0.0.1", store.port, is_master=False), servers[0].address, job)
+        client, router = rank0(store, [proxy, servers[1]], job, {key: 0})
+        a0, b0 = torch.arange(N, dtype=torch.float32), torch.full((N,), 0.25)
+        t = a0.clone()
+        f0 = submit(router, [(t, key, 0, t, Mode.SUM, N, 0, 0)])
+        deadline = time.monotonic() + 10
+        while client.scheduler_stats()["parts_acknowledged"] < 1:  # rank 0's push reached the server
+            assert time.monotonic() < deadline, "rank 0's push was never acknowledged"
+            time.sleep(0.01)
+        proxy.frozen.set()
+        hand.push(hand.peer, key, 0, b0)
+        assert torch.equal(hand.pull(hand.peer, key, 0), a0 + b0)  # rank 1 completed round 0
+        servers[0].kill()
+        proxy.cut()
+        decision = hand.report(1, [proxy.address], {key: (1, True)})
+        assert decision["actions"] == {str(key): [0, 1]}, "rank 1 broadcasts"
+        new = RawPeer(servers[1].address, job_id=decision["job_id"], worker=1, num_workers=2)
+        new.hello()
+        hand.push(new, key | RECOVERY_BIT, 0, a0 + b0, mode=Mode.COPY)
+        hand.pull(new, key | RECOVERY_BIT, 0, mode=Mode.COPY)
+        f0.wait()
+        assert torch.equal(t, a0 + b0), "rank 0's held part did not receive round 0's sum"
+        assert router.failovers[0]["held_parts"] == 1
+        new.close()
+        hand.peer.close()
+    finally:
+        proxy.cut()
+        stop_servers(servers)
+
+
+def test_a_collective_held_through_two_epochs_clients_completes():
+    """One collective whose keys went through two epochs' clients to the same server: key A was moved to server 1
+    by a failover, key B lived there from the start. Server 1 dies: both clients' batches fail and are held, and
+    the next failover (to a standby) must release the collective once, not once per failed batch. (Found as an
+    unbounded hang in DDP training with 128 KiB partitions, where a bucket had parts on both epochs.) One rank, so
+    that the servers sum what it alone pushes and the test sets the order of every event."""
+    *servers, standby = start_servers(3)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    key_a, key_b = 0x7 << 24, 0x8 << 24  # on servers 0 and 1 (the test gives the placement)
+    box, standbys = [], [[], [standby.address]]  # no standby at the first failover, one at the second
+
+    def claim(n: int) -> list[str]:
+        # Decide only once both batches of the second collective failed and are held (the order the bug needs).
+        deadline = time.monotonic() + 20
+        while len(standbys) == 1 and len(box[0]._held) < 2:
+            assert time.monotonic() < deadline, f"held parts: {box[0]._held}"
+            time.sleep(0.01)
+        return standbys.pop(0)
+
+    def make_client(new, job, on_link_down):
+        return Client([s.address for s in new], job, 0, 1, timeout=30, failover=True, on_link_down=on_link_down)
+
+    client = make_client(servers, 0x5EED0003, lambda s, why: box[0].on_link_down(0, s, why))
+    own_keys = lambda every_slice=False: {key_a: (0, N * 4), key_b: (1, N * 4)}  # noqa: E731
+    no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
+    agreement = Agreement(store, 0, 1, 30.0, "optimal", own_keys, make_client, claim, no_colocated, lambda: ([], []))
+    router = Router(client, server_weights([], [s.address for s in servers]), agreement, "test")
+    box.append(router)
+
+    def collective(value: float) -> None:
+        a, b = torch.full((N,), value), torch.full((N,), -value)
+        f = submit(router, [(a, key_a, 0, a, Mode.SUM, N, 0, 0), (b, key_b, 1, b, Mode.SUM, N, 0, 0)])
+        deadline = time.monotonic() + 40
+        while not f.done():
+            assert time.monotonic() < deadline, f"the collective never completed: {router._active} in flight"
+            time.sleep(0.01)
+        f.wait()
+        assert torch.equal(a, torch.full((N,), value)) and torch.equal(b, torch.full((N,), -value))
+
+    try:
+        servers[0].kill()
+        collective(1.0)  # key A fails over to server 1, through epoch 1's client; key B stays on epoch 0's
+        assert [r["lost"] for r in router.failovers] == [[servers[0].address]]
+        servers[1].kill()
+        collective(2.0)  # one batch per client fails; both are held, then sent to the standby
+        assert [r["lost"] for r in router.failovers] == [[servers[0].address], [servers[1].address]]
+        assert router.failovers[1]["held_parts"] == 2 and router.failovers[1]["standby"] == [standby.address]
+        collective(3.0)  # and the keys work on from there
+    finally:
+        router.close()
+        client.close()
+        stop_servers([*servers, standby])
+
+
+def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
+    """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
+    `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule."""
+    servers = start_servers(2)
+    back = tmp_path / "back"
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS),
+           "--kill", f"{servers[0].proc.pid}:2:backward", "--rebalance", f"6:{back}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
+           "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER_TIMEOUT": "30"}  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "killing server" in line:
+                servers[0].proc.wait(timeout=10)
+                servers[0].start()  # the same port, a new incarnation
+                back.touch()
+        assert proc.wait(timeout=60) == 0, "".join(lines)[-6000:]
+    finally:
+        proc.kill()
+        stop_servers(servers)
+    with open(out + ".json") as f:
+        records = json.load(f)
+    assert_identical(torch.load(out + ".pt"), baseline)
+    assert records[0]["lost"] == [servers[0].address]
+    assert records[1]["rebalance"] == 1 and sorted(records[1]["servers"]) == sorted(s.address for s in servers)
+
+
+def test_torchrun_restart_starts_clean_on_the_same_servers(tmp_path, baseline):
+    """torchrun --max-restarts 1, rank 1 SIGKILLed at step 4 of the first attempt: the second attempt is a new job
+    on the same dedicated servers, trains from the start to the uninterrupted run's parameters, and afterwards the
+    servers hold what they held before the job: no job, no memory (the old attempt's state was released)."""
+    servers = start_servers(2, extra_args=("--lost-job-lease", "1"))
+    credential = os.environ.get("BPS_POOL_CREDENTIAL", "")
+
+    def held(s):
+        stats = query_stats(s.address, credential=credential, mechanism=os.environ.get("BPS_AUTH", "token"))
+        return stats["jobs"], stats["memory_charged"]
+
+    out = str(tmp_path / "run")
+    try:
+        before = [held(s) for s in servers]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--out", out,
+               "--steps", str(STEPS), "--die", "1:4"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0",
+               "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_TIMEOUT": "30"}  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-6000:]
+        assert "rank 1 dying at step 4" in output
+        deadline = time.monotonic() + 20
+        while (after := [held(s) for s in servers]) != before and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop_servers(servers)
+    assert before == [(0, 0), (0, 0)]
+    assert after == before, f"the servers still hold (jobs, bytes) {after}"
+    assert_identical(torch.load(out + ".pt"), baseline)

@@ -1,0 +1,1 @@
+"""Tests of the summation server: the protocol by hand, rounds, limits, authentication, counters, streams."""

@@ -1,0 +1,173 @@
+"""The server's native rounds (cpp_ext/server_rounds.h) against their reference, torch_bps/_reference/rounds.py.
+
+Both are driven with the same random sequences of push, pull, refused push, lost worker and expiry, and must
+give the same answers (token, status, result bytes or error text), refuse the same calls with the same words,
+and keep the same oldest live round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from torch_bps import _C
+from torch_bps._reference.rounds import KeyRounds, Round, SumCounters
+from torch_bps.errors import ProtocolError
+from torch_bps.server.job import Job
+from torch_bps.wire import DTYPES, Mode, Status
+
+pytestmark = pytest.mark.timeout(300)
+
+NAME = "job 0x2a key 7"
+SUM_DTYPES = [1, 3, 4, 8, 6]  # float32, float16, bfloat16, int8 (wraps), int64
+
+
+class Reference:
+    """_reference/rounds.py's KeyRounds, with its answers put in the shape KeyRoundsProbe returns."""
+
+    def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int):
+        self.job = Job(num_workers)
+        self.mode, self.dtype = mode, dtype
+        self.rounds = KeyRounds(NAME, self.job, SumCounters(), Mode(mode), nbytes)
+        self.pulls: dict[int, tuple[int, int, int, int]] = {}  # token -> (worker, round, offset, length)
+
+    def _answer(self, token: int, result) -> tuple:
+        worker, rnd, offset, length = self.pulls[token]
+        if isinstance(result, Round):
+            return token, Status.OK, result.total.view(torch.uint8)[offset : offset + length].numpy().tobytes()
+        return token, Status.KEY_MISMATCH, f"pull of {NAME} round {rnd} by worker {worker}: {result}"
+
+    def _call(self, fn) -> tuple:
+        try:
+            return 0, "", fn()
+        except ProtocolError as e:
+            return e.status, str(e), []
+
+    def push(self, worker: int, rnd: int, data: bytes, offset: int) -> tuple:
+        dtype = torch.uint8 if self.mode == Mode.COPY else DTYPES[self.dtype]
+        tensor = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return self._call(lambda: [self._answer(t, r) for t, r in self.rounds.push(worker, rnd, tensor, offset)])
+
+    def pull(self, worker: int, rnd: int, token: int, offset: int, length: int, deadline: float) -> tuple:
+        self.pulls[token] = (worker, rnd, offset, length)
+        closed = []
+
+        def call():
+            r = self.rounds.pull(worker, rnd, token, deadline)
+            return [self._answer(token, r)] if r is not None else closed
+
+        return self._call(call)
+
+    def refuse(self, worker: int, rnd: int, reason: str) -> tuple:
+        return self._call(lambda: [self._answer(t, reason) for t in self.rounds.refuse(worker, rnd, reason)])
+
+    def lose(self, worker: int, how: str) -> list:
+        self.job.lost[worker] = how
+        return [(t, Status.WORKER_LOST, m) for t, m in self.rounds.fail_lost()]
+
+    def expire(self, now: float) -> list:
+        return [(t, Status.ROUND_TIMEOUT, m) for t, m in self.rounds.expire(now)]
+
+
+def _normalize(outcome) -> tuple:
+    status, message, answers = outcome
+    return status, message, sorted((int(t), int(s), r) for t, s, r in answers)
+
+
+@st.composite
+def scenarios(draw):
+    num_workers = draw(st.integers(1, 3))
+    mode = draw(st.sampled_from([Mode.SUM, Mode.COPY]))
+    if mode == Mode.SUM:
+        dtype = draw(st.sampled_from(SUM_DTYPES))
+        nbytes = DTYPES[dtype].itemsize * draw(st.integers(1, 4))
+    else:
+        dtype, nbytes = 7, draw(st.integers(0, 8))
+    ops = []
+    for _ in range(draw(st.integers(1, 30))):
+        kind = draw(st.sampled_from(["push"] * 4 + ["pull"] * 4 + ["refuse", "lose", "expire"]))
+        worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 3))
+        if kind == "push":
+            if mode == Mode.SUM:
+                offset, data = 0, _sum_data(draw, dtype, nbytes)
+            else:
+                offset = draw(st.integers(0, nbytes))
+                data = draw(st.binary(min_size=0, max_size=nbytes - offset))
+            ops.append((kind, worker, rnd, data, offset))
+        elif kind == "pull":
+            offset = draw(st.integers(0, nbytes))
+            length = draw(st.sampled_from([nbytes - offset, 0]) | st.integers(0, nbytes - offset))
+            if offset == 0 and draw(st.booleans()):
+                length = nbytes  # the whole result: shared, not copied
+            deadline = draw(st.sampled_from([math.inf, 1.0, 2.0]))
+            ops.append((kind, worker, rnd, offset, length, deadline))
+        elif kind == "refuse":
+            ops.append((kind, worker, rnd))
+        elif kind == "lose":
+            ops.append((kind, worker))
+        else:
+            ops.append((kind, draw(st.sampled_from([1.5, 2.5]))))
+    return num_workers, int(mode), nbytes, dtype, ops
+
+
+def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
+    n = nbytes // DTYPES[dtype].itemsize
+    if DTYPES[dtype].is_floating_point:
+        values = draw(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=16), min_size=n, max_size=n))
+        return torch.tensor(values, dtype=torch.float32).to(DTYPES[dtype]).view(torch.uint8).numpy().tobytes()
+    return draw(st.binary(min_size=nbytes, max_size=nbytes))
+
+
+# No shrinking: a failing sequence is reported as found (shrinking these can take minutes on a busy machine, past
+# the timeout), with the step that diverged.
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
+@given(scenario=scenarios())
+def test_the_native_rounds_answer_as_the_reference_does(scenario):
+    num_workers, mode, nbytes, dtype, ops = scenario
+    ref = Reference(num_workers, mode, nbytes, dtype)
+    native = _C.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME)
+    token = 0
+    for op in ops:
+        kind = op[0]
+        if kind == "push":
+            _, worker, rnd, data, offset = op
+            got, want = native.push(worker, rnd, data, offset), ref.push(worker, rnd, data, offset)
+        elif kind == "pull":
+            _, worker, rnd, offset, length, deadline = op
+            token += 1
+            got = native.pull(worker, rnd, token, offset, length, deadline)
+            want = ref.pull(worker, rnd, token, offset, length, deadline)
+        elif kind == "refuse":
+            _, worker, rnd = op
+            reason = f"the round failed because another worker's push was refused (worker {worker})"
+            got, want = native.refuse(worker, rnd, reason), ref.refuse(worker, rnd, reason)
+        elif kind == "lose":
+            worker = op[1]
+            if worker in ref.job.lost:
+                continue  # the server loses a worker once per HELLO
+            how = f"worker {worker} of job 0x2a (at 10.0.0.{worker}) disconnected"
+            native.set_lost(worker, how)
+            got, want = (0, "", native.fail_lost()), (0, "", ref.lose(worker, how))
+        else:
+            got, want = (0, "", native.expire(op[1])), (0, "", ref.expire(op[1]))
+        assert _normalize(got) == _normalize(want), op
+        assert native.floor == ref.rounds.floor, op
+        assert native.has_waiting == ref.rounds.has_waiting, op
+
+
+def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
+    probe = _C.KeyRoundsProbe(2, int(Mode.SUM), 8, 8, NAME)  # 8 x int8: wraps
+    a, b = bytes([100] * 8), bytes([100] * 8)
+    assert probe.push(0, 0, a, 0) == (0, "", [])
+    assert probe.push(0, 0, a, 0) == (0, "", [])  # a duplicate: never added twice
+    assert probe.pull(0, 0, 1, 0, 8) == (0, "", [])  # waits
+    status, _, answers = probe.push(1, 0, b, 0)
+    assert status == 0 and answers == [(1, Status.OK, bytes([200] * 8))]  # 100 + 100 wraps to -56 = 200 unsigned
+    assert probe.floor == 0
+    assert probe.pull(1, 0, 2, 0, 8)[2] == [(2, Status.OK, bytes([200] * 8))]
+    assert probe.floor == 1
