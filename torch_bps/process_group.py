@@ -8,7 +8,7 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 
 | collective | as a sum |
 | --- | --- |
-| all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first) |
+| all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first; integers summed, then divided rounding toward zero, as NCCL) |
 | all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
 | all_reduce of bools | int32 counts of True, summed (gloo's or / and / xor) |
 | broadcast | bytes copied, not summed: the root pushes them, every other rank pulls them |
@@ -261,10 +261,12 @@ class BackendBPS:
     def _reduction(self, flat: torch.Tensor, op: str, finish) -> Transfer:
         """Reduce `flat` (1-D contiguous CPU) over the group with `op`, then run `finish` (may be None)."""
         if op in ("SUM", "AVG"):
-            if op == "AVG":
+            if op == "AVG" and (flat.dtype.is_floating_point or flat.dtype.is_complex):
                 # Divide first: the servers sum in the tensor's own dtype, and a float16 sum of undivided
                 # values can overflow where the sum of divided ones does not.
                 flat.div_(self.size())
+            elif op == "AVG":  # integers, as NCCL: the sum, then divided by the group's size, rounded toward zero
+                return Transfer(flat, lambda: (flat.div_(self.size(), rounding_mode="trunc"), finish and finish()))
             return Transfer(flat, finish)
         n, r = flat.numel(), self.rank()
         rows = torch.empty(self.size() * n, dtype=flat.dtype)

@@ -271,8 +271,13 @@ def _bad_input(rank, world, gloo):
     # unsupported dtype and op: refused on the caller's side, naming what and who
     with pytest.raises(TypeError, match=r"dtype torch.uint16 .*'byteps' backend"):
         dist.all_reduce(torch.ones(3, dtype=torch.uint16))
-    with pytest.raises(TypeError, match=r"AVG of integer dtype torch.int64"):
-        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    # AVG of integers is accepted, as NCCL computes it: the sum divided by the world size, rounded toward zero
+    # (a framework's metric sync averages int64 counters this way); 1 + 4 = 5 over 2 ranks: 2, and -5: -2, not -3.
+    avg = torch.tensor([3 * rank + 1, -(3 * rank + 1), 7], dtype=torch.int64)
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    assert avg.tolist() == [2, -2, 7], avg
+    with pytest.raises(TypeError, match=r"AVG is not defined on torch.bool"):
+        dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG)
     with pytest.raises(ValueError, match=r"PREMUL_SUM is not supported by the 'byteps' backend"):
         dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))
     with pytest.raises(ValueError, match=r"world_size \(2\) x input elements"):

@@ -41,9 +41,8 @@ def check_reduce_op(name: str, dtype: torch.dtype, op: str) -> None:
     if dtype.is_complex and op not in _SUM_OPS:
         raise TypeError(f"{name}: ReduceOp.{op} is not defined on complex dtype {dtype} ('{BACKEND}' backend)")
     integral = not dtype.is_floating_point and not dtype.is_complex
-    if op == "AVG" and integral:
-        raise TypeError(f"{name}: ReduceOp.AVG of integer dtype {dtype} is not supported by the '{BACKEND}' "
-                        "backend (the average is not an integer): use SUM and divide")  # fmt: skip
+    if op == "AVG" and dtype == torch.bool:
+        raise TypeError(f"{name}: ReduceOp.AVG is not defined on torch.bool ('{BACKEND}' backend)")
     if op in ("BAND", "BOR", "BXOR") and not integral:
         raise TypeError(f"{name}: ReduceOp.{op} needs an integer dtype, got {dtype} ('{BACKEND}' backend)")
 
