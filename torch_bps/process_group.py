@@ -8,7 +8,7 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 
 | collective | as a sum |
 | --- | --- |
-| all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first; integers summed, then divided rounding toward zero, as NCCL) |
+| all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first; integers: after, toward zero) |
 | all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
 | all_reduce of bools | int32 counts of True, summed (gloo's or / and / xor) |
 | broadcast | bytes copied, not summed: the root pushes them, every other rank pulls them |
