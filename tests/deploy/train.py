@@ -1,6 +1,6 @@
 """DDP training over the "byteps" backend for tests/deploy, launched by torchrun or by TorchX: deterministic model
 and data, so that two launches of the same job end with the same parameters. Rank 0 saves them to OUT.pt and
-what every failover did to OUT.json, and prints "rank R step S" after each step.
+what every failover did to OUT.json; every rank prints "rank R servers A,B" and "rank R step S" after each step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import torch_bps  # noqa: F401 - registers "byteps"
+import torch_bps
 from torch_bps.runtime import _RUNTIMES
 
 
@@ -26,6 +26,7 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("byteps")
     rank = dist.get_rank()
+    print(f"rank {rank} servers {','.join(sorted(torch_bps.implementation().runtime.addresses))}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
