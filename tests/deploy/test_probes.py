@@ -115,3 +115,21 @@ def test_drain_stops_at_its_deadline_with_a_round_open(job_id):
         a.close()
     finally:
         proc.kill()
+
+
+def test_an_embedded_server_stops_at_once_on_sigterm(job_id):
+    """A server a job started for itself (--exit-with-parent) has nobody to hand the job to: no drain."""
+    proc = ServerProcess(extra_args=("--exit-with-parent", "--drain-timeout", "60"))
+    try:
+        a = RawPeer(proc.address, job_id, 0, 2)
+        assert a.hello().status == Status.OK and _request(a, Command.INIT)[0].status == Status.OK
+        assert _request(a, Command.PUSH, bytes(N * 4), round=0)[0].status == Status.OK  # round 0 stays open
+        proc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while proc.alive() and time.monotonic() < deadline:  # the job stays heard from: a drain would wait 60 s
+            a.send(Command.INIT, key=3, nbytes=N * 4, dtype=FLOAT32)
+            time.sleep(0.1)
+        assert proc.proc.wait(timeout=1) == 0
+        a.close()
+    finally:
+        proc.kill()

@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "on SIGTERM, take no new job and stop once no round is in flight, or after this many seconds (the jobs "
             "fail over to the servers that remain; see server/drain.py); SIGINT stops at once")  # fmt: skip
     p.add_argument(
-        "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
+        "--exit-with-parent",
+        action="store_true",
+        help="exit when the process that started this server is gone; SIGTERM then stops it at once (no drain)",
     )
     auth = p.add_argument_group("authentication (see torch_bps/server/auth.py)")
     auth.add_argument(
@@ -234,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    signal.signal(signal.SIGTERM, lambda *_: server.drain(args.drain_timeout))
+    # A server embedded in a job (--exit-with-parent) has nobody to hand its job to: SIGTERM stops it at once.
+    on_term = server.stop if args.exit_with_parent else lambda: server.drain(args.drain_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: on_term())
     metrics = None
     if args.metrics_port is not None:
         metrics = _serve_metrics(server, args.metrics_host or args.host, args.metrics_port)
