@@ -111,6 +111,21 @@ def test_headless_service_names_the_server_ports():
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"push-pull", "metrics"}
 
 
+@pytest.mark.parametrize("folder", ["base", "overlays/dev", "overlays/production"])
+def test_every_selector_picks_the_server_pods(folder):
+    """The Service, the StatefulSet and the PodDisruptionBudget select the servers' pods (a budget with no selector
+    would cover every pod of the namespace)."""
+    docs = render(folder)
+    (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    selectors = {d["kind"]: d["spec"]["selector"] for d in docs if d["kind"] != "StatefulSet"}
+    selectors["StatefulSet"] = statefulset["spec"]["selector"]
+    assert selectors.keys() == {"Service", "StatefulSet", "PodDisruptionBudget"}
+    for kind, selector in selectors.items():
+        match = selector.get("matchLabels", selector) if kind != "Service" else selector
+        assert match and match.items() <= labels.items(), f"{kind} selects {match}, the pods are {labels}"
+
+
 def test_jobset_workers_name_the_jobsets_servers():
     (jobset,) = render("examples/jobset")
     name, subdomain = jobset["metadata"]["name"], jobset["spec"]["network"]["subdomain"]

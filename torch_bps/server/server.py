@@ -10,7 +10,7 @@ synchronously on the same thread, so every peer's messages keep their order (an 
 its key's first PUSH is declared before that PUSH is read): HELLO, INIT, STATS, garbage and every request
 the core refuses (`_on_request`, which answers with keys.py's and auth.py's words), dropped connections
 (`_on_disconnect`: the workers that said HELLO on them are lost), ZAP requests (auth.ZapHandler) and a tick
-every _TICK_S (stop flag, parent process, lease sweep). Whatever changes here is told to the core at once:
+every _TICK_S (stop flag, parent process, drain, lease sweep). Whatever changes here is told to the core at once:
 a job registered and bound to its identity, a key declared, a worker lost, a push refused, a job forgotten.
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
