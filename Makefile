@@ -6,9 +6,9 @@ STAMP  := $(VENV)/.installed
 EXT    := $(wildcard cpp_ext/*.cpp cpp_ext/*.h)
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
+.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
 
-test: install
+test: install deploy-tools
 	$(PYTEST) -q tests -m "not slow"
 
 stress: install
@@ -37,6 +37,21 @@ $(STAMP): setup.py
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "pyzmq>=25" numpy "triton==3.9.0" pytest pytest-timeout hypothesis ruff matplotlib
 	touch $@
+
+# What tests/deploy needs besides the package (docs/deploy.md): TorchX and a Kubernetes schema validator in the venv,
+# kubectl (its `kustomize`) from Debian. Without kubectl the manifest tests skip, saying so.
+DEPLOY_STAMP := $(VENV)/.deploy-tools
+deploy-tools: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): $(STAMP)
+	$(PIP) install -q "torchx>=0.7" "kubernetes-validate>=1.32"
+	@command -v kubectl >/dev/null || (apt-get update -qq && apt-get install -y -qq kubectl) \
+	  || echo "kubectl not installed (Debian: apt-get install kubectl): the manifest tests will skip"
+	touch $@
+
+# Every deploy check, the slow ones too: the wheel built from scratch in a fresh venv (minutes: the whole C++ client).
+deploy-check: install deploy-tools
+	$(PYTEST) -q -rs tests/deploy
 
 zmq-dev:
 	@test -f /usr/include/zmq.h || (apt-get update -qq && apt-get install -y -qq libzmq3-dev) \

@@ -1,10 +1,14 @@
 """Build torch_bps and its C++ push/pull client (cpp_ext/, linked against libzmq).
 
-Build with `pip install --no-build-isolation -e .` (the Makefile does): the extension compiles against
-the torch already installed, so pip must not build it in an isolated environment of its own.
+Build with `pip install --no-build-isolation .` (or `pip wheel --no-build-isolation .`; the Makefile installs
+with -e): the extension compiles against the torch already installed, whose C++ ABI it must match, so pip must
+not build it in an isolated environment with a torch of its own (pyproject.toml's build-system names setuptools
+only). See docs/deploy.md.
 """
 
 import os
+import re
+import shutil
 import sys
 
 from setuptools import find_packages, setup
@@ -51,6 +55,29 @@ def pyzmq_bundled_libzmq():
     return os.path.join(libs, names[0]) if names else None
 
 
+def check_build_tools() -> None:
+    """Exit naming what the build lacks: torch in this Python (no build isolation), a C++ compiler."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "torch_bps: torch is not installed in the Python that builds it. The C++ client compiles against the "
+            "installed torch: install torch first (pip install torch==2.13.0, a CPU build here; CUDA machines: "
+            "their torch), then build with `pip install --no-build-isolation .` (pip's isolated build environment "
+            "has no torch)."
+        )
+    compiler = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(compiler) is None:
+        sys.exit(f"torch_bps: no C++ compiler: {compiler!r} (CXX, default c++) is not on PATH. Install one "
+                 "(Debian: apt-get install g++) or set CXX.")  # fmt: skip
+
+
+def version() -> str:
+    """torch_bps/version.py's __version__, read without importing torch_bps (which needs torch and _C)."""
+    with open(os.path.join("torch_bps", "version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -67,18 +94,22 @@ def extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
+if os.path.isdir("cpp_ext"):
+    check_build_tools()
 ext_modules, cmdclass = extensions() if os.path.isdir("cpp_ext") else ([], {})
 
 setup(
     name="torch_bps",
-    version="0.1.0",
+    version=version(),
     description="BytePS, PyTorch-native: gradient summation on spare CPU servers",
     packages=find_packages(include=["torch_bps", "torch_bps.*", "triton_kernels", "triton_kernels.*"]),
     python_requires=">=3.10",
     # torch must already be installed (torch==2.13.0 CPU here): a bare `torch` would pull a CUDA build.
     install_requires=["torch>=2.13,<2.15", "triton>=3.0", "pyzmq>=25", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"], "torchx": ["torchx"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["bps-server=torch_bps.server.cli:main"]},
+    entry_points={
+        "console_scripts": ["bps-server=torch_bps.server.cli:main", "bps-doctor=torch_bps.doctor.__main__:main"]
+    },
 )

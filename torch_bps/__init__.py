@@ -8,8 +8,10 @@ from torch_bps.config import Config
 from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ProtocolError, ServerError, TransportError
 from torch_bps.hook import BpsHookState, bps_hook
 from torch_bps.process_group import BackendBPS, implementation, rebalance, register_backend
+from torch_bps.version import __version__
 
 register_backend()
 
 __all__ = ["BackendBPS", "BpsError", "BpsHookState", "BpsTimeoutError", "Config", "ConfigError", "ProtocolError",
-           "ServerError", "TransportError", "bps_hook", "implementation", "rebalance", "register_backend"]  # fmt: skip
+           "ServerError", "TransportError", "bps_hook", "implementation", "rebalance", "register_backend",
+           "__version__"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT or SIGTERM.
+"""`bps-server` / `python -m torch_bps.server`: run one summation server until SIGINT, or SIGTERM, which drains it.
 
 This is the server's one configuration point: its settings are the options below, whose defaults come from
 environment variables (BPS_SERVER_*, BPS_AUTH...) read here only, through `_env`; so does the pool credential
@@ -17,15 +17,19 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 import torch
 
-from torch_bps.address import listening_line
+from torch_bps.address import listening_line, split_host_port
 from torch_bps.security import JOB_SECRET_ENV
 from torch_bps.server.auth import ServerSecurity
 from torch_bps.server.limits import Limits
-from torch_bps.server.metrics import MetricsEndpoint, exposition, format_stats, query_stats
+from torch_bps.server.metrics import MetricsEndpoint, NotReady, exposition, format_stats, query_stats
 from torch_bps.server.server import SummationServer
+
+_PROBE_S = 2.0  # how long a probe waits for the loop thread: under the probes' timeoutSeconds (deploy/k8s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "MASTER_ADDR:MASTER_PORT under a static rendezvous. Waits for that store to listen; env BPS_REGISTER",
     )
     p.add_argument(
+        "--leave-with-store",
+        action="store_true",
+        help="with --register: drain and exit once the store stops listening (the job it belongs to ended), for "
+        "servers started with one job (TorchX, a JobSet)",
+    )
+    p.add_argument(
         "--advertise",
         default=None,
         help="address workers reach this server at (default: --host, or this machine's name)",
@@ -67,8 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "SO_RCVBUF of each worker's stream, which bounds the pushes in flight toward this server; give a "
             "server its share of the workers' BPS_SOCKET_BUFFER_BYTES (engine.placement.receive_buffers; 0: the "
             "kernel's)")  # fmt: skip
+    _option(p, "--drain-timeout", "BPS_SERVER_DRAIN_TIMEOUT", float, 20.0,
+            "on SIGTERM, take no new job and stop once no round is in flight, or after this many seconds (the jobs "
+            "fail over to the servers that remain; see server/drain.py); SIGINT stops at once")  # fmt: skip
     p.add_argument(
-        "--exit-with-parent", action="store_true", help="exit when the process that started this server is gone"
+        "--exit-with-parent",
+        action="store_true",
+        help="exit when the process that started this server is gone; SIGTERM then stops it at once (no drain)",
     )
     auth = p.add_argument_group("authentication (see torch_bps/server/auth.py)")
     auth.add_argument(
@@ -99,7 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _option(see, "--trace-events", "BPS_SERVER_TRACE_EVENTS", int, 500_000, "events recorded at most")
     see.add_argument("--metrics-port", type=int, default=None,
                      help="serve the counters in Prometheus text format at http://METRICS_HOST:PORT/metrics (0: a free "
-                     "port, printed); not authenticated: it shows job ids and their byte counts")  # fmt: skip
+                     "port, printed), and the probes /healthz (the loop answers) and /readyz (it takes new jobs: "
+                     "not while draining); not authenticated: it shows job ids and their byte counts")  # fmt: skip
     see.add_argument("--metrics-host", default=None, help="address the metrics port listens on (default: --host)")
     see.add_argument("--stats", metavar="HOST:PORT",
                      help="print the counters of the running server at HOST:PORT (STATS) and exit; with --auth and the "
@@ -128,6 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("need 0 < --heartbeat-interval < --heartbeat-timeout")
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
+    if args.leave_with_store and not args.register:
+        p.error("--leave-with-store needs --register HOST:PORT (the store to watch)")
+    if not args.drain_timeout >= 0:
+        p.error(f"--drain-timeout {args.drain_timeout} must not be negative")
     if not 0 <= args.receive_buffer_bytes < 1 << 31:
         p.error(f"--receive-buffer-bytes {args.receive_buffer_bytes} is not in [0, 2^31) (0: the kernel's)")
     try:
@@ -227,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # e.g. the port is taken: say which
         print(f"bps-server: cannot listen on tcp://{args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    # A server embedded in a job (--exit-with-parent) has nobody to hand its job to: SIGTERM stops it at once.
+    on_term = server.stop if args.exit_with_parent else lambda: server.drain(args.drain_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: on_term())
     metrics = None
     if args.metrics_port is not None:
         metrics = _serve_metrics(server, args.metrics_host or args.host, args.metrics_port)
@@ -246,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             print(f"bps-server: cannot register in the store at {args.register}: {e}", file=sys.stderr)
             server.stop()
+        if args.leave_with_store:
+            _leave_with_store(server, args.register, args.drain_timeout)
     server.serve_forever(parent_pid=os.getppid() if args.exit_with_parent else None)
     if metrics is not None:
         metrics.stop()
@@ -253,16 +277,46 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_metrics(server: SummationServer, host: str, port: int) -> MetricsEndpoint | None:
-    """Start the /metrics endpoint; None (said on stderr) if it cannot listen."""
+    """Start the /metrics endpoint and the probes; None (said on stderr) if it cannot listen.
+
+    /healthz: 200 once the loop thread runs a call within _PROBE_S (a live server, draining or not); /readyz: the
+    same, and 503 while it drains (it takes no new job), so that a Service stops offering it."""
+
+    def ready() -> str:
+        if not server.accepting:
+            raise NotReady(f"server {server.address} is draining: it takes no new job")
+        return "ready\n"
+
+    probes = {"/healthz": lambda: server.on_loop(lambda: "ok\n", _PROBE_S),
+              "/readyz": lambda: server.on_loop(ready, _PROBE_S)}  # fmt: skip
     try:
         metrics = MetricsEndpoint(
-            host, port, lambda: server.on_loop(lambda: exposition(server.counters(), server.job_counters()))
+            host, port, lambda: server.on_loop(lambda: exposition(server.counters(), server.job_counters())), probes
         )
     except OSError as e:
         print(f"bps-server: cannot serve metrics on {host}:{port}: {e}", file=sys.stderr)
         return None
     metrics.start()
     return metrics
+
+
+def _leave_with_store(server: SummationServer, address: str, drain_timeout: float, interval: float = 2.0) -> None:
+    """Drain `server` once the store at `address` refuses connections three times in a row (from a thread)."""
+    host, port = split_host_port(address)
+
+    def watch() -> None:
+        misses = 0
+        while misses < 3:
+            time.sleep(interval)
+            try:
+                socket.create_connection((host, port), timeout=interval).close()
+                misses = 0
+            except OSError:
+                misses += 1
+        logging.getLogger("torch_bps.server").info("the store at %s stopped listening: draining", address)
+        server.drain(drain_timeout)
+
+    threading.Thread(target=watch, name="bps-store-watch", daemon=True).start()
 
 
 def _keep_freed_memory() -> None:

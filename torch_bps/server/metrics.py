@@ -81,21 +81,32 @@ def exposition(server: dict[str, int], jobs: dict[int, dict[str, int]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class NotReady(Exception):
+    """Raised by a page of MetricsEndpoint to answer 503 with its message (a probe that says "not now")."""
+
+
 class MetricsEndpoint:
     """GET /metrics over plain HTTP, from one thread of its own; `snapshot()` gives the text (it may block).
+
+    pages: more paths and what they serve, the same way (the health probes: /healthz, /readyz). A page that raises
+    TimeoutError or NotReady is answered 503 with the exception's message.
 
     Example: `m = MetricsEndpoint("127.0.0.1", 0, lambda: "up 1\\n"); m.start(); ...; m.stop()`.
     """
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[], str]):
+    def __init__(self, host: str, port: int, snapshot: Callable[[], str],
+                 pages: dict[str, Callable[[], str]] | None = None):  # fmt: skip
+        served = {**(pages or {}), "/metrics": snapshot}
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
+                page = served.get(self.path.split("?")[0])
+                if page is None:
+                    self.send_error(404, f"only {', '.join(sorted(served))} are served here")
                     return
                 try:
-                    body = snapshot().encode()
-                except TimeoutError as e:
+                    body = page().encode()
+                except (TimeoutError, NotReady) as e:
                     self.send_error(503, str(e))
                     return
                 self.send_response(200)

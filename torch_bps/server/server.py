@@ -10,7 +10,7 @@ synchronously on the same thread, so every peer's messages keep their order (an 
 its key's first PUSH is declared before that PUSH is read): HELLO, INIT, STATS, garbage and every request
 the core refuses (`_on_request`, which answers with keys.py's and auth.py's words), dropped connections
 (`_on_disconnect`: the workers that said HELLO on them are lost), ZAP requests (auth.ZapHandler) and a tick
-every _TICK_S (stop flag, parent process, lease sweep). Whatever changes here is told to the core at once:
+every _TICK_S (stop flag, parent process, drain, lease sweep). Whatever changes here is told to the core at once:
 a job registered and bound to its identity, a key declared, a worker lost, a push refused, a job forgotten.
 
 What may reach that code is decided before it runs: with authentication (auth.py) libzmq lets in only
@@ -39,6 +39,7 @@ import zmq
 import torch_bps._C as _C
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
+from torch_bps.server.drain import JobActivity, quiet
 from torch_bps.server.job import Job
 from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
@@ -106,6 +107,8 @@ class SummationServer:
         self._keys: dict[tuple[int, int], KeyInfo] = {}
         self._parent_pid: int | None = None
         self._stop = threading.Event()
+        self._drain_deadline: float | None = None  # set by drain(): time.monotonic() by which to stop regardless
+        self._drain_logged = False
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # on_loop's, run by _tick
         self._timeline: ServerTimeline | None = None
 
@@ -116,6 +119,17 @@ class SummationServer:
     def stop(self) -> None:
         """Ask serve_forever to return (thread-safe, also from a signal handler)."""
         self._stop.set()
+
+    def drain(self, timeout: float) -> None:
+        """Take no new job, and stop once no job has a round in flight, or after `timeout` seconds (thread-safe,
+        also from a signal handler; a second call keeps the first deadline). See drain.py."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout
+
+    @property
+    def accepting(self) -> bool:
+        """Whether this server takes new jobs: False once it drains."""
+        return self._drain_deadline is None
 
     def serve_forever(self, parent_pid: int | None = None) -> None:
         """Run the core's loop on this thread until stop() (or until process parent_pid is gone); then close.
@@ -186,8 +200,30 @@ class SummationServer:
         if self._parent_pid is not None and os.getppid() != self._parent_pid:
             log.warning("parent process %d is gone: shutting down", self._parent_pid)
             return False
+        if self._drain_deadline is not None and self._drained():
+            return False
         self._sweep()
         return True
+
+    def _drained(self) -> bool:
+        """Whether a drain may stop now: no round in flight (drain.quiet), or its deadline passed."""
+        for job_id, seen in self._core.take_touched():
+            self._book.touch(job_id, seen)
+        counters = self._core.job_counters()
+        jobs = {}
+        for job_id, job in self._jobs.items():
+            mine = counters.get(job_id, {"pushes": 0, "pulls": 0})
+            jobs[job_id] = JobActivity(mine["pushes"], mine["pulls"], self._book.idle(job_id), bool(job.lost))
+        if not self._drain_logged:
+            self._drain_logged = True
+            log.info("draining: %d job(s) registered; no new job is taken", len(jobs))
+        if quiet(jobs, self._core.counters()["keys_waiting"]):
+            log.info("drained: no round in flight; stopping")
+            return True
+        if time.monotonic() >= self._drain_deadline:
+            log.warning("drain deadline passed with rounds in flight; stopping (the jobs' failover finishes them)")
+            return True
+        return False
 
     def _on_disconnect(self, fd: int) -> None:
         """The connection on fd is gone: every worker that said HELLO on it is lost to its job."""
@@ -270,6 +306,9 @@ class SummationServer:
                 f"HELLO of job {h.job_id:#x}: worker {h.worker} of {h.num_workers} (at most "
                 f"{self.limits.max_workers} workers)",
             )
+        if job is None and not self.accepting:
+            raise ProtocolError(Status.UNKNOWN_JOB, f"HELLO of job {h.job_id:#x}: server {self.address} is draining "
+                                "(it was sent SIGTERM) and takes no new job; give the job another server")  # fmt: skip
         if job is None:
             self._charge(self._book.add_job, h.job_id)
             job = self._jobs[h.job_id] = Job(h.num_workers)
