@@ -292,16 +292,16 @@ def test_server_stats_and_byte_counts(server, job_id):
 def test_big_replies_reuse_receive_buffers(server, job_id):
     """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right. ZeroMQ only:
     a stream reads a reply straight into its destination, no buffer of its own."""
-    assert _C.install_buffer_cache() == ""
+    assert _C._testing.install_buffer_cache() == ""
     sizes = {key: (1 << 20) + key * 4096 for key in range(4)}  # ~4 MB float32 each, all in flight at once
     with Client([server.address], job_id, 0, 1, stream=False) as c:
-        before = _C.buffer_cache_stats()
+        before = _C._testing.buffer_cache_stats()
         for rnd in range(3):
             tensors = {key: torch.full((n,), float(rnd * 10 + key)) for key, n in sizes.items()}
             futs = {key: c.push_pull(t, key) for key, t in tensors.items()}
             for key, fut in futs.items():
                 assert torch.equal(fut.wait(), torch.full((sizes[key],), float(rnd * 10 + key)))
-        after = _C.buffer_cache_stats()
+        after = _C._testing.buffer_cache_stats()
     assert after["hits"] - before["hits"] >= 8  # rounds 1 and 2 reuse round 0's buffers
 
 
