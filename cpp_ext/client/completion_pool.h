@@ -4,8 +4,8 @@
 // A callback may block for as long as it likes, even on another push_pull of this client (PowerSGD's
 // hooks do): when work waits, no pool thread is idle and no queued task was started for kGrowAfter, a
 // watchdog starts another thread, up to kMaxThreads. Not sooner: the tasks are short and all need the
-// GIL, so a thread for every completion that finds none idle only adds thread switches (it grew ~45
-// threads; benchmarks/cluster k = 2, 3 then used 10% more CPU in all). Threads idle for kIdleExit beyond
+// GIL, so a thread for every completion that finds none idle only adds thread switches (and dozens of threads
+// that cost CPU for nothing). Threads idle for kIdleExit beyond
 // the first exit again. Only if kMaxThreads callbacks block at once do further completions wait for one
 // of them to return.
 #pragma once

@@ -2,8 +2,7 @@
 //
 // The credit must keep the uplink busy and no more. Too little, and pushes wait while the link idles; too much,
 // and each step pays for it once: a step's first sums come back only after about credit / link rate, because
-// every push in flight shares the uplink (docs/issue15.md, "Credit and partition size, measured on the links"). Two
-// things are needed in flight:
+// every push in flight shares the uplink. Two things are needed in flight:
 //   - a partition toward every server the worker feeds, since each server's downlink is shared by all the
 //     workers and a worker's flow to it gets only its share: servers x partition bytes;
 //   - what the link carries while the sender waits to be scheduled again: acknowledged push rate x jitter.

@@ -1,4 +1,4 @@
-// The error kinds of the C++ client. Each maps to one type in torch_bps/errors.py; bindings.cpp does the
+// The error kinds of the C++ client. Each maps to one type in torch_bps/errors.py; python/module.cpp does the
 // mapping, so nothing below this header knows about Python.
 #pragma once
 
@@ -30,7 +30,7 @@ struct ErrorInfo {
   bool ok() const { return kind == ErrorKind::kNone; }
 };
 
-// Thrown by synchronous calls; bindings.cpp translates it into the matching Python type.
+// Thrown by synchronous calls; python/module.cpp translates it into the matching Python type.
 class Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, std::string message, uint16_t status = 0)

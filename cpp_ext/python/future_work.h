@@ -20,7 +20,7 @@ namespace bps::python {
 
 class FutureWork : public c10d::Work {
  public:
-  // Builds the error wait() throws when `timeout` passes (bindings.cpp makes it a BpsTimeoutError).
+  // Builds the error wait() throws when `timeout` passes (module.cpp makes it a BpsTimeoutError).
   using TimeoutError = std::function<std::exception_ptr(const std::string& message)>;
 
   // `timeout` applies to wait() without one; `what` names the collective in the timeout's message.

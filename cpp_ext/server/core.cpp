@@ -1,4 +1,4 @@
-// ServerCore: the summation server's loop (see server_core.h).
+// ServerCore: the summation server's loop (see core.h).
 #include "server/core.h"
 
 #include <algorithm>
@@ -156,12 +156,12 @@ void ServerCore::run(ControlPlane& control, double tickSeconds) {
       if (read > 0) {
         ++counters_.wakeups;
         if (trace_.on()) {
-          trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, waiting_.size(), 0, read, 0, kTraceWake});
+          trace_.record(TraceEvent{woke, realtimeNs() - woke, 0, jobs_.keysWaiting(), 0, read, 0, kTraceWake});
         }
       }
       now = monotonicSeconds();
       if (now >= nextExpire) {
-        expireWaiting(now);
+        answer(jobs_.expire(now));
         streams_.expire(now, closed);
         nextExpire = now + kExpireSeconds;
       }
@@ -260,24 +260,15 @@ void ServerCore::deliver(const std::string& peer, std::vector<Message>& frames) 
 bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, const std::string& userId) {
   // Any check failing here: the control plane answers, with keys.py's and auth.py's words.
   if (h.incarnation != incarnation_) return false;
-  auto job = jobs_.find(h.jobId);
-  if (job == jobs_.end() || job->second->owner != userId || h.worker >= job->second->numWorkers) return false;
-  auto found = keys_.find({h.jobId, h.key});
-  if (found == keys_.end()) return false;
-  KeyState& key = *found->second;
-  if (h.nbytes != key.nbytes || h.dtype != key.dtype || h.mode != key.mode) return false;
-  if (h.length > key.nbytes || h.offset > key.nbytes - h.length) return false;
   bool push = h.command == kPush;
-  // A SUM key's PUSH carries the whole key.
-  if (push && (frames[2].size() != h.length || (key.mode == kModeSum && (h.offset != 0 || h.length != key.nbytes)))) {
-    return false;
-  }
+  Job* job = nullptr;
+  KeyState* found = nullptr;
+  if (!jobs_.admit(h, userId, push ? frames[2].size() : 0, &job, &found)) return false;
+  KeyState& key = *found;
 
   double now = monotonicSeconds();
-  Job& j = *job->second;
-  j.lastRequest = now;
-  j.lastSeen[h.worker] = now;
-  touched_.insert(h.jobId);
+  Job& j = *job;
+  jobs_.ran(h.jobId, j, h.worker, now);
   std::string peer(reinterpret_cast<const char*>(frames[0].data()), frames[0].size());
   // The job's share of what this request adds to the server's counters (errors: countError).
   JobCounters& mine = j.counters;
@@ -304,7 +295,7 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
                                  summed != 0 ? kTraceSum : kTraceStore});
       }
       sendReply(peer, replyTo(h, kOk), nullptr);
-      answer(ready);
+      answer(std::move(ready));
     } else {
       ++counters_.pulls;
       ++mine.pulls;
@@ -318,7 +309,7 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
     replyError(peer, h, kInternal, std::string("native server core: ") + e.what());
   }
   mine.bytesOut += counters_.bytesOut - outBefore;  // this job's pulls answered, by this push or at once
-  track(key.rounds);
+  jobs_.track(key.rounds);
   return true;
 }
 
@@ -394,24 +385,7 @@ void ServerCore::serveZap(ControlPlane& control) {
   }
 }
 
-void ServerCore::expireWaiting(double now) {
-  std::vector<KeyRounds*> keys(waiting_.begin(), waiting_.end());
-  for (KeyRounds* rounds : keys) {
-    std::vector<Answer> expired = rounds->expire(now);
-    answer(expired);
-    track(*rounds);
-  }
-}
-
-void ServerCore::track(KeyRounds& rounds) {
-  if (rounds.hasWaiting()) {
-    waiting_.insert(&rounds);
-  } else {
-    waiting_.erase(&rounds);
-  }
-}
-
-void ServerCore::answer(std::vector<Answer>& answers) {
+void ServerCore::answer(std::vector<Answer>&& answers) {
   for (auto& a : answers) answerOne(a);
 }
 
@@ -446,93 +420,18 @@ void ServerCore::sendReply(const std::string& peer, const Header& reply, Message
 
 void ServerCore::countError(uint64_t jobId) {
   ++counters_.errors;
-  auto job = jobs_.find(jobId);  // errors are rare: the lookup stays off the hot path
-  if (job != jobs_.end()) ++job->second->counters.errors;
-}
-
-std::vector<std::pair<uint64_t, JobCounters>> ServerCore::jobCounters() const {
-  std::vector<std::pair<uint64_t, JobCounters>> out;
-  out.reserve(jobs_.size());
-  for (const auto& [jobId, job] : jobs_) out.emplace_back(jobId, job->counters);
-  return out;
-}
-
-void ServerCore::hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, const std::string& peer,
-                       const std::string& identity) {
-  auto& job = jobs_[jobId];
-  if (!job) {
-    job = std::make_unique<Job>();
-    job->numWorkers = numWorkers;
-    job->owner = identity;  // the job belongs to the identity of its first HELLO
-  }
-  job->peers[worker] = peer;
-  job->lastSeen[worker] = monotonicSeconds();
-  job->clearLost(worker);  // a lost worker that says HELLO again is back
-}
-
-void ServerCore::touch(uint64_t jobId, uint32_t worker) {
-  auto job = jobs_.find(jobId);
-  if (job != jobs_.end()) job->second->lastSeen[worker] = monotonicSeconds();
-}
-
-void ServerCore::declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode) {
-  auto job = jobs_.find(jobId);
-  if (job == jobs_.end() || keys_.count({jobId, key})) return;
-  keys_.emplace(JobKey{jobId, key},
-                std::unique_ptr<KeyState>(new KeyState{
-                    nbytes, dtype, mode, KeyRounds(jobKeyName(jobId, key), *job->second, counters_.sums, mode, nbytes,
-                                                   dtype)}));
+  Job* job = jobs_.find(jobId);  // errors are rare: the lookup stays off the hot path
+  if (job != nullptr) ++job->counters.errors;
 }
 
 void ServerCore::workerLost(uint64_t jobId, uint32_t worker, const std::string& how) {
-  auto job = jobs_.find(jobId);
-  if (job == jobs_.end()) return;
-  job->second->setLost(worker, how);
-  for (auto& [jobKey, key] : keys_) {
-    if (jobKey.first != jobId) continue;
-    std::vector<Answer> failed = key->rounds.failLost();
-    answer(failed);
-    track(key->rounds);
-  }
+  answer(jobs_.workerLost(jobId, worker, how));
 }
 
 void ServerCore::refuse(uint64_t jobId, uint64_t key, uint32_t worker, uint64_t round, const std::string& reason) {
-  auto job = jobs_.find(jobId);
-  auto found = keys_.find({jobId, key});
-  if (job == jobs_.end() || found == keys_.end() || worker >= job->second->numWorkers) return;
-  KeyRounds& rounds = found->second->rounds;
-  try {
-    std::vector<Answer> failed =
-        rounds.refuse(worker, round, "the round failed because another worker's push was refused (" + reason + ")");
-    answer(failed);
-  } catch (const RoundError&) {  // the refused push named a round that is not alive: nothing to fail
-  }
-  track(rounds);
+  answer(jobs_.refuse(jobId, key, worker, round, reason));
 }
 
-void ServerCore::forgetJob(uint64_t jobId, const std::string& message) {
-  for (auto it = keys_.begin(); it != keys_.end();) {
-    if (it->first.first != jobId) {
-      ++it;
-      continue;
-    }
-    std::vector<Answer> failed = it->second->rounds.failAll(kUnknownJob, message);
-    answer(failed);
-    waiting_.erase(&it->second->rounds);
-    it = keys_.erase(it);
-  }
-  jobs_.erase(jobId);
-  touched_.erase(jobId);
-}
-
-std::vector<std::pair<uint64_t, double>> ServerCore::takeTouched() {
-  std::vector<std::pair<uint64_t, double>> touched;
-  for (uint64_t jobId : touched_) {
-    auto job = jobs_.find(jobId);
-    if (job != jobs_.end()) touched.emplace_back(jobId, job->second->lastRequest);
-  }
-  touched_.clear();
-  return touched;
-}
+void ServerCore::forgetJob(uint64_t jobId, const std::string& message) { answer(jobs_.forgetJob(jobId, message)); }
 
 }  // namespace bps::server

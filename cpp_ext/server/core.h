@@ -14,20 +14,19 @@
 // messages are therefore handled in the order they arrived, and nothing here locks.
 //
 // Thread contract: every method but the constructor, setOption, enableZap, bind and listenStream runs on the
-// thread in run()
-// (from inside a ControlPlane callback, or before run()).
+// thread in run() (from inside a ControlPlane callback, or before run()).
 //
-// Streams (server_streams.h) are served by the same loop: their requests take the same path as the ROUTER's.
+// The rooms: the jobs and their declared keys are a JobTable (jobs.h), each key's rounds a KeyRounds (rounds.h);
+// streams (streams.h) are served by the same loop, their requests taking the same path as the ROUTER's.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "common/trace.h"
+#include "server/jobs.h"
 #include "server/rounds.h"
 #include "server/streams.h"
 
@@ -90,9 +89,13 @@ class ServerCore {
   // Register (or refresh) worker `worker` of job `jobId` said HELLO from `peer`; the job is bound to `identity`
   // if it has no owner yet.
   void hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, const std::string& peer,
-             const std::string& identity);
-  void touch(uint64_t jobId, uint32_t worker);  // a request of that worker, handled by the control plane
-  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode);
+             const std::string& identity) {
+    jobs_.hello(jobId, worker, numWorkers, peer, identity);
+  }
+  void touch(uint64_t jobId, uint32_t worker) { jobs_.touch(jobId, worker); }  // a request the control plane handled
+  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode) {
+    jobs_.declare(jobId, key, nbytes, dtype, mode);
+  }
   // The worker's connection dropped: fail the waiting pulls of every round it has not pushed.
   void workerLost(uint64_t jobId, uint32_t worker, const std::string& how);
   // A push of the key was refused (reason: why): its round fails for every worker.
@@ -100,29 +103,16 @@ class ServerCore {
   // Drop the job and its keys; answer its waiting pulls with UNKNOWN_JOB and `message`.
   void forgetJob(uint64_t jobId, const std::string& message);
   // (job, monotonic seconds of its last request handled natively) for every job with one since the last call.
-  std::vector<std::pair<uint64_t, double>> takeTouched();
+  std::vector<std::pair<uint64_t, double>> takeTouched() { return jobs_.takeTouched(); }
   const CoreCounters& counters() const { return counters_; }
   // (job, its counters) for every job registered here.
-  std::vector<std::pair<uint64_t, JobCounters>> jobCounters() const;
+  std::vector<std::pair<uint64_t, JobCounters>> jobCounters() const { return jobs_.jobCounters(); }
   // Keys with pulls waiting for their round to close.
-  size_t keysWaiting() const { return waiting_.size(); }
+  size_t keysWaiting() const { return jobs_.keysWaiting(); }
   // The timeline of sums and wake-ups (bps-server --trace), recorded by the loop while on.
   TraceBuffer& trace() { return trace_; }
 
  private:
-  struct KeyState {
-    uint64_t nbytes;
-    uint16_t dtype;
-    uint32_t mode;
-    KeyRounds rounds;
-  };
-  struct JobKeyHash {
-    size_t operator()(const std::pair<uint64_t, uint64_t>& k) const {
-      return std::hash<uint64_t>()(k.first * 0x9E3779B97F4A7C15ULL ^ k.second);
-    }
-  };
-  using JobKey = std::pair<uint64_t, uint64_t>;
-
   bool receive(std::vector<Message>& frames);
   // One request: from the ROUTER (stream null) or from a stream. frames[0] is the peer's identity.
   void handle(std::vector<Message>& frames, ControlPlane& control, const StreamPeer* stream);
@@ -133,10 +123,8 @@ class ServerCore {
   void deliver(const std::string& peer, std::vector<Message>& frames);
   void drainMonitor(ControlPlane& control);
   void serveZap(ControlPlane& control);
-  void expireWaiting(double now);
-  void answer(std::vector<Answer>& answers);
+  void answer(std::vector<Answer>&& answers);
   void answerOne(Answer& answer);
-  void track(KeyRounds& rounds);  // keep waiting_ up to date after rounds changed
   void replyError(const std::string& peer, const Header& h, uint16_t status, const std::string& message);
   void sendReply(const std::string& peer, const Header& reply, Message* payload);
   void countError(uint64_t jobId);
@@ -150,11 +138,8 @@ class ServerCore {
   bool routerSent_ = false;  // sent on the ROUTER since a read of it found nothing: read before blocking (zmq_fd.h)
   ServerStreams streams_;
   std::string zapDomain_;
-  std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
-  std::unordered_map<JobKey, std::unique_ptr<KeyState>, JobKeyHash> keys_;
-  std::unordered_set<KeyRounds*> waiting_;  // keys with pulls waiting, for expireWaiting
-  std::unordered_set<uint64_t> touched_;
   CoreCounters counters_;
+  JobTable jobs_{counters_.sums};
   TraceBuffer trace_;
 };
 

@@ -1,4 +1,4 @@
-// See server_streams.h.
+// See streams.h.
 #include "server/streams.h"
 
 #include <arpa/inet.h>

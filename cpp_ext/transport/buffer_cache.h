@@ -1,9 +1,9 @@
 // Recycles libzmq's big receive buffers instead of handing them back to the kernel.
 //
 // libzmq allocates a fresh buffer for every large incoming message (malloc, which maps fresh pages for
-// anything above glibc's mmap threshold) and frees it when the message is closed (unmapping it). On this
-// project's VMs touching fresh pages costs about five times a memcpy of the same bytes, so a 256 MB pull
-// paid far more in page faults than in copying. installBufferCache() points the malloc/realloc/free
+// anything above glibc's mmap threshold) and frees it when the message is closed (unmapping it). Touching
+// fresh pages costs several times a memcpy of the same bytes (a page fault per page), so a big pull would pay
+// more in page faults than in copying. installBufferCache() points the malloc/realloc/free
 // entries of libzmq's own GOT (the libzmq this extension links, never another copy in the process) at
 // a cache that keeps a few freed big blocks, already faulted in, for the next message of similar size.
 // Small allocations and every other library are untouched. The patch is installed once and stays.

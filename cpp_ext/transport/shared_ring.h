@@ -1,7 +1,6 @@
 // Shared memory beside a local stream (docs/protocol.md, "Shared memory on the local stream"): a worker and a
 // server on one machine move a big frame's bytes through a ring in memory both map, and only its length word
-// through the unix socket: two memcpys instead of the socket's copies, buffers and system calls on every byte
-// (docs/issue15.md, "Shared memory on the local stream").
+// through the unix socket: two memcpys instead of the socket's copies, buffers and system calls on every byte.
 //
 // One sealed memfd per stream, made by the worker and passed to the server with the stream's first bytes
 // (SCM_RIGHTS): a control page, then one ring per direction. Each ring has one producer, the side that sends on it,

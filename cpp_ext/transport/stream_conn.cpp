@@ -211,8 +211,8 @@ bool StreamConn::takeFrameBytes() {
 void StreamConn::lockedReceiveBuffer() {
   // A low-water mark near what the window lets in keeps the receive queue full, and on a locked buffer the
   // kernel counts each packet's whole allocation (more than its payload) against SO_RCVBUF: past it,
-  // it collapses the queue (CPU), prunes it and drops packets, and a lost retransmission waits 200 ms for a timer
-  // (docs/issue15.md, "A low-water mark under the locked receive buffer"). A quarter of the buffer never gets there.
+  // it collapses the queue (CPU), prunes it and drops packets, and a lost retransmission waits 200 ms for a timer.
+  // A quarter of the buffer never gets there.
   int kernel = 0;
   socklen_t len = sizeof(kernel);
   if (getsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &kernel, &len) == 0 && kernel > 0) {

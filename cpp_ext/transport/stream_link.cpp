@@ -45,6 +45,82 @@ Message tensorFrame(const at::Tensor& tensor) {
   return m;
 }
 
+void StreamLink::setPlacement(StreamConn::Placement placement) {
+  // Remember which request a placed payload belongs to: placing() names it.
+  placement_ = [this, placement = std::move(placement)](const Message& head, uint64_t length, Message& into) {
+    if (!placement(head, length, into)) return false;
+    placingRequest_ = detail::load<uint64_t>(head.data(), 64);  // the header's request_id (wire.h)
+    return true;
+  };
+}
+
+std::string StreamLink::send(const Header& header, const at::Tensor* payload) {
+  if (!ready()) return "its stream closed";  // after the op started on it: the op's earlier requests went with it
+  uint8_t packed[kHeaderSize];
+  packHeader(header, packed);
+  std::vector<Message> frames;
+  frames.push_back(copyFrame(packed, kHeaderSize));
+  if (payload != nullptr) frames.push_back(tensorFrame(*payload));  // zero-copy, as on ZeroMQ
+  queue(frames);
+  return "";
+}
+
+void StreamLink::watch(EpollSet& epoll, uint64_t kind, uint32_t slot, LinkListener& listener) {
+  // Write what was queued since the last wait (one writev for a burst of requests), check the opening deadline,
+  // then watch the stream if still open (POLLOUT only while connecting or while writes wait).
+  watched_ = false;
+  signalled_ = 0;
+  if (!active()) return;
+  StreamStep step;
+  this->step(0, step);
+  report(step, listener);
+  if (!active()) return;
+  // The generation tells this stream's events from those of one closed meanwhile (maybe on the same fd number).
+  if (!conn_->watch(epoll.fd(), static_cast<uint16_t>(pollEvents()),
+                    linkTag(kind, slot, static_cast<uint32_t>(generation_ & 0xffffff)))) {
+    throw Error(ErrorKind::kTransport, std::string("epoll_ctl failed on a stream: ") + std::strerror(errno));
+  }
+  watched_ = true;
+  watchedGeneration_ = generation_;
+}
+
+void StreamLink::notify(uint32_t bits, uint32_t events) {
+  if (watched_ && bits == (watchedGeneration_ & 0xffffff)) signalled_ = static_cast<short>(events);
+}
+
+void StreamLink::poll(LinkListener& listener) {
+  // Closed since watch() (its server's connection dropped), maybe reopened on the same fd number: not this one.
+  if (!watched_ || !active() || generation_ != watchedGeneration_) return;
+  watched_ = false;
+  StreamStep step;
+  this->step(signalled_, step);
+  signalled_ = 0;
+  report(step, listener);
+}
+
+void StreamLink::report(StreamStep& step, LinkListener& listener) {
+  for (auto& frames : step.replies) {
+    Reply reply;
+    reply.frames = frames.size();
+    reply.header = frames[0].data();
+    reply.headerSize = frames[0].size();
+    if (frames.size() > 1) {
+      reply.payload = frames[1].data();
+      reply.payloadSize = frames[1].size();
+    }
+    listener.onReply(*this, reply);
+  }
+  if (step.becameReady) listener.onReady(*this);
+  // Dropping once ready is the server's connection dropping: callers match "lost the connection (its stream
+  // closed: ...)"; before, it only says why the stream never opened.
+  if (step.closed) listener.onClosed(*this, step.wasReady ? "its stream closed: " + step.why : step.why, step.wasReady);
+}
+
+void StreamLink::abort(const std::string& why, LinkListener& listener) {
+  close(why);
+  listener.onClosed(*this, "its stream closed: " + why, true);
+}
+
 std::string StreamLink::open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
                              const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
                              const std::string& localName, bool sharedMemory) {
@@ -65,7 +141,7 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int sendBuf
     if (rings) {
       conn_->share(std::move(rings), true);
     } else {
-      std::fprintf(stderr, "torch_bps: the local stream to %s goes without shared memory (%s)\n", address_.c_str(),
+      std::fprintf(stderr, "torch_bps: the local stream to %s goes without shared memory (%s)\n", address().c_str(),
                    whyNot.c_str());
     }
   }
@@ -85,7 +161,7 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int sendBuf
   }
   std::vector<Message> frames;
   for (const auto& s : auth) frames.push_back(copyFrame(s.data(), s.size()));
-  send(frames);
+  queue(frames);
   return "";
 }
 
@@ -95,7 +171,7 @@ short StreamLink::pollEvents() const {
   return POLLIN;
 }
 
-void StreamLink::send(std::vector<Message>& frames) {
+void StreamLink::queue(std::vector<Message>& frames) {
   if (!conn_) return;
   uint64_t bytes = 0;
   for (const auto& f : frames) bytes += f.size();
@@ -157,7 +233,8 @@ void StreamLink::take(std::vector<Message>& message, StreamStep& out) {
     case StreamState::kAuthSent: {
       // A third frame: the server took our shared rings (only offered on a local stream).
       bool shared = message.size() == 3 && text(message[2]) == kStreamSharedAnswer;
-      if (message.size() != 2 + shared || text(message[0]) != kStreamGreeting || text(message[1]) != "200") {
+      size_t frames = shared ? 3 : 2;
+      if (message.size() != frames || text(message[0]) != kStreamGreeting || text(message[1]) != "200") {
         std::string said = message.empty() ? "" : text(message[0]).substr(0, 40);
         return fail(formatText("the server answered AUTH with %zu frames (%s...), not %s 200", message.size(),
                                said.c_str(), kStreamGreeting),
@@ -167,7 +244,7 @@ void StreamLink::take(std::vector<Message>& message, StreamStep& out) {
       shared_.store(conn_->sharesWrites(), std::memory_order_release);
       std::vector<Message> hello;
       hello.push_back(std::move(hello_));
-      send(hello);
+      queue(hello);
       state_ = StreamState::kHelloSent;
       return;
     }

@@ -1,8 +1,8 @@
 // Polling ZeroMQ sockets with plain poll(2), beside our own fds.
 //
 // Why not zmq_poll: for every ZeroMQ socket in the set, each call asks the socket for its events before and
-// after waiting (a getpid and a poll system call each), and it polls twice when nothing is ready at once. With
-// eight sockets in the client's set that was ~50 system calls per wake-up, most of the IO thread's CPU.
+// after waiting (a getpid and a poll system call each), and it polls twice when nothing is ready at once: system
+// calls per wake-up grow with the sockets in the set, and they would be most of the IO thread's CPU.
 //
 // The rule (zmq_getsockopt(3), ZMQ_FD): the fd is only a signal that the socket's state may have changed, and
 // it is edge-triggered. It is reset when the socket processes its commands, which any send, receive or

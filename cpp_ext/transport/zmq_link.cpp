@@ -20,10 +20,9 @@ std::string zmqError(const std::string& what) { return what + ": " + zmq_strerro
 
 }  // namespace
 
-ZmqLink::ZmqLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-                       double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys,
-                       int socketBufferBytes)
-    : address_(address) {
+ZmqLink::ZmqLink(size_t server, void* context, const std::string& address, const std::string& monitorEndpoint,
+                 double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys, int socketBufferBytes)
+    : Link(server, address) {
   socket_ = zmq_socket(context, ZMQ_DEALER);
   if (socket_ == nullptr) throw Error(ErrorKind::kTransport, zmqError("cannot create a socket for " + address));
   setInt(socket_, ZMQ_LINGER, 0);
@@ -86,7 +85,7 @@ ZmqLink::ZmqLink(void* context, const std::string& address, const std::string& m
 
 ZmqLink::~ZmqLink() { close(); }
 
-void ZmqLink::close() {
+void ZmqLink::close(const std::string& /*why*/) {
   if (socket_ != nullptr) {
     zmq_socket_monitor(socket_, nullptr, 0);
     zmq_close(socket_);
@@ -98,7 +97,7 @@ void ZmqLink::close() {
   }
 }
 
-bool ZmqLink::send(const Header& header, const at::Tensor* payload) {
+bool ZmqLink::sendFrames(const Header& header, const at::Tensor* payload) {
   sentSinceRead_ = true;
   zmq_msg_t head;
   zmq_msg_init_size(&head, kHeaderSize);
@@ -166,6 +165,47 @@ LinkEvent ZmqLink::readMonitor() {
   }
   if (id == ZMQ_EVENT_DISCONNECTED) return LinkEvent::kDisconnected;
   return LinkEvent::kOther;
+}
+
+std::string ZmqLink::send(const Header& header, const at::Tensor* payload) {
+  if (socket_ == nullptr) return "its link is closed";
+  return sendFrames(header, payload) ? "" : zmq_strerror(zmq_errno());
+}
+
+void ZmqLink::watch(EpollSet& epoll, uint64_t kind, uint32_t slot, LinkListener& /*listener*/) {
+  if (watched_ || socket_ == nullptr) return;
+  epoll.add(socketFd_, linkTag(kind, slot, 0), "a DEALER's signal fd");
+  epoll.add(monitorFd_, linkTag(kind, slot, 1), "a monitor's signal fd");
+  watched_ = true;
+}
+
+void ZmqLink::notify(uint32_t bits, uint32_t /*events*/) {
+  if (bits == 0) {
+    socketSignalled_ = true;
+  } else {
+    monitorSignalled_ = true;
+  }
+}
+
+void ZmqLink::poll(LinkListener& listener) {
+  if (socket_ == nullptr) return;
+  // Replies first: those that arrived before a disconnect still count. Each read runs to EAGAIN.
+  if (first_ || sentSinceRead_ || socketSignalled_) {
+    for (;;) {
+      LinkMessage message;
+      if (!receive(message)) break;
+      listener.onReply(*this, Reply{message.header.data(), message.header.size(), message.payload.data(),
+                                    message.payload.size(), message.frames});
+    }
+  }
+  if (first_ || monitorSignalled_) {
+    LinkEvent event;
+    while ((event = readMonitor()) != LinkEvent::kNothing) {
+      if (event == LinkEvent::kDisconnected) listener.onClosed(*this, "", true);
+      if (event == LinkEvent::kConnected) listener.onConnected(*this);
+    }
+  }
+  first_ = socketSignalled_ = monitorSignalled_ = false;
 }
 
 }  // namespace bps::transport

@@ -1,5 +1,6 @@
-// One server's connection: a ZeroMQ DEALER socket, the PAIR socket its monitor reports on, and byte
-// counters. Sends never block; the payload goes out zero-copy from the tensor's memory.
+// The client's ZeroMQ link to one server (link.h): a DEALER socket, the PAIR socket its monitor reports on, and
+// byte counters. Sends never block; the payload goes out zero-copy from the tensor's memory. ZeroMQ reconnects
+// by itself: the monitor reports each drop (onClosed) and each (re)connection (onConnected).
 //
 // Threading: built on the caller's thread, then used and closed only by the client's IO thread
 // (starting that thread is the memory barrier ZeroMQ asks for when a socket changes threads).
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "transport/auth_keys.h"
+#include "transport/link.h"
 #include "transport/wire.h"
 
 namespace bps::transport {
@@ -38,7 +40,7 @@ class Frame {
 };
 
 // A received message: the header frame, the payload frame if any, and how many frames came. Not named
-// Message: message.h's bps::Message is linked into the same module (one name, two types: an ODR violation).
+// Message: message.h's transport::Message is another type in the same namespace.
 struct LinkMessage {
   Frame header;
   Frame payload;
@@ -48,7 +50,7 @@ struct LinkMessage {
 // One monitor event, or kNothing when none is waiting.
 enum class LinkEvent { kNothing, kConnected, kDisconnected, kOther };
 
-class ZmqLink {
+class ZmqLink : public Link {
  public:
   // Connect a DEALER to `address` ("host:port") with keys' mechanism (token, CURVE or none); throws
   // Error(kTransport) if ZeroMQ refuses it (an address, or CURVE keys that are not 40 characters of Z85).
@@ -57,46 +59,44 @@ class ZmqLink {
   // queued behind a big message does not time out. A killed process closes TCP and is noticed at once.
   // socketBufferBytes > 0 sets SO_SNDBUF and SO_RCVBUF of the TCP connection (before it opens), which bound
   // its bytes in flight both ways; 0 leaves the kernel's autotuning.
-  ZmqLink(void* context, const std::string& address, const std::string& monitorEndpoint,
-             double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{},
-             int socketBufferBytes = 0);
-  ~ZmqLink();
-  ZmqLink(const ZmqLink&) = delete;
-  ZmqLink& operator=(const ZmqLink&) = delete;
+  ZmqLink(size_t server, void* context, const std::string& address, const std::string& monitorEndpoint,
+          double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{},
+          int socketBufferBytes = 0);
+  ~ZmqLink() override;
 
-  const std::string& address() const { return address_; }
-  void* socket() { return socket_; }
-  void* monitor() { return monitor_; }
-  // The fds that signal the DEALER's and the monitor's state changes (zmq_fd.h).
-  int socketFd() const { return socketFd_; }
-  int monitorFd() const { return monitorFd_; }
-  // Something was sent since the last receive() that found nothing: read again before a blocking poll.
-  bool sentSinceRead() const { return sentSinceRead_; }
   bool everConnected() const { return everConnected_.load(); }
 
-  // Queue a header (and the payload, zero-copy, holding a reference until ZeroMQ releases it).
-  // Returns false with errno set if ZeroMQ refused it.
-  bool send(const Header& header, const at::Tensor* payload);
+  // Link: always ready while open (ZeroMQ queues what it cannot send yet, and reconnects by itself).
+  bool ready() const override { return socket_ != nullptr; }
+  bool reconnects() const override { return true; }
+  std::string send(const Header& header, const at::Tensor* payload) override;
+  void watch(EpollSet& epoll, uint64_t kind, uint32_t slot, LinkListener& listener) override;
+  void notify(uint32_t bits, uint32_t events) override;
+  void poll(LinkListener& listener) override;
+  // Before the first look, and after a send (zmq_fd.h: it may have taken the signal of a reply meanwhile).
+  bool mustPoll() const override { return first_ || sentSinceRead_; }
+  // Close both sockets without lingering (pending messages are dropped and their tensors released).
+  void close(const std::string& why = "") override;
 
-  // Take the next waiting message, if any. Returns false when none is waiting (ZeroMQ said EAGAIN: the
-  // DEALER's fd will signal the next one).
+  uint64_t bytesSent() const override { return bytesSent_.load(std::memory_order_relaxed); }
+  uint64_t bytesReceived() const override { return bytesReceived_.load(std::memory_order_relaxed); }
+
+ private:
+  // Queue a header (and the payload, zero-copy); false with zmq_errno() set if ZeroMQ refused it.
+  bool sendFrames(const Header& header, const at::Tensor* payload);
+  // Take the next waiting message, if any; false when none is waiting (ZeroMQ said EAGAIN: the DEALER's fd
+  // will signal the next one).
   bool receive(LinkMessage& out);
-
   // Read one monitor event; kNothing if none is waiting.
   LinkEvent readMonitor();
 
-  uint64_t bytesSent() const { return bytesSent_.load(std::memory_order_relaxed); }
-  uint64_t bytesReceived() const { return bytesReceived_.load(std::memory_order_relaxed); }
-
-  // Close both sockets without lingering (pending messages are dropped and their tensors released).
-  void close();
-
- private:
-  std::string address_;
   void* socket_ = nullptr;
   void* monitor_ = nullptr;
   int socketFd_ = -1, monitorFd_ = -1;
-  bool sentSinceRead_ = false;
+  bool watched_ = false;  // its fds are in the IO loop's epoll set
+  bool first_ = true;  // nothing is known of the sockets before the first look
+  bool socketSignalled_ = false, monitorSignalled_ = false;  // by this turn's wait
+  bool sentSinceRead_ = false;  // sent on since a receive() found nothing: read again before a blocking wait
   std::atomic<bool> everConnected_{false};
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};
