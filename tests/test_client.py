@@ -290,8 +290,8 @@ def test_server_stats_and_byte_counts(server, job_id):
 
 
 def test_big_replies_reuse_receive_buffers(server, job_id):
-    """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right. ZeroMQ only:
-    a stream reads a reply straight into its destination, no buffer of its own."""
+    """libzmq's buffers for big replies are recycled (cpp_ext/transport/buffer_cache.h) while sums stay right.
+    ZeroMQ only: a stream reads a reply straight into its destination, no buffer of its own."""
     assert _C._testing.install_buffer_cache() == ""
     sizes = {key: (1 << 20) + key * 4096 for key in range(4)}  # ~4 MB float32 each, all in flight at once
     with Client([server.address], job_id, 0, 1, stream=False) as c:
@@ -597,7 +597,7 @@ def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_i
 @pytest.mark.parametrize("auto", [True, False])
 def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id, auto):
     """With auto_credit the credit becomes a partition per server plus the acknowledged rate x 8 ms
-    (cpp_ext/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
+    (cpp_ext/client/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
     with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=256 << 10, auto_credit=auto) as c:
         # Parts wait for credit for 0.5 s (ten sizer windows) however fast the machine: four 64 MiB batches in turn,
         # each resubmitted when it is done, so three stay queued. One batch of 256 MiB was not enough: at 2.3 GB/s

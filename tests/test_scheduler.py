@@ -160,7 +160,7 @@ def test_the_cpp_queue_sends_in_the_reference_order(credit, destination_credit, 
     assert twin.queue.peak_destination_in_flight == ref.peak_destination_in_flight
 
 
-# ---- the automatic credit's rule (cpp_ext/credit_sizer.h) ----
+# ---- the automatic credit's rule (cpp_ext/client/credit_sizer.h) ----
 
 
 def _acks(sizer, servers: int, part: int, rate: float, seconds: float, start: float = 0.0, backlogged=True) -> list:

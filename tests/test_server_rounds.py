@@ -1,4 +1,4 @@
-"""The server's native rounds (cpp_ext/server_rounds.h) against their reference, rounds.py's KeyRounds.
+"""The server's native rounds (cpp_ext/server/rounds.h) against their reference, rounds.py's KeyRounds.
 
 Both are driven with the same random sequences of push, pull, refused push, lost worker and expiry, and must
 give the same answers (token, status, result bytes or error text), refuse the same calls with the same words,
