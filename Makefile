@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
-EXT    := $(wildcard cpp_ext/*.cpp cpp_ext/*.h)
+EXT    := $(shell find cpp_ext -name '*.cpp' -o -name '*.h')
 PYTEST ?= $(PY) -m pytest
 
 .PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check gpu-wheels gpu-deps gpu-build gpu-test gpu-bench

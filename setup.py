@@ -78,14 +78,24 @@ def version() -> str:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
+def cpp_sources(root="cpp_ext"):
+    """Every .cpp under cpp_ext/ (one folder per layer: common, transport, client, server, python), not vendor/."""
+    sources = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d != "vendor"]
+        sources += [os.path.join(folder, f) for f in files if f.endswith(".cpp")]
+    return sorted(sources)
+
+
 def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     zmq_includes, zmq_libraries, zmq_link_args = zmq_build_args()
-    sources = sorted(os.path.join("cpp_ext", f) for f in os.listdir("cpp_ext") if f.endswith(".cpp"))
+    sources = cpp_sources()
     ext = CppExtension(
         "torch_bps._C",
         sources,
+        # Sources include each other by their path under cpp_ext/ ("transport/wire.h").
         include_dirs=zmq_includes + [os.path.abspath("cpp_ext")],
         libraries=zmq_libraries,
         extra_compile_args=["-O3", "-std=c++20", "-Wall"],

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # package folder -> the torch_bps modules its files may import
 ALLOWED = {
     "torch_bps/server": {
-        "torch_bps._C",  # the server's native core (cpp_ext/server_*), not the client
+        "torch_bps._C",  # the server's native core (cpp_ext/server/), not the client
         "torch_bps.address",
         "torch_bps.wire",
         "torch_bps.errors",

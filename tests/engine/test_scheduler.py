@@ -92,7 +92,7 @@ class _Twin:
     (pop) whatever may go."""
 
     def __init__(self, credit_bytes: int, destination_credit_bytes: int = 0):
-        self.queue = _C.CreditQueue(credit_bytes, destination_credit_bytes)
+        self.queue = _C._testing.CreditQueue(credit_bytes, destination_credit_bytes)
         self.started: list[int] = []
 
     def submit(self, item: int, nbytes: int, priority: int, destination: int = 0) -> None:
@@ -160,7 +160,7 @@ def test_the_cpp_queue_sends_in_the_reference_order(credit, destination_credit, 
     assert twin.queue.peak_destination_in_flight == ref.peak_destination_in_flight
 
 
-# ---- the automatic credit's rule (cpp_ext/credit_sizer.h) ----
+# ---- the automatic credit's rule (cpp_ext/client/credit_sizer.h) ----
 
 
 def _acks(sizer, servers: int, part: int, rate: float, seconds: float, start: float = 0.0, backlogged=True) -> list:
@@ -173,7 +173,7 @@ def _acks(sizer, servers: int, part: int, rate: float, seconds: float, start: fl
 
 
 def test_the_credit_is_a_partition_per_server_plus_the_rate_times_the_jitter():
-    sizer = _C.CreditSizer(256 << 10, 64 << 20, 0.008)
+    sizer = _C._testing.CreditSizer(256 << 10, 64 << 20, 0.008)
     sized = _acks(sizer, servers=4, part=128 << 10, rate=100e6, seconds=0.5)
     assert len(sized) >= 8  # one per 50 ms window
     want = 4 * (128 << 10) + 100e6 * 0.008
@@ -181,11 +181,11 @@ def test_the_credit_is_a_partition_per_server_plus_the_rate_times_the_jitter():
     # A faster link: more credit, bounded by the maximum.
     faster = _acks(sizer, servers=4, part=128 << 10, rate=1e9, seconds=0.2, start=0.5)
     assert abs(faster[-1] - (4 * (128 << 10) + 8e6)) < 0.03 * 8.5e6
-    assert _acks(_C.CreditSizer(256 << 10, 2 << 20, 0.008), 4, 128 << 10, 1e9, 0.2)[-1] == 2 << 20
+    assert _acks(_C._testing.CreditSizer(256 << 10, 2 << 20, 0.008), 4, 128 << 10, 1e9, 0.2)[-1] == 2 << 20
 
 
 def test_the_credit_follows_the_servers_in_use_and_forgets_a_faster_past():
-    sizer = _C.CreditSizer(256 << 10, 64 << 20, 0.008, window_seconds=0.05, windows=4)
+    sizer = _C._testing.CreditSizer(256 << 10, 64 << 20, 0.008, window_seconds=0.05, windows=4)
     _acks(sizer, servers=8, part=128 << 10, rate=400e6, seconds=0.3)
     # Then 2 servers at a quarter of the rate: after `windows` windows neither the 8 servers nor 400 MB/s count.
     later = _acks(sizer, servers=2, part=128 << 10, rate=100e6, seconds=0.5, start=0.3)
@@ -194,6 +194,6 @@ def test_the_credit_follows_the_servers_in_use_and_forgets_a_faster_past():
 
 def test_a_caller_that_leaves_the_link_idle_measures_nothing():
     """Windows in which nothing waited for credit say what the caller asked, not what the link carries."""
-    sizer = _C.CreditSizer(256 << 10, 64 << 20, 0.008)
+    sizer = _C._testing.CreditSizer(256 << 10, 64 << 20, 0.008)
     assert _acks(sizer, servers=4, part=128 << 10, rate=1e6, seconds=1.0, backlogged=False) == []
-    assert min(_acks(_C.CreditSizer(1 << 20, 64 << 20, 0.008), 1, 4096, 1e6, 0.5)) == 1 << 20  # the floor
+    assert min(_acks(_C._testing.CreditSizer(1 << 20, 64 << 20, 0.008), 1, 4096, 1e6, 0.5)) == 1 << 20  # the floor

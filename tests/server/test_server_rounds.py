@@ -1,4 +1,4 @@
-"""The server's native rounds (cpp_ext/server_rounds.h) against their reference, torch_bps/_reference/rounds.py.
+"""The server's native rounds (cpp_ext/server/rounds.h) against their reference, torch_bps/_reference/rounds.py.
 
 Both are driven with the same random sequences of push, pull, refused push, lost worker and expiry, and must
 give the same answers (token, status, result bytes or error text), refuse the same calls with the same words,
@@ -130,7 +130,7 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
 def test_the_native_rounds_answer_as_the_reference_does(scenario):
     num_workers, mode, nbytes, dtype, ops = scenario
     ref = Reference(num_workers, mode, nbytes, dtype)
-    native = _C.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME)
+    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME)
     token = 0
     for op in ops:
         kind = op[0]
@@ -161,7 +161,7 @@ def test_the_native_rounds_answer_as_the_reference_does(scenario):
 
 
 def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
-    probe = _C.KeyRoundsProbe(2, int(Mode.SUM), 8, 8, NAME)  # 8 x int8: wraps
+    probe = _C._testing.KeyRoundsProbe(2, int(Mode.SUM), 8, 8, NAME)  # 8 x int8: wraps
     a, b = bytes([100] * 8), bytes([100] * 8)
     assert probe.push(0, 0, a, 0) == (0, "", [])
     assert probe.push(0, 0, a, 0) == (0, "", [])  # a duplicate: never added twice

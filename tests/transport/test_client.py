@@ -290,18 +290,18 @@ def test_server_stats_and_byte_counts(server, job_id):
 
 
 def test_big_replies_reuse_receive_buffers(server, job_id):
-    """libzmq's buffers for big replies are recycled (cpp_ext/buffer_cache.h) while sums stay right. ZeroMQ only:
-    a stream reads a reply straight into its destination, no buffer of its own."""
-    assert _C.install_buffer_cache() == ""
+    """libzmq's buffers for big replies are recycled (cpp_ext/transport/buffer_cache.h) while sums stay right.
+    ZeroMQ only: a stream reads a reply straight into its destination, no buffer of its own."""
+    assert _C._testing.install_buffer_cache() == ""
     sizes = {key: (1 << 20) + key * 4096 for key in range(4)}  # ~4 MB float32 each, all in flight at once
     with Client([server.address], job_id, 0, 1, stream=False) as c:
-        before = _C.buffer_cache_stats()
+        before = _C._testing.buffer_cache_stats()
         for rnd in range(3):
             tensors = {key: torch.full((n,), float(rnd * 10 + key)) for key, n in sizes.items()}
             futs = {key: c.push_pull(t, key) for key, t in tensors.items()}
             for key, fut in futs.items():
                 assert torch.equal(fut.wait(), torch.full((sizes[key],), float(rnd * 10 + key)))
-        after = _C.buffer_cache_stats()
+        after = _C._testing.buffer_cache_stats()
     assert after["hits"] - before["hits"] >= 8  # rounds 1 and 2 reuse round 0's buffers
 
 
@@ -597,7 +597,7 @@ def test_batch_sums_across_workers_and_servers_and_completes_once(servers, job_i
 @pytest.mark.parametrize("auto", [True, False])
 def test_the_client_sizes_its_credit_from_the_acknowledged_pushes(server, job_id, auto):
     """With auto_credit the credit becomes a partition per server plus the acknowledged rate x 8 ms
-    (cpp_ext/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
+    (cpp_ext/client/credit_sizer.h): on loopback, more than the 256 KiB it started at. Without, it stays."""
     with Client([server.address], job_id, 0, 1, timeout=30, credit_bytes=256 << 10, auto_credit=auto) as c:
         # Parts wait for credit for 0.5 s (ten sizer windows) however fast the machine: four 64 MiB batches in turn,
         # each resubmitted when it is done, so three stay queued. One batch of 256 MiB would not do: on a fast machine

@@ -602,10 +602,10 @@ def test_the_local_stream_closes_on_garbage_and_on_a_wrong_token_and_serves_on()
 
 
 def test_a_local_stream_moves_big_frames_through_shared_memory_and_the_socket_when_full():
-    """On the local stream, big frames go through the worker's shared rings (cpp_ext/shared_ring.h) and only their
-    length words through the socket. 40 keys of 0.8-2 MB in flight overfill the 8 MiB rings: the frames that find
-    no room take the socket, in order with the others; a frame that does not fit before a ring's end starts at its
-    beginning; and every sum (each key its own values) is exact. Without shared memory (BPS_TRANSPORT=unix)
+    """On the local stream, big frames go through the worker's shared rings (cpp_ext/transport/shared_ring.h) and only
+    their length words through the socket. 40 keys of 0.8-2 MB in flight overfill the 8 MiB rings: the frames that
+    find no room take the socket, in order with the others; a frame that does not fit before a ring's end starts at
+    its beginning; and every sum (each key its own values) is exact. Without shared memory (BPS_TRANSPORT=unix)
     nothing goes through it."""
     server = ServerProcess()
     tensors = [torch.arange(200_000 + 7919 * key, dtype=torch.float32) * (key + 1) for key in range(40)]
@@ -647,7 +647,7 @@ def test_frames_that_fill_a_shared_ring_exactly_or_outgrow_it_sum_right():
 
 
 SHARED = 1 << 62  # a frame's length word: its bytes are in the sender's shared ring
-RING = 8 << 20  # cpp_ext/shared_ring.h: kSharedRingBytes, after a 4 KiB control page
+RING = 8 << 20  # cpp_ext/transport/shared_ring.h: kSharedRingBytes, after a 4 KiB control page
 
 
 def _shared_memory(size: int = 4096 + 2 * RING, seal: bool = True) -> int:

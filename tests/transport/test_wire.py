@@ -1,4 +1,4 @@
-"""The C++ header (cpp_ext/wire.h, through torch_bps._C) agrees byte for byte with torch_bps.wire."""
+"""The C++ header (cpp_ext/transport/wire.h, through torch_bps._C._testing) agrees byte for byte with torch_bps.wire."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def as_dict(h: Header) -> dict[str, int]:
 
 
 def test_header_size_agrees():
-    assert _C.HEADER_SIZE == HEADER_SIZE == 96
+    assert _C._testing.HEADER_SIZE == HEADER_SIZE == 96
 
 
 def test_version_2_layout_by_offset():
@@ -58,21 +58,21 @@ def test_version_2_layout_by_offset():
 @settings(max_examples=300, deadline=None)
 @given(headers)
 def test_cpp_pack_equals_python_pack(h):
-    assert _C.pack_header(**as_dict(h)) == h.pack()
+    assert _C._testing.pack_header(**as_dict(h)) == h.pack()
 
 
 @settings(max_examples=300, deadline=None)
 @given(headers)
 def test_cpp_unpack_reads_python_pack(h):
-    assert _C.unpack_header(h.pack()) == as_dict(h)
-    assert Header.unpack(_C.pack_header(**as_dict(h))) == h
+    assert _C._testing.unpack_header(h.pack()) == as_dict(h)
+    assert Header.unpack(_C._testing.pack_header(**as_dict(h))) == h
 
 
 def test_reserved_field_is_written_zero_and_ignored_on_read():
-    raw = bytearray(_C.pack_header(command=3, key=7, mode=1))
+    raw = bytearray(_C._testing.pack_header(command=3, key=7, mode=1))
     assert struct.unpack_from("<I", raw, 28) == (0,)
     struct.pack_into("<I", raw, 28, 0xDEADBEEF)
-    assert _C.unpack_header(bytes(raw)) == as_dict(Header(command=3, key=7, mode=1))
+    assert _C._testing.unpack_header(bytes(raw)) == as_dict(Header(command=3, key=7, mode=1))
     assert Header.unpack(bytes(raw)) == Header(command=3, key=7, mode=1)
 
 
@@ -84,10 +84,10 @@ def test_garbage_is_refused_like_python(data):
         expected = as_dict(Header.unpack(data))
     except ProtocolError as e:
         with pytest.raises(ProtocolError) as info:
-            _C.unpack_header(data)
+            _C._testing.unpack_header(data)
         assert info.value.status == e.status
     else:
-        assert _C.unpack_header(data) == expected
+        assert _C._testing.unpack_header(data) == expected
 
 
 @pytest.mark.parametrize(
@@ -103,15 +103,15 @@ def test_garbage_is_refused_like_python(data):
 )
 def test_bad_headers_raise_protocol_error(data, status, words):
     with pytest.raises(ProtocolError, match=words) as info:
-        _C.unpack_header(data)
+        _C._testing.unpack_header(data)
     assert info.value.status == status
 
 
 def test_out_of_range_fields_are_refused():
     with pytest.raises(TypeError):
-        _C.pack_header(command=2**16)
+        _C._testing.pack_header(command=2**16)
     with pytest.raises(TypeError):
-        _C.pack_header(command=1, key=2**64)
+        _C._testing.pack_header(command=1, key=2**64)
 
 
 @settings(max_examples=300, deadline=None)

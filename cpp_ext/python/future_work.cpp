@@ -1,0 +1,56 @@
+// See future_work.h.
+#include "python/future_work.h"
+
+#include <ATen/core/ivalue.h>
+
+#include "common/errors.h"
+
+#include <utility>
+
+namespace bps::python {
+
+FutureWork::FutureWork(c10::intrusive_ptr<c10::ivalue::Future> future, std::chrono::milliseconds timeout,
+                       std::string what, TimeoutError makeTimeoutError)
+    : future_(std::move(future)),
+      timeout_(timeout),
+      what_(std::move(what)),
+      makeTimeoutError_(std::move(makeTimeoutError)) {
+  future_->addCallback([done = done_](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->mutex);
+    done->done = true;
+    done->cv.notify_all();
+  });
+}
+
+bool FutureWork::isCompleted() { return future_->completed(); }
+
+bool FutureWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
+
+std::exception_ptr FutureWork::exception() const {
+  return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> FutureWork::result() {
+  wait();
+  const c10::IValue& value = future_->constValue();
+  if (value.isPyObject()) return value.toPyObjectHolder()->extractTensors();
+  if (value.isTensorList()) return value.toTensorVector();
+  if (value.isTensor()) return {value.toTensor()};
+  return {};
+}
+
+bool FutureWork::wait(std::chrono::milliseconds timeout) {
+  auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  {
+    std::unique_lock<std::mutex> lock(done_->mutex);
+    if (!done_->cv.wait_for(lock, limit, [this] { return done_->done; })) {
+      std::string message = what_ + formatText(" did not complete within %g s", limit.count() / 1000.0);
+      std::rethrow_exception(makeTimeoutError_(message));
+    }
+  }
+  future_->wait();  // returns at once; for device futures it makes the current streams wait for the result
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  return true;
+}
+
+}  // namespace bps::python

@@ -1,0 +1,193 @@
+// torch_bps._C._testing: what only the tests (and benchmarks) call. The wire header's pack/unpack for
+// tests/test_wire.py, the receive-buffer cache's switch and counters for tests/test_client.py, the client's
+// scheduling queue and credit sizer alone for tests/test_scheduler.py, and one key's native rounds alone
+// (KeyRoundsProbe) for tests/test_server_rounds.py to compare with the reference KeyRounds.
+#include <torch/extension.h>
+
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client/credit_queue.h"
+#include "client/credit_sizer.h"
+#include "python/bindings.h"
+#include "server/rounds.h"
+#include "transport/buffer_cache.h"
+#include "transport/wire.h"
+
+namespace py = pybind11;
+
+namespace bps::python {
+
+using namespace bps::server;
+using namespace bps::transport;
+
+namespace {
+
+py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
+                       uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
+                       uint64_t nbytes, uint32_t waitMs, uint32_t mode, uint64_t offset, uint64_t length) {
+  Header h{command, status, dtype, worker, numWorkers, waitMs, mode,   incarnation,
+           jobId,   key,    round, requestId, nbytes,  offset, length};
+  uint8_t out[kHeaderSize];
+  packHeader(h, out);
+  return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
+}
+
+py::dict unpackHeaderPy(py::bytes data) {
+  std::string raw = data;
+  Header h = unpackHeader(reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
+  py::dict d;
+  d["command"] = h.command;
+  d["status"] = h.status;
+  d["dtype"] = h.dtype;
+  d["worker"] = h.worker;
+  d["num_workers"] = h.numWorkers;
+  d["wait_ms"] = h.waitMs;
+  d["mode"] = h.mode;
+  d["incarnation"] = h.incarnation;
+  d["job_id"] = h.jobId;
+  d["key"] = h.key;
+  d["round"] = h.round;
+  d["request_id"] = h.requestId;
+  d["nbytes"] = h.nbytes;
+  d["offset"] = h.offset;
+  d["length"] = h.length;
+  return d;
+}
+
+py::tuple answerTuple(Answer& a) {
+  std::string data(reinterpret_cast<const char*>(a.data.data()), a.data.size());
+  return py::make_tuple(a.pull.header.requestId, a.status, a.status == kOk ? py::object(py::bytes(data))
+                                                                           : py::object(py::str(a.message)));
+}
+
+py::list answerList(std::vector<Answer>& answers) {
+  py::list out;
+  for (auto& a : answers) out.append(answerTuple(a));
+  return out;
+}
+
+// One key's rounds alone, with the job it reads: what the reference test drives.
+class KeyRoundsProbe {
+ public:
+  KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name)
+      : job_(makeJob(numWorkers)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
+
+  // Each call returns (status, error message, answers): status 0 if the call was accepted; answers are
+  // (token, status, result bytes or error message).
+  py::tuple push(uint32_t worker, uint64_t rnd, const std::string& data, uint64_t offset) {
+    try {
+      std::vector<Answer> ready = rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset);
+      return py::make_tuple(0, "", answerList(ready));
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::tuple pull(uint32_t worker, uint64_t rnd, uint64_t token, uint64_t offset, uint64_t length, double deadline) {
+    Header h;
+    h.command = kPull;
+    h.worker = worker;
+    h.round = rnd;
+    h.requestId = token;
+    h.offset = offset;
+    h.length = length;
+    try {
+      Answer answer;
+      py::list answers;
+      if (rounds_.pull(Pull{"", h}, deadline, &answer)) answers.append(answerTuple(answer));
+      return py::make_tuple(0, "", answers);
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::tuple refuse(uint32_t worker, uint64_t rnd, const std::string& reason) {
+    try {
+      std::vector<Answer> failed = rounds_.refuse(worker, rnd, reason);
+      return py::make_tuple(0, "", answerList(failed));
+    } catch (const RoundError& e) {
+      return py::make_tuple(e.status, e.message, py::list());
+    }
+  }
+  py::list failLost() {
+    std::vector<Answer> failed = rounds_.failLost();
+    return answerList(failed);
+  }
+  py::list expire(double now) {
+    std::vector<Answer> expired = rounds_.expire(now);
+    return answerList(expired);
+  }
+  void setLost(uint32_t worker, const std::string& how) { job_.setLost(worker, how); }
+  uint64_t floor() const { return rounds_.floor(); }
+  bool hasWaiting() const { return rounds_.hasWaiting(); }
+
+ private:
+  static Job makeJob(uint32_t numWorkers) {
+    Job job;
+    job.numWorkers = numWorkers;
+    return job;
+  }
+
+  Job job_;
+  SumCounters counters_;
+  KeyRounds rounds_;
+};
+
+}  // namespace
+
+void bindTesting(py::module_& m) {
+  m.attr("HEADER_SIZE") = kHeaderSize;
+
+  m.def("pack_header", &packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
+        py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
+        py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
+        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0,
+        py::arg("mode") = 0, py::arg("offset") = 0, py::arg("length") = 0);
+  m.def("unpack_header", &unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
+        py::arg("data"));
+
+  m.def("install_buffer_cache", &installBufferCache,
+        "Recycle the big receive buffers of a loaded libzmq (default: the one this extension links); returns "
+        "'' on success, else why not (see cpp_ext/transport/buffer_cache.h).",
+        py::arg("library_path") = "");
+  m.def("buffer_cache_stats", [] {
+    BufferCacheStats s = bufferCacheStats();
+    return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);
+  });
+
+  // The client's scheduling queue alone, for tests/test_scheduler.py to compare with CreditScheduler.
+  using CreditQueue = client::CreditQueue<uint64_t>;
+  py::class_<CreditQueue>(m, "CreditQueue")
+      .def(py::init<int64_t, int64_t>(), py::arg("credit_bytes"), py::arg("destination_credit_bytes") = 0)
+      .def("push", &CreditQueue::push, py::arg("destination"), py::arg("nbytes"), py::arg("priority"), py::arg("item"))
+      .def("pop", &CreditQueue::pop,
+           "(item, nbytes, destination) with its credit taken, or None if nothing may go yet")
+      .def("release", &CreditQueue::release, py::arg("destination"), py::arg("nbytes"))
+      .def("destination_in_flight", &CreditQueue::destinationInFlight, py::arg("destination"))
+      .def_property_readonly("in_flight", &CreditQueue::inFlight)
+      .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight)
+      .def_property_readonly("peak_destination_in_flight", &CreditQueue::peakDestinationInFlight);
+
+  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/test_scheduler.py.
+  py::class_<client::CreditSizer>(m, "CreditSizer")
+      .def(py::init<int64_t, int64_t, double, double, size_t>(), py::arg("min_bytes"), py::arg("max_bytes"),
+           py::arg("jitter_seconds"), py::arg("window_seconds") = 0.05, py::arg("windows") = 20)
+      .def("on_ack", &client::CreditSizer::onAck, py::arg("destination"), py::arg("nbytes"), py::arg("now"),
+           py::arg("backlogged"), "the new credit when a measured window closed, else 0");
+
+  py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")
+      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&>(), py::arg("num_workers"),
+           py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"))
+      .def("push", &KeyRoundsProbe::push, py::arg("worker"), py::arg("round"), py::arg("data"), py::arg("offset"))
+      .def("pull", &KeyRoundsProbe::pull, py::arg("worker"), py::arg("round"), py::arg("token"), py::arg("offset"),
+           py::arg("length"), py::arg("deadline") = std::numeric_limits<double>::infinity())
+      .def("refuse", &KeyRoundsProbe::refuse, py::arg("worker"), py::arg("round"), py::arg("reason"))
+      .def("fail_lost", &KeyRoundsProbe::failLost)
+      .def("expire", &KeyRoundsProbe::expire, py::arg("now"))
+      .def("set_lost", &KeyRoundsProbe::setLost, py::arg("worker"), py::arg("how"))
+      .def_property_readonly("floor", &KeyRoundsProbe::floor)
+      .def_property_readonly("has_waiting", &KeyRoundsProbe::hasWaiting);
+}
+
+}  // namespace bps::python

@@ -1,0 +1,360 @@
+// KeyRounds: the native rounds of one key (see rounds.h; torch_bps/server/rounds.py is the reference,
+// and the error texts are its texts, character for character).
+#include "server/rounds.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <utility>
+
+namespace bps::server {
+
+namespace {
+
+std::string hex(uint64_t value) { return formatText("0x%llx", static_cast<unsigned long long>(value)); }
+
+// A loop the compiler vectorizes; integers go through their unsigned type, so sums wrap as torch's do.
+template <typename T>
+void addLoop(T* __restrict dst, const T* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+template <typename T>
+void addAs(uint8_t* dst, const uint8_t* src, size_t n) {
+  addLoop(reinterpret_cast<T*>(dst), reinterpret_cast<const T*>(src), n / sizeof(T));
+}
+
+// fp16 and bf16 are added by torch's kernels, in their own dtype (each element rounded as torch rounds it).
+void addHalf(at::ScalarType type, uint8_t* dst, const uint8_t* src, size_t n) {
+  auto options = at::TensorOptions().dtype(type);
+  int64_t count = static_cast<int64_t>(n / 2);
+  at::from_blob(dst, {count}, options).add_(at::from_blob(const_cast<uint8_t*>(src), {count}, options));
+}
+
+}  // namespace
+
+void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n) {
+  switch (dtype) {
+    case 1: return addAs<float>(dst, src, n);
+    case 2: return addAs<double>(dst, src, n);
+    case 3: return addHalf(at::kHalf, dst, src, n);
+    case 4: return addHalf(at::kBFloat16, dst, src, n);
+    case 5: return addAs<uint32_t>(dst, src, n);
+    case 6: return addAs<uint64_t>(dst, src, n);
+    case 7: return addAs<uint8_t>(dst, src, n);
+    case 8: return addAs<uint8_t>(dst, src, n);  // int8 wraps as uint8 does
+    default: throw RoundError{kInternal, formatText("no addition for dtype code %u", dtype)};
+  }
+}
+
+double monotonicSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+std::string Job::describe(uint32_t worker, double now) const {
+  for (const auto& [w, how] : lost) {
+    if (w == worker) return how;
+  }
+  auto peer = peers.find(worker);
+  if (peer == peers.end()) return formatText("worker %u (never said HELLO to this server)", worker);
+  auto seen = lastSeen.find(worker);
+  double ago = seen == lastSeen.end() ? 0.0 : now - seen->second;
+  return formatText("worker %u (at %s, last request %.1f s ago)", worker, peer->second.c_str(), ago);
+}
+
+void Job::setLost(uint32_t worker, std::string how) {
+  for (auto& item : lost) {
+    if (item.first == worker) {  // keeps its place, as the reference's dict does
+      item.second = std::move(how);
+      return;
+    }
+  }
+  lost.emplace_back(worker, std::move(how));
+}
+
+void Job::clearLost(uint32_t worker) {
+  lost.erase(std::remove_if(lost.begin(), lost.end(), [&](const auto& item) { return item.first == worker; }),
+             lost.end());
+}
+
+bool Job::isLost(uint32_t worker) const {
+  return std::any_of(lost.begin(), lost.end(), [&](const auto& item) { return item.first == worker; });
+}
+
+KeyRounds::KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes,
+                     uint16_t dtype)
+    : name_(std::move(name)), job_(job), counters_(counters), mode_(mode), nbytes_(nbytes), dtype_(dtype) {}
+
+std::string KeyRounds::what(const char* verb, uint64_t rnd, uint32_t worker) const {
+  return formatText("%s of %s round %llu by worker %u", verb, name_.c_str(), static_cast<unsigned long long>(rnd),
+                    worker);
+}
+
+KeyRounds::Round& KeyRounds::live(uint64_t rnd, uint32_t worker, const char* verb) {
+  if (rnd < floor_) {
+    throw RoundError{kBadRound, what(verb, rnd, worker) +
+                                    formatText(": round already completed and freed (oldest live round is %llu)",
+                                               static_cast<unsigned long long>(floor_))};
+  }
+  if (rnd - floor_ >= 2) {
+    auto f = static_cast<unsigned long long>(floor_);
+    throw RoundError{kBadRound, what(verb, rnd, worker) +
+                                    formatText(": at most two rounds may be alive and the oldest live round is %llu "
+                                               "(every worker must pull round %llu first)",
+                                               f, f)};
+  }
+  auto it = rounds_.find(rnd);
+  if (it == rounds_.end()) {
+    it = rounds_.emplace(rnd, Round{}).first;
+    it->second.pushed.assign(job_.numWorkers, 0);
+    it->second.pulled.assign(job_.numWorkers, 0);
+  }
+  return it->second;
+}
+
+void KeyRounds::markPushed(Round& r, uint32_t worker) {
+  if (!r.pushed[worker]) {
+    r.pushed[worker] = 1;
+    ++r.numPushed;
+  }
+}
+
+void KeyRounds::markPulled(Round& r, uint32_t worker) {
+  if (!r.pulled[worker]) {
+    r.pulled[worker] = 1;
+    ++r.numPulled;
+  }
+}
+
+std::string KeyRounds::lostBefore(const Round& r) const {
+  for (const auto& [w, how] : job_.lost) {
+    if (w >= r.pushed.size() || !r.pushed[w]) return "the round can never close: " + how + " before pushing it";
+  }
+  return "";
+}
+
+std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& data, uint64_t offset) {
+  Round& r = live(rnd, worker, "push");
+  if (r.failed) {
+    markPushed(r, worker);
+    std::string message = what("push", rnd, worker) + ": " + r.failure;
+    freeDone();
+    throw RoundError{kKeyMismatch, std::move(message)};
+  }
+  if (r.pushed[worker]) return {};  // a resent push: acknowledged, never added twice
+  if (mode_ == kModeCopy) {
+    write(r, std::move(data), offset, worker);
+  } else {
+    add(r, std::move(data));
+  }
+  markPushed(r, worker);
+  if (!closed(r)) return {};
+  if (mode_ == kModeCopy) {
+    r.failure = untiled(r, rnd);
+    r.failed = !r.failure.empty();
+  }
+  std::vector<Answer> ready;
+  ready.reserve(r.waiting.size());
+  for (auto& w : r.waiting) {
+    markPulled(r, w.pull.header.worker);
+    if (r.failed) {
+      std::string message = what("pull", w.pull.header.round, w.pull.header.worker) + ": " + r.failure;
+      ready.push_back(Answer{std::move(w.pull), kKeyMismatch, std::move(message), Message()});
+    } else {
+      ready.push_back(result(std::move(w.pull), r));
+    }
+  }
+  r.waiting.clear();
+  freeDone();  // may free r: every answer above holds its own reference to the result
+  return ready;
+}
+
+bool KeyRounds::pull(Pull&& pull, double deadline, Answer* answer) {
+  uint32_t worker = pull.header.worker;
+  uint64_t rnd = pull.header.round;
+  Round& r = live(rnd, worker, "pull");
+  if (r.failed) {
+    markPulled(r, worker);
+    std::string message = what("pull", rnd, worker) + ": " + r.failure;
+    freeDone();
+    throw RoundError{kKeyMismatch, std::move(message)};
+  }
+  if (!closed(r)) {
+    std::string lost = lostBefore(r);
+    if (!lost.empty()) throw RoundError{kWorkerLost, what("pull", rnd, worker) + ": " + lost};
+    for (const auto& w : r.waiting) {
+      if (w.pull.header.worker == worker) {  // keeps waiting pulls <= workers per round
+        throw RoundError{kBadRound, what("pull", rnd, worker) + ": this worker's pull of it already waits"};
+      }
+    }
+    r.waiting.push_back(Waiting{std::move(pull), deadline});
+    return false;
+  }
+  markPulled(r, worker);
+  *answer = result(std::move(pull), r);
+  freeDone();
+  return true;
+}
+
+std::vector<Answer> KeyRounds::refuse(uint32_t worker, uint64_t rnd, const std::string& reason) {
+  Round& r = live(rnd, worker, "push");
+  if (!r.failed) {
+    r.failed = true;
+    r.failure = reason;
+  }
+  markPushed(r, worker);
+  std::vector<Answer> failed;
+  for (auto& w : r.waiting) {
+    markPulled(r, w.pull.header.worker);
+    std::string message = what("pull", w.pull.header.round, w.pull.header.worker) + ": " + reason;
+    failed.push_back(Answer{std::move(w.pull), kKeyMismatch, std::move(message), Message()});
+  }
+  r.waiting.clear();
+  freeDone();
+  return failed;
+}
+
+std::vector<Answer> KeyRounds::failLost() {
+  std::vector<Answer> failed;
+  for (auto& [rnd, r] : rounds_) {
+    if (r.waiting.empty()) continue;
+    std::string lost = lostBefore(r);
+    if (lost.empty()) continue;
+    for (auto& w : r.waiting) {
+      std::string message = what("pull", rnd, w.pull.header.worker) + ": " + lost;
+      failed.push_back(Answer{std::move(w.pull), kWorkerLost, std::move(message), Message()});
+    }
+    r.waiting.clear();
+  }
+  return failed;
+}
+
+std::vector<Answer> KeyRounds::expire(double now) {
+  std::vector<Answer> expired;
+  for (auto& [rnd, r] : rounds_) {
+    bool due = std::any_of(r.waiting.begin(), r.waiting.end(), [&](const Waiting& w) { return w.deadline <= now; });
+    if (!due) continue;
+    std::string who;
+    uint32_t missing = 0;
+    for (uint32_t w = 0; w < job_.numWorkers; ++w) {
+      if (r.pushed[w]) continue;
+      who += (missing++ ? "; " : "") + job_.describe(w, now);
+    }
+    std::vector<Waiting> keep;
+    for (auto& w : r.waiting) {
+      if (w.deadline > now) {
+        keep.push_back(std::move(w));
+        continue;
+      }
+      std::string message = what("pull", rnd, w.pull.header.worker) +
+                            formatText(": the round is still waiting for %u of %u workers to push it (stalled or "
+                                       "hung?): ",
+                                       missing, job_.numWorkers) +
+                            who;
+      expired.push_back(Answer{std::move(w.pull), kRoundTimeout, std::move(message), Message()});
+    }
+    r.waiting = std::move(keep);
+  }
+  return expired;
+}
+
+std::vector<Answer> KeyRounds::failAll(uint16_t status, const std::string& message) {
+  std::vector<Answer> failed;
+  for (auto& [rnd, r] : rounds_) {
+    for (auto& w : r.waiting) failed.push_back(Answer{std::move(w.pull), status, message, Message()});
+    r.waiting.clear();
+  }
+  return failed;
+}
+
+bool KeyRounds::hasWaiting() const {
+  return std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
+}
+
+void KeyRounds::add(Round& r, Message&& data) {
+  if (!r.hasTotal) {  // the first push as it arrived: later ones are added into it, no allocation
+    r.total = std::move(data);
+    r.hasTotal = true;
+    return;
+  }
+  timespec start, end;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  addInPlace(dtype_, r.total.data(), data.data(), data.size());
+  clock_gettime(CLOCK_MONOTONIC, &end);
+  counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+  counters_.bytesSummed += data.size();
+}
+
+void KeyRounds::write(Round& r, Message&& data, uint64_t offset, uint32_t worker) {
+  uint64_t length = data.size();
+  r.pieces.push_back(Piece{offset, length, worker});
+  if (!r.hasTotal && offset == 0 && length == nbytes_) {  // a broadcast's one push: kept as it arrived
+    r.total = std::move(data);
+    r.hasTotal = true;
+    return;
+  }
+  if (!r.hasTotal) {
+    r.total = Message::ofSize(nbytes_);  // every byte is written, or the round fails
+    r.hasTotal = true;
+  }
+  if (length) std::memcpy(r.total.data() + offset, data.data(), length);
+}
+
+std::string KeyRounds::untiled(const Round& r, uint64_t rnd) const {
+  std::vector<Piece> pieces = r.pieces;
+  std::sort(pieces.begin(), pieces.end());
+  uint64_t end = 0;
+  bool tiled = true;
+  for (const auto& p : pieces) {
+    if (!p.length) continue;
+    if (p.offset != end) {
+      tiled = false;
+      break;
+    }
+    end += p.length;
+  }
+  if (tiled && end == nbytes_) return "";
+  std::string list;
+  for (const auto& p : pieces) {
+    if (!list.empty()) list += ", ";
+    list += formatText("worker %u: [%llu, %llu)", p.worker, static_cast<unsigned long long>(p.offset),
+                       static_cast<unsigned long long>(p.offset + p.length));
+  }
+  return formatText("the pushes of %s round %llu do not tile its %llu bytes (each byte written by exactly one "
+                    "worker): ",
+                    name_.c_str(), static_cast<unsigned long long>(rnd), static_cast<unsigned long long>(nbytes_)) +
+         list;
+}
+
+Answer KeyRounds::result(Pull&& pull, const Round& r) const {
+  const Header& h = pull.header;
+  Answer answer{std::move(pull), kOk, "", Message()};
+  if (!r.hasTotal) return answer;
+  size_t size = r.total.size();
+  if (h.offset == 0 && h.length == size) {
+    answer.data = r.total.share();  // the whole result: the same bytes, shared by reference count
+  } else if (h.length && h.offset <= size && h.length <= size - h.offset) {
+    answer.data = Message::copyOf(r.total.data() + h.offset, h.length);
+  }
+  return answer;
+}
+
+void KeyRounds::freeDone() {
+  // Rounds free in order: a later round fully pulled waits until the ones before it are freed.
+  for (auto it = rounds_.find(floor_); it != rounds_.end() && closed(it->second) &&
+                                       it->second.numPulled == job_.numWorkers;
+       it = rounds_.find(floor_)) {
+    rounds_.erase(it);
+    ++floor_;
+  }
+}
+
+std::string jobKeyName(uint64_t jobId, uint64_t key) {
+  return "job " + hex(jobId) + " key " + std::to_string(key);
+}
+
+}  // namespace bps::server

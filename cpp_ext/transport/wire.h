@@ -1,0 +1,165 @@
+// The 96-byte message header of docs/protocol.md, packed and unpacked byte for byte as
+// torch_bps/wire.py does (struct format "<IHHHHIIIII8Q"); tests/test_wire.py checks the two agree.
+//
+// Buffer lifetime: a payload sent zero-copy must stay untouched until ZeroMQ releases it; the client
+// keeps a tensor reference alive in the message's free function for exactly that.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "common/errors.h"
+
+namespace bps::transport {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire is little-endian; add byte swaps here");
+
+constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
+constexpr uint16_t kVersion = 2;
+constexpr size_t kHeaderSize = 96;
+constexpr uint16_t kReplyFlag = 0x80;
+constexpr size_t kStatsCounters = 14;  // torch_bps.wire.STATS_FIELDS
+
+enum Command : uint16_t { kHello = 1, kInit = 2, kPush = 3, kPull = 4, kStats = 5 };
+
+// A HELLO reply's `length`: the stream port (bits 0-15), and this bit if the server also listens on its local
+// stream (stream_conn.h). torch_bps.wire.STREAM_LOCAL.
+constexpr uint64_t kStreamLocal = uint64_t{1} << 32;
+
+// What a key's rounds do with pushes, fixed by its INIT: sum whole-key pushes, or copy byte ranges.
+enum Mode : uint32_t { kModeSum = 0, kModeCopy = 1 };
+
+enum Status : uint16_t {
+  kOk = 0,
+  kBadFrame = 1,
+  kBadVersion = 2,
+  kBadCommand = 3,
+  kWrongIncarnation = 4,
+  kUnknownJob = 5,
+  kJobMismatch = 6,
+  kUnknownKey = 7,
+  kKeyMismatch = 8,
+  kBadRound = 9,
+  kInternal = 10,
+  kWorkerLost = 11,
+  kRoundTimeout = 12,
+  kOverQuota = 16,
+};
+
+struct Header {
+  uint16_t command = 0;
+  uint16_t status = 0;
+  uint16_t dtype = 0;
+  uint32_t worker = 0;
+  uint32_t numWorkers = 0;
+  uint32_t waitMs = 0;  // PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
+  uint32_t mode = kModeSum;  // INIT/PUSH/PULL: the key's Mode
+  uint64_t incarnation = 0;
+  uint64_t jobId = 0;
+  uint64_t key = 0;
+  uint64_t round = 0;
+  uint64_t requestId = 0;
+  uint64_t nbytes = 0;  // INIT/PUSH/PULL: the key's size in bytes
+  uint64_t offset = 0;  // PUSH: where the payload goes in the key; PULL: first byte wanted
+  uint64_t length = 0;  // PUSH: payload bytes; PULL: bytes wanted
+};
+
+namespace detail {
+template <typename T>
+inline void store(uint8_t* out, size_t offset, T value) {
+  std::memcpy(out + offset, &value, sizeof(T));
+}
+template <typename T>
+inline T load(const uint8_t* in, size_t offset) {
+  T value;
+  std::memcpy(&value, in + offset, sizeof(T));
+  return value;
+}
+}  // namespace detail
+
+// Write `h` into out[0..kHeaderSize).
+inline void packHeader(const Header& h, uint8_t* out) {
+  using detail::store;
+  store<uint32_t>(out, 0, kMagic);
+  store<uint16_t>(out, 4, kVersion);
+  store<uint16_t>(out, 6, h.command);
+  store<uint16_t>(out, 8, h.status);
+  store<uint16_t>(out, 10, h.dtype);
+  store<uint32_t>(out, 12, h.worker);
+  store<uint32_t>(out, 16, h.numWorkers);
+  store<uint32_t>(out, 20, h.waitMs);
+  store<uint32_t>(out, 24, h.mode);
+  store<uint32_t>(out, 28, 0);  // reserved: keeps the u64 fields 8-byte aligned
+  store<uint64_t>(out, 32, h.incarnation);
+  store<uint64_t>(out, 40, h.jobId);
+  store<uint64_t>(out, 48, h.key);
+  store<uint64_t>(out, 56, h.round);
+  store<uint64_t>(out, 64, h.requestId);
+  store<uint64_t>(out, 72, h.nbytes);
+  store<uint64_t>(out, 80, h.offset);
+  store<uint64_t>(out, 88, h.length);
+}
+
+// Parse a header frame; throw Error(kProtocol, status) with the status a server would answer.
+inline Header unpackHeader(const uint8_t* in, size_t size) {
+  using detail::load;
+  if (size != kHeaderSize) {
+    throw Error(ErrorKind::kProtocol,
+                "header frame is " + std::to_string(size) + " bytes, expected " + std::to_string(kHeaderSize),
+                kBadFrame);
+  }
+  uint32_t magic = load<uint32_t>(in, 0);
+  if (magic != kMagic) {
+    char text[48];
+    std::snprintf(text, sizeof(text), "bad magic 0x%08x", magic);
+    throw Error(ErrorKind::kProtocol, text, kBadFrame);
+  }
+  uint16_t version = load<uint16_t>(in, 4);
+  if (version != kVersion) {
+    throw Error(ErrorKind::kProtocol,
+                "protocol version " + std::to_string(version) + ", this side speaks " + std::to_string(kVersion),
+                kBadVersion);
+  }
+  Header h;
+  h.command = load<uint16_t>(in, 6);
+  h.status = load<uint16_t>(in, 8);
+  h.dtype = load<uint16_t>(in, 10);
+  h.worker = load<uint32_t>(in, 12);
+  h.numWorkers = load<uint32_t>(in, 16);
+  h.waitMs = load<uint32_t>(in, 20);
+  h.mode = load<uint32_t>(in, 24);
+  h.incarnation = load<uint64_t>(in, 32);
+  h.jobId = load<uint64_t>(in, 40);
+  h.key = load<uint64_t>(in, 48);
+  h.round = load<uint64_t>(in, 56);
+  h.requestId = load<uint64_t>(in, 64);
+  h.nbytes = load<uint64_t>(in, 72);
+  h.offset = load<uint64_t>(in, 80);
+  h.length = load<uint64_t>(in, 88);
+  return h;
+}
+
+inline const char* commandName(uint16_t command) {
+  switch (command & ~kReplyFlag) {
+    case kHello: return "HELLO";
+    case kInit: return "INIT";
+    case kPush: return "PUSH";
+    case kPull: return "PULL";
+    case kStats: return "STATS";
+    default: return "UNKNOWN_COMMAND";
+  }
+}
+
+inline const char* statusName(uint16_t status) {
+  if (status == kOverQuota) return "OVER_QUOTA";
+  static const char* const kNames[] = {"OK",           "BAD_FRAME",   "BAD_VERSION",  "BAD_COMMAND",
+                                       "WRONG_INCARNATION", "UNKNOWN_JOB", "JOB_MISMATCH", "UNKNOWN_KEY",
+                                       "KEY_MISMATCH", "BAD_ROUND",   "INTERNAL",     "WORKER_LOST",
+                                       "ROUND_TIMEOUT"};
+  return status < sizeof(kNames) / sizeof(kNames[0]) ? kNames[status] : "UNKNOWN_STATUS";
+}
+
+}  // namespace bps::transport
