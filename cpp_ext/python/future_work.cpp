@@ -44,7 +44,9 @@ bool FutureWork::wait(std::chrono::milliseconds timeout) {
   {
     std::unique_lock<std::mutex> lock(done_->mutex);
     if (!done_->cv.wait_for(lock, limit, [this] { return done_->done; })) {
-      std::string message = what_ + formatText(" did not complete within %g s", limit.count() / 1000.0);
+      // torch's backends' words ("Timed out"), which code and torch's own tests match.
+      std::string message =
+          formatText("torch_bps: Timed out after %g s waiting for ", limit.count() / 1000.0) + what_ + " to complete";
       std::rethrow_exception(makeTimeoutError_(message));
     }
   }

@@ -147,7 +147,8 @@ class PyClient {
       py::gil_scoped_acquire gil;
       delete p;
     });
-    py::gil_scoped_release release;
+    // Keeps the GIL: posting never waits on a task (the pool runs none under its lock), and letting go of the GIL
+    // here hands it to the very thread just woken, so the caller would wait a switch interval to get it back.
     client_->post([held] {
       py::gil_scoped_acquire gil;
       try {
