@@ -14,7 +14,7 @@ other workers (the job is broken, as after a collective error), and a timed-out 
 leaving: do not reuse that tensor's memory for anything the server must not see.
 
 `push_pull_batch` hands a whole collective's partitions down at once: the IO thread sends them in priority
-order within a credit of bytes in flight and completes one future when all are back (see cpp_ext/client.h).
+order within a credit of bytes in flight and completes one future when all are back (see cpp_ext/client/client.h).
 
 May import: the standard library, torch, torch_bps.address, torch_bps.config, torch_bps.wire, torch_bps.errors,
 torch_bps.futures, torch_bps.security and torch_bps._C.
@@ -39,7 +39,7 @@ from torch_bps.security import ClientCredentials
 from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode, Partition
 
 _U64 = 1 << 64
-# A batch part's outcome (push_pull_batch's `outcomes`; cpp_ext/client.h PartOutcome).
+# A batch part's outcome (push_pull_batch's `outcomes`; cpp_ext/client/options.h PartOutcome).
 OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN = 0, 1, 2, 3
 
 
@@ -109,7 +109,7 @@ class Client:
         credit_bytes: bytes of `push_pull_batch` pushes in flight (sent, not yet acknowledged) at most; one
             partition may always go, however big. With `auto_credit`, where the credit starts.
         auto_credit: the client sizes the credit from its pushes, as they are acknowledged: a partition toward
-            each server it feeds plus the acknowledged push rate times 8 ms (cpp_ext/credit_sizer.h);
+            each server it feeds plus the acknowledged push rate times 8 ms (cpp_ext/client/credit_sizer.h);
             `scheduler_stats()["credit_bytes"]` is the credit now.
         server_credit_bytes: the same toward any one server; 0: no limit but credit_bytes. One partition
             per server may always go, however big.
@@ -127,8 +127,9 @@ class Client:
         local_stream: a server on this machine (in this network namespace) is reached over its local stream, a
             unix socket, where it offers one (docs/protocol.md): no TCP stack on the bytes. None: BPS_TRANSPORT is
             "stream" or "unix" (not "tcp").
-        shared_memory: on a local stream, big frames go through shared memory the server maps (cpp_ext/shared_ring.h):
-            two memcpys in place of a unix socket's work. None: BPS_TRANSPORT is "stream" (not "unix").
+        shared_memory: on a local stream, big frames go through shared memory the server maps
+            (cpp_ext/transport/shared_ring.h): two memcpys in place of a unix socket's work. None: BPS_TRANSPORT is
+            "stream" (not "unix").
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -414,7 +415,7 @@ class Client:
 
     def record_steps(self, capacity: int) -> tuple[torch.Tensor, int]:
         """Return (events, dropped) the IO thread recorded since the last call and record up to `capacity` more
-        (0: stop): the partitions' steps, for torch_bps.timeline (cpp_ext/trace.h has the columns)."""
+        (0: stop): the partitions' steps, for torch_bps.timeline (cpp_ext/common/trace.h has the columns)."""
         return self._impl.trace(capacity)
 
     def post(self, fn: Callable[[], None]) -> None:

@@ -16,7 +16,7 @@ from torch_bps.address import split_host_port
 from torch_bps.errors import ConfigError
 
 # Where the credit of bytes in flight per worker starts (the C++ client schedules within it and, unless
-# BPS_CREDIT_BYTES fixes it, sizes it from its acknowledged pushes: cpp_ext/credit_sizer.h). It must keep the
+# BPS_CREDIT_BYTES fixes it, sizes it from its acknowledged pushes: cpp_ext/client/credit_sizer.h). It must keep the
 # uplink busy, and each step pays for it once: a step's first sums come back after about credit / link rate. No
 # fixed size serves every link, which is why the client sizes it; 2 MiB keeps a fast link busy from the start.
 DEFAULT_CREDIT_BYTES = 2 << 20
@@ -129,10 +129,10 @@ class Config:
     # both ways, and so what n connections can pile into one link's queue. 0: the kernel's autotuned buffers.
     socket_buffer_bytes: int = field(default=0, metadata={"env": "BPS_SOCKET_BUFFER_BYTES", "parse": int})
     # "stream": beside each ZeroMQ connection, a plain TCP stream the server offers (auth token or off, never
-    # curve) carries the requests, read and written by the client's IO thread itself: ZeroMQ's own I/O thread
-    # and wake-ups cost 70-130 us of CPU per message (docs/protocol.md, "The stream transport"). A server that
-    # offers none is reached over ZeroMQ; a server on this machine over its local stream, a unix socket (no TCP
-    # stack on the bytes a colocated server sums) whose big frames go through shared memory (cpp_ext/shared_ring.h).
+    # curve) carries the requests, read and written by the client's IO thread itself: no hand-off to ZeroMQ's own
+    # I/O thread and no wake-up per message (docs/protocol.md, "The stream transport"). A server that offers none
+    # is reached over ZeroMQ; a server on this machine over its local stream, a unix socket (no TCP stack on the
+    # bytes a colocated server sums) whose big frames go through shared memory (cpp_ext/transport/shared_ring.h).
     # "unix": the local stream without shared memory. "tcp": the stream, never the local one. "zmq": ZeroMQ only.
     transport: str = field(default=DEFAULT_TRANSPORT, metadata={"env": "BPS_TRANSPORT", "parse": parse_transport})
     # Reduce among a machine's local ranks before the network (one push per machine).

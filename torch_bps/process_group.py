@@ -2,7 +2,7 @@
 
 `import torch_bps` registers it for cpu and cuda; then `dist.init_process_group("byteps")`, and
 `dist.new_group(ranks)` for subgroups. torch makes its own ProcessGroup and registers, for both devices,
-the C++ Backend `torch_bps._C.make_backend` builds around a `BackendBPS` (cpp_ext/py_backend.h): so
+the C++ Backend `torch_bps._C.make_backend` builds around a `BackendBPS` (cpp_ext/python/py_backend.h): so
 `group._device_types`, DCP and FSDP2's default-device lookups and the dispatcher's c10d ops all find it.
 Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 

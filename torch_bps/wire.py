@@ -3,7 +3,7 @@
 Every message is a ZeroMQ multipart message: one fixed 96-byte header frame, then at most one frame of
 payload (raw tensor bytes, a UTF-8 error message, or a fixed table of counters). Nothing received from
 a peer is ever unpickled. docs/protocol.md is the normative description; this module and
-cpp_ext/wire.h must agree with it byte for byte (tests/transport/test_wire.py checks the C++ side).
+cpp_ext/transport/wire.h must agree with it byte for byte (tests/transport/test_wire.py checks the C++ side).
 
 Buffer lifetime: a payload sent zero-copy must stay untouched until ZeroMQ releases it (the C++ client
 holds a tensor reference until then; the server sends only tensors it never writes again).

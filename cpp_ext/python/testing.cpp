@@ -1,7 +1,7 @@
 // torch_bps._C._testing: what only the tests (and benchmarks) call. The wire header's pack/unpack for
-// tests/test_wire.py, the receive-buffer cache's switch and counters for tests/test_client.py, the client's
-// scheduling queue and credit sizer alone for tests/test_scheduler.py, and one key's native rounds alone
-// (KeyRoundsProbe) for tests/test_server_rounds.py to compare with the reference KeyRounds.
+// tests/transport/test_wire.py, the receive-buffer cache's switch and counters for tests/transport/test_client.py,
+// the client's scheduling queue and credit sizer alone for tests/engine/test_scheduler.py, and one key's native
+// rounds alone (KeyRoundsProbe) for tests/server/test_server_rounds.py to compare with the reference KeyRounds.
 #include <torch/extension.h>
 
 #include <limits>
@@ -156,7 +156,7 @@ void bindTesting(py::module_& m) {
     return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);
   });
 
-  // The client's scheduling queue alone, for tests/test_scheduler.py to compare with CreditScheduler.
+  // The client's scheduling queue alone, for tests/engine/test_scheduler.py to compare with CreditScheduler.
   using CreditQueue = client::CreditQueue<uint64_t>;
   py::class_<CreditQueue>(m, "CreditQueue")
       .def(py::init<int64_t, int64_t>(), py::arg("credit_bytes"), py::arg("destination_credit_bytes") = 0)
@@ -169,7 +169,7 @@ void bindTesting(py::module_& m) {
       .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight)
       .def_property_readonly("peak_destination_in_flight", &CreditQueue::peakDestinationInFlight);
 
-  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/test_scheduler.py.
+  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/engine/test_scheduler.py.
   py::class_<client::CreditSizer>(m, "CreditSizer")
       .def(py::init<int64_t, int64_t, double, double, size_t>(), py::arg("min_bytes"), py::arg("max_bytes"),
            py::arg("jitter_seconds"), py::arg("window_seconds") = 0.05, py::arg("windows") = 20)

@@ -1,4 +1,4 @@
-// KeyRounds: the native rounds of one key (see rounds.h; torch_bps/server/rounds.py is the reference,
+// KeyRounds: the native rounds of one key (see rounds.h; torch_bps/_reference/rounds.py is the reference,
 // and the error texts are its texts, character for character).
 #include "server/rounds.h"
 

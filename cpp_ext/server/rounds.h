@@ -1,5 +1,5 @@
-// The rounds of one key on the summation server, natively: torch_bps/server/rounds.py (KeyRounds) is the
-// reference, and tests/test_server_rounds.py drives both with the same random sequences and compares.
+// The rounds of one key on the summation server, natively: torch_bps/_reference/rounds.py (KeyRounds) is the
+// reference, and tests/server/test_server_rounds.py drives both with the same random sequences and compares.
 //
 // Rules (docs/protocol.md): round r closes when every worker of the job pushed it; a duplicate push is
 // acknowledged and ignored; a pull of r is answered once r closed (a worker's second pull of r while its first

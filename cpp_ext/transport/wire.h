@@ -1,5 +1,5 @@
 // The 96-byte message header of docs/protocol.md, packed and unpacked byte for byte as
-// torch_bps/wire.py does (struct format "<IHHHHIIIII8Q"); tests/test_wire.py checks the two agree.
+// torch_bps/wire.py does (struct format "<IHHHHIIIII8Q"); tests/transport/test_wire.py checks the two agree.
 //
 // Buffer lifetime: a payload sent zero-copy must stay untouched until ZeroMQ releases it; the client
 // keeps a tensor reference alive in the message's free function for exactly that.

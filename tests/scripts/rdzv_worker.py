@@ -1,4 +1,4 @@
-"""Run by tests/test_rendezvous.py under torchrun: one all_reduce on "byteps", then print the servers it used."""
+"""Run by tests/e2e/test_rendezvous.py under torchrun: one all_reduce on "byteps", then print the servers it used."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reference models: plain-Python statements of rules the C++ core runs, which the tests hold the C++ to.
 
 Nothing in torch_bps imports these (tests/test_layers.py checks it); they are read and tested, never run in a job.
-- rounds.py: a summation server's rounds of one key (the native one: cpp_ext/server_rounds.h);
-- scheduler.py: the client's credit-bounded priority scheduling (the native one: cpp_ext/credit_queue.h).
+- rounds.py: a summation server's rounds of one key (the native one: cpp_ext/server/rounds.h);
+- scheduler.py: the client's credit-bounded priority scheduling (the native one: cpp_ext/client/credit_queue.h).
 """

@@ -10,7 +10,7 @@ floor + 1). A round that a lost worker has not pushed can never close: its pulls
 naming the worker. A pull that waited longer than it
 allows fails with ROUND_TIMEOUT, naming the workers that have not pushed (a stalled rank).
 
-The server runs the native rounds (cpp_ext/server_rounds.h); this module states the same rules in Python and
+The server runs the native rounds (cpp_ext/server/rounds.h); this module states the same rules in Python and
 nothing in torch_bps imports it: tests/server/test_server_rounds.py drives both with the same random sequences
 and compares every answer. Nothing here locks: one thread uses a KeyRounds.
 

@@ -1,6 +1,6 @@
 """Reference model, not run by the engine: credit-bounded priority scheduling of partitions onto the network.
 
-The engine's partitions are scheduled by the C++ client's IO thread (cpp_ext/credit_queue.h, through
+The engine's partitions are scheduled by the C++ client's IO thread (cpp_ext/client/credit_queue.h, through
 `Client.push_pull_batch`); this class states the same rule in Python and nothing in torch_bps imports it:
 tests/engine/test_scheduler.py checks that both send the same submissions in the same order.
 

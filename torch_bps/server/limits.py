@@ -1,6 +1,6 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
-A server holds, per key, at most two live rounds (each one tensor of the key's size, cpp_ext/server_rounds.h),
+A server holds, per key, at most two live rounds (each one tensor of the key's size, cpp_ext/server/rounds.h),
 at most one waiting PULL per worker and round, and a little metadata. That is known the moment a key is
 declared, so the book charges it then: INIT of a key that would take its job past the job's quota, or the
 server past its bound, is refused with OVER_QUOTA before anything is allocated. HELLO of a new job is

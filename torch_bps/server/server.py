@@ -1,9 +1,9 @@
 """The summation server: a native core that serves PUSH and PULL, and the control plane around it.
 
-The core (`torch_bps._C.ServerCore`, cpp_ext/server_core.h) owns the ROUTER and the stream listeners (TCP and the
+The core (`torch_bps._C.ServerCore`, cpp_ext/server/core.h) owns the ROUTER and the stream listeners (TCP and the
 local stream) with their streams (docs/protocol.md, "The stream transport"; their requests take the ROUTER's path)
 and runs its loop on the thread that calls `serve_forever`. PUSH and PULL of a declared key never enter Python: the
-core checks the header, the job's identity and the key's declaration, runs the key's rounds (cpp_ext/server_rounds.h,
+core checks the header, the job's identity and the key's declaration, runs the key's rounds (cpp_ext/server/rounds.h,
 held to torch_bps/_reference/rounds.py by the tests), sums in place into the first push's received
 message and answers pulls with that message itself (shared by reference count). Everything else comes here,
 synchronously on the same thread, so every peer's messages keep their order (an INIT pipelined in front of

@@ -1,6 +1,6 @@
 """A summation server's timeline (`bps-server --trace DIR`): its sums and its queue, as Chrome-trace JSON.
 
-The native core records each push it adds (or keeps, or copies) and each wake-up of its loop (cpp_ext/trace.h);
+The native core records each push it adds (or keeps, or copies) and each wake-up of its loop (cpp_ext/common/trace.h);
 every tick of the loop moves what it recorded into DIR/server-HOST-PORT.json, a Chrome-trace JSON array
 written as it goes (closed with "]" when the server stops; `python -m torch_bps.timeline` also reads one left
 open by a killed server). Times are CLOCK_REALTIME microseconds, like the workers' files, so
@@ -22,7 +22,7 @@ import os
 
 log = logging.getLogger("torch_bps.server")
 
-# cpp_ext/trace.h's kinds and columns
+# cpp_ext/common/trace.h's kinds and columns
 _SUM, _STORE, _WAKE = 16, 17, 18
 _T, _DUR, _ID, _KEY, _ROUND, _BYTES, _PEER, _KIND = range(8)
 _BUFFER_EVENTS = 1 << 16  # recorded between two ticks at most (0.2 s); more are counted as dropped

@@ -1,7 +1,7 @@
 """A worker's timeline as Chrome-trace events: its partitions' steps and its collectives; and writing the file.
 
 The C++ client records, per partition, when it was queued (handed to the IO thread), sent (its PUSH left: it
-took its credit), acknowledged (the credit came back) and pulled (the sum arrived), or failed (cpp_ext/trace.h).
+took its credit), acknowledged (the credit came back) and pulled (the sum arrived), or failed (cpp_ext/common/trace.h).
 Each partition becomes three slices on its key's row: "queued" (waiting for credit, or for the key's previous
 round), "push" (sent until acknowledged) and "pull" (acknowledged until the sum arrived: the other workers'
 pushes, the server's sum and the reply), each with key, round, server and bytes. Times are CLOCK_REALTIME
@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 
-# cpp_ext/trace.h's kinds and columns
+# cpp_ext/common/trace.h's kinds and columns
 QUEUED, SENT, ACKED, PULLED, FAILED = 1, 2, 3, 4, 5
 _T, _DUR, _ID, _KEY, _ROUND, _BYTES, _PEER, _KIND = range(8)
 _STAGES = {(QUEUED, SENT): "queued", (SENT, ACKED): "push", (ACKED, PULLED): "pull"}
@@ -27,7 +27,7 @@ KEY_ROWS = 1000  # tids of key rows start here; collectives take the rows below
 
 
 def partition_events(rows: Sequence[Sequence[int]], servers: Sequence[str], pid: int) -> list[dict]:
-    """Chrome-trace events of the partitions in the client's raw events (rows of cpp_ext/trace.h's columns).
+    """Chrome-trace events of the partitions in the client's raw events (rows of cpp_ext/common/trace.h's columns).
 
     A partition's events share an id (its operation) from "queued" to its end; an id seen again after that is
     another partition. A partition already in flight when recording started shows from its first step seen.
