@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -24,6 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torch_bps
 from torch_bps.runtime import _RUNTIMES
+
+
+def say(line: str) -> None:
+    """Print `line` in one write: the ranks share torchrun's pipe, and print() writes a line and its end apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -56,7 +63,7 @@ def main() -> None:
     def kill_now(*_):
         while armed:
             pid, stop = armed.pop()
-            print(f"{'stopping' if stop else 'killing'} server pid {pid}", flush=True)
+            say(f"{'stopping' if stop else 'killing'} server pid {pid}")
             os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
 
     model[0].weight.register_hook(lambda grad: kill_now() or grad)  # the last gradient of the backward pass
@@ -66,7 +73,7 @@ def main() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(args.steps):
         if die and first_attempt and (rank, step) == tuple(die):
-            print(f"rank {rank} dying at step {step}", flush=True)
+            say(f"rank {rank} dying at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         if rebalance and int(rebalance[0]) == step:
             deadline = time.monotonic() + 60
@@ -83,7 +90,7 @@ def main() -> None:
         kill_now()  # a hook that never fired (no kill inside backward was asked for)
         opt.step()
         opt.zero_grad()
-        print(f"rank {rank} step {step}", flush=True)
+        say(f"rank {rank} step {step}")
     if rank == 0:
         runtimes = [rt for rt in _RUNTIMES.values() if rt._engine.router is not None]
         torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, args.out + ".pt")

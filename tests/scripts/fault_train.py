@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -18,6 +19,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_bps
+
+
+def say(line: str) -> None:
+    """Print `line` in one write: the ranks share torchrun's pipe, and print() writes a line and its end apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -33,7 +40,7 @@ def main() -> None:
     torch.manual_seed(0)
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    print(f"rank {rank} pid {os.getpid()}", flush=True)
+    say(f"rank {rank} pid {os.getpid()}")
     layers = [torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)]
     if args.buffers:
         layers.insert(1, torch.nn.BatchNorm1d(256))
@@ -49,15 +56,15 @@ def main() -> None:
     try:
         for step in range(args.steps):
             if die and rank == die[0] and step == die[1]:
-                print(f"dying at {time.time():.3f}", flush=True)
+                say(f"dying at {time.time():.3f}")
                 os.kill(os.getpid(), signal.SIGKILL)
             if stall and rank == stall[0] and step == stall[1]:
-                print(f"stalling at {time.time():.3f}", flush=True)
+                say(f"stalling at {time.time():.3f}")
                 time.sleep(stall[2])
             ddp(torch.randn(16, 64)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            print(f"rank {rank} step {step}", flush=True)
+            say(f"rank {rank} step {step}")
             time.sleep(0.02)
     except Exception as e:
         outcome = {"rank": rank, "type": type(e).__name__, "at": time.time(),
