@@ -266,7 +266,13 @@ class BackendBPS:
                 # values can overflow where the sum of divided ones does not.
                 flat.div_(self.size())
             elif op == "AVG":  # integers, as NCCL: the sum, then divided by the group's size, rounded toward zero
-                return Transfer(flat, lambda: (flat.div_(self.size(), rounding_mode="trunc"), finish and finish()))
+
+                def average() -> None:
+                    flat.div_(self.size(), rounding_mode="trunc")
+                    if finish is not None:
+                        finish()
+
+                return Transfer(flat, average)
             return Transfer(flat, finish)
         n, r = flat.numel(), self.rank()
         rows = torch.empty(self.size() * n, dtype=flat.dtype)
