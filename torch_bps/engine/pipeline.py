@@ -72,6 +72,7 @@ class _Op:
     error: BaseException | None = None
     sent_at: float = 0.0  # when its partitions went to the client (time.monotonic())
     network_ended: bool = False  # under the engine's _state lock: a late second ending is ignored
+    pull_only: bool = False  # push nothing, pull the rounds' sums (a worker catching up on backup rounds)
 
 
 class PushPullEngine:
@@ -137,9 +138,13 @@ class PushPullEngine:
         self.run([tensor], completer(future, tensor), priority=priority)
         return future
 
-    def run(self, tensors: Sequence[torch.Tensor | Exchange], done: Done, *, priority: int = 0) -> None:
+    def run(self, tensors: Sequence[torch.Tensor | Exchange], done: Done, *, priority: int = 0,
+            pull_only: bool = False) -> None:  # fmt: skip
         """Sum each 1-D contiguous CPU tensor in place over all workers (or exchange it as its `Exchange`
         says), then call `done(error or None)` once.
+
+        `pull_only`: push nothing and overwrite the tensors with their rounds' sums, which the other workers make
+        (backup workers: a worker catching up on rounds that closed without it; one local rank per worker).
 
         Collective: every rank calls it with tensors of the same numels, dtypes and modes, in the same order.
         `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
@@ -149,12 +154,14 @@ class PushPullEngine:
             t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
+        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM for x in items)):
+            raise ValueError("pull_only takes summed tensors, with one local rank per worker")
         mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
             if self.local_channels is None:
-                self._schedule(_Op(items, plans, priority, done))
+                self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
                 self._rs_queue.put(_Op(items, plans, priority, done))
 
@@ -216,7 +223,7 @@ class PushPullEngine:
     # -- stage: partitions onto the network, in one batch the client schedules (priority, credit)
     def _schedule(self, op: _Op) -> None:
         plans = zip(op.items, op.plans, strict=True)
-        parts = [] if self.alone else [part for x, plan in plans for part in self._parts(x, plan)]
+        parts = [] if self.alone else [part for x, plan in plans for part in self._parts(x, plan, op.pull_only)]
         if not parts:
             self._network_done(op, None)
             return
@@ -240,7 +247,7 @@ class PushPullEngine:
         servers = ", ".join(self.client.servers[i] for i in sorted({p.server for p in parts}))
         return f"torch_bps::network {len(parts)} partitions, keys {min(keys):#x}..{max(keys):#x}, servers {servers}"
 
-    def _parts(self, x: Exchange, plan: list[Part]) -> list[Partition]:
+    def _parts(self, x: Exchange, plan: list[Part], pull_only: bool = False) -> list[Partition]:
         """This rank's partitions of one tensor, as push_pull_batch takes them."""
         t = x.tensor
         # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
@@ -257,6 +264,8 @@ class PushPullEngine:
             # over the range it pushed (any all-reduce's) uses one tensor for both.
             pushing = t if src == whole else t[src[0] : src[1]]
             out = pushing if dst == src else t[dst[0] : dst[1]]
+            if pull_only:  # an empty push: the client sends only the PULL
+                pushing, out = t[lo:lo], t[lo:hi]
             parts.append(Partition(pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 

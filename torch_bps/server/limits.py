@@ -1,7 +1,7 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
-A server holds, per key, at most two live rounds (each one tensor of the key's size, cpp_ext/server/rounds.h),
-at most one waiting PULL per worker and round, and a little metadata. That is known the moment a key is
+A server holds, per key, at most two live rounds (the job's window W with backup workers), each one tensor of
+the key's size (cpp_ext/server/rounds.h), at most one waiting PULL per worker and round, and a little metadata. That is known the moment a key is
 declared, so the book charges it then: INIT of a key that would take its job past the job's quota, or the
 server past its bound, is refused with OVER_QUOTA before anything is allocated. HELLO of a new job is
 charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
@@ -84,9 +84,10 @@ class Limits:
             raise ValueError(f"job_lease_seconds={self.job_lease_seconds}, queue_messages={self.queue_messages}")
 
 
-def key_charge(nbytes: int, num_workers: int) -> int:
-    """Return the most a key of nbytes can make the server hold: two rounds, a waiting pull per worker each."""
-    return 2 * nbytes + KEY_OVERHEAD + 2 * num_workers * PULL_OVERHEAD
+def key_charge(nbytes: int, num_workers: int, window: int = 2) -> int:
+    """Return the most a key of nbytes can make the server hold: `window` live rounds (the job's; 2 without backup
+    workers), a waiting pull per worker each."""
+    return window * nbytes + KEY_OVERHEAD + window * num_workers * PULL_OVERHEAD
 
 
 class MemoryBook:
@@ -107,9 +108,9 @@ class MemoryBook:
         self._take(job_id, JOB_OVERHEAD, f"HELLO of job {job_id:#x}")
         self._seen[job_id] = time.monotonic()
 
-    def add_key(self, job_id: int, nbytes: int, num_workers: int) -> None:
+    def add_key(self, job_id: int, nbytes: int, num_workers: int, window: int = 2) -> None:
         """Charge a new key of job_id; raise ProtocolError(OVER_QUOTA) past the job's quota or the server's bound."""
-        self._take(job_id, key_charge(nbytes, num_workers), f"INIT of {nbytes} bytes for job {job_id:#x}")
+        self._take(job_id, key_charge(nbytes, num_workers, window), f"INIT of {nbytes} bytes for job {job_id:#x}")
 
     def touch(self, job_id: int, now: float) -> None:
         """Record a request of job_id at time.monotonic() `now`."""
