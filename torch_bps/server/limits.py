@@ -1,10 +1,10 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
 A server holds, per key, at most two live rounds (the job's window W with backup workers), each one tensor of
-the key's size (cpp_ext/server/rounds.h), at most one waiting PULL per worker and round, and a little metadata. That is known the moment a key is
-declared, so the book charges it then: INIT of a key that would take its job past the job's quota, or the
-server past its bound, is refused with OVER_QUOTA before anything is allocated. HELLO of a new job is
-charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
+the key's size (cpp_ext/server/rounds.h), at most one waiting PULL per worker and round, and a little metadata.
+That is known the moment a key is declared, so the book charges it then: INIT of a key that would take its job
+past the job's quota, or the server past its bound, is refused with OVER_QUOTA before anything is allocated.
+HELLO of a new job is charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
 forgotten, which gives its charge back. What the book does not see is bounded at the socket: a frame over
 `max_frame_bytes` drops its connection before it is read (ZMQ_MAXMSGSIZE), at most `queue_messages`
 messages wait per connection (ZMQ_RCVHWM). Nothing queues between the socket and the summation: the
