@@ -4,10 +4,11 @@
 
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
 (benchmarks/cluster/workers/straggler_train.py) through torch_bps.BackupWorkers, in four modes: synchronous with no
-straggler (the yardstick), synchronous with one machine `--slow-factor` times slower in compute, and backup
-workers (b = 1) with and without that straggler. For each: rounds per second (the job's steps; each round applies
-the mean of at least n - b machines' batches) and its ratio to the yardstick, the time to `--target` held-out
-accuracy and its ratio, the final accuracy, how many rounds the straggler caught up on without computing, and
+straggler (the yardstick), synchronous with one straggler machine, and backup workers (b = 1) with and without it.
+The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
+of the rate (both ways) while the others keep theirs. For each: rounds per second (the job's steps; each round
+applies the mean of at least n - b machines' batches) and its ratio to the yardstick, the time to `--target` held-
+out accuracy and its ratio, the final accuracy, how many rounds the straggler caught up on without computing, and
 whether every replica ended bit-identical. Dedicated servers on the k server hosts, BPS_FAILOVER=0.
 May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
 """
@@ -35,12 +36,15 @@ MODES = {  # name: (backups, straggler)
 def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, straggler: bool, port: int) -> dict:
     n = len(cluster.workers)
     slow = n - 1 if straggler else -1
+    by_link = straggler and args.straggler == "link"
+    cluster.set_rate(cluster.workers[-1], args.rate * args.link_share if by_link else None)
+    factor = 1.0 if args.straggler == "link" else args.slow_factor
     ranks = [
         cluster.spawn(
             f"straggler rank {r}", h,
             [sys.executable, "-m", WORKER, "--rank", str(r), "--world", str(n), "--store",
              f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--slow-rank", str(slow),
-             "--slow-factor", str(args.slow_factor), "--steps", str(args.steps), "--batch", str(args.batch)],
+             "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch)],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": str(n)},
@@ -67,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=500.0, help="link rate in Mbit/s (default 500)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=256, help="samples per machine per round (default 256)")
-    p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--straggler", choices=["compute", "link"], default="compute", help="what is slow (default compute)")
+    p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's compute time, times (default 3)")
+    p.add_argument("--link-share", type=float, default=0.25, help="the straggler's link rate, share (default 0.25)")
     p.add_argument("--target", type=float, default=0.75, help="held-out accuracy to reach (default 0.75)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternated (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
@@ -96,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     base = runs.get("sync")
     base_rate = statistics.median(o["rounds_per_s"] for o in base) if base else None
     base_time = statistics.median(o["seconds_to_target"] or float("inf") for o in base) if base else None
-    print(f"\nn = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, straggler {args.slow_factor:g}x slower "
-          f"in compute, target accuracy {args.target}")  # fmt: skip
+    slow = (f"{args.slow_factor:g}x slower in compute" if args.straggler == "compute" else
+            f"its link at {args.link_share:g} of the rate")  # fmt: skip
+    print(f"\nn = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, straggler {slow}, target accuracy "
+          f"{args.target}")  # fmt: skip
     for mode, outs in runs.items():
         rate = statistics.median(o["rounds_per_s"] for o in outs)
         time_ = statistics.median(o["seconds_to_target"] or float("inf") for o in outs)
