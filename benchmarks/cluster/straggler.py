@@ -7,8 +7,8 @@ Runs, alternated on one cluster (`--rounds` times each), a student MLP learning 
 straggler (the yardstick), synchronous with one straggler machine, and backup workers (b = 1) with and without it.
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs. For each: rounds per second (the job's steps; each round
-applies the mean of at least n - b machines' batches) and its ratio to the yardstick, the time to `--target` held-
-out accuracy and its ratio, the final accuracy, how many rounds the straggler caught up on without computing, and
+applies the mean of at least n - b machines' batches) and its ratio to the yardstick, the time to `--target`
+held-out accuracy and its ratio, the final accuracy, how many rounds the straggler caught up on without computing, and
 whether every replica ended bit-identical. Dedicated servers on the k server hosts, BPS_FAILOVER=0.
 May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
 """
