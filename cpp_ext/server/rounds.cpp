@@ -2,12 +2,12 @@
 // and the error texts are its texts, character for character).
 #include "server/rounds.h"
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstring>
 #include <ctime>
 #include <utility>
+
+#include "server/sums.h"
 
 namespace bps::server {
 
@@ -15,39 +15,7 @@ namespace {
 
 std::string hex(uint64_t value) { return formatText("0x%llx", static_cast<unsigned long long>(value)); }
 
-// A loop the compiler vectorizes; integers go through their unsigned type, so sums wrap as torch's do.
-template <typename T>
-void addLoop(T* __restrict dst, const T* __restrict src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-template <typename T>
-void addAs(uint8_t* dst, const uint8_t* src, size_t n) {
-  addLoop(reinterpret_cast<T*>(dst), reinterpret_cast<const T*>(src), n / sizeof(T));
-}
-
-// fp16 and bf16 are added by torch's kernels, in their own dtype (each element rounded as torch rounds it).
-void addHalf(at::ScalarType type, uint8_t* dst, const uint8_t* src, size_t n) {
-  auto options = at::TensorOptions().dtype(type);
-  int64_t count = static_cast<int64_t>(n / 2);
-  at::from_blob(dst, {count}, options).add_(at::from_blob(const_cast<uint8_t*>(src), {count}, options));
-}
-
 }  // namespace
-
-void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n) {
-  switch (dtype) {
-    case 1: return addAs<float>(dst, src, n);
-    case 2: return addAs<double>(dst, src, n);
-    case 3: return addHalf(at::kHalf, dst, src, n);
-    case 4: return addHalf(at::kBFloat16, dst, src, n);
-    case 5: return addAs<uint32_t>(dst, src, n);
-    case 6: return addAs<uint64_t>(dst, src, n);
-    case 7: return addAs<uint8_t>(dst, src, n);
-    case 8: return addAs<uint8_t>(dst, src, n);  // int8 wraps as uint8 does
-    default: throw RoundError{kInternal, formatText("no addition for dtype code %u", dtype)};
-  }
-}
 
 double monotonicSeconds() {
   timespec ts;
@@ -87,7 +55,13 @@ bool Job::isLost(uint32_t worker) const {
 
 KeyRounds::KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes,
                      uint16_t dtype)
-    : name_(std::move(name)), job_(job), counters_(counters), mode_(mode), nbytes_(nbytes), dtype_(dtype) {}
+    : name_(std::move(name)),
+      job_(job),
+      counters_(counters),
+      mode_(mode),
+      nbytes_(nbytes),
+      dtype_(dtype),
+      widened_(mode == kModeSum && sumsWidened(dtype)) {}
 
 std::string KeyRounds::what(const char* verb, uint64_t rnd, uint32_t worker) const {
   return formatText("%s of %s round %llu by worker %u", verb, name_.c_str(), static_cast<unsigned long long>(rnd),
@@ -156,6 +130,8 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
   if (mode_ == kModeCopy) {
     r.failure = untiled(r, rnd);
     r.failed = !r.failure.empty();
+  } else {
+    roundOnce(r);
   }
   std::vector<Answer> ready;
   ready.reserve(r.waiting.size());
@@ -283,10 +259,39 @@ void KeyRounds::add(Round& r, Message&& data) {
   }
   timespec start, end;
   clock_gettime(CLOCK_MONOTONIC, &start);
-  addInPlace(dtype_, r.total.data(), data.data(), data.size());
+  if (!widened_) {
+    addInPlace(dtype_, r.total.data(), data.data(), data.size());
+  } else if (r.wide.empty()) {  // the second push: the first one and it, widened, make the accumulator
+    r.wide = takeAccumulator();
+    widenSum(dtype_, r.wide.data(), r.total.data(), data.data(), r.wide.size());
+  } else {
+    addWidened(dtype_, r.wide.data(), data.data(), r.wide.size());
+  }
   clock_gettime(CLOCK_MONOTONIC, &end);
   counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
   counters_.bytesSummed += data.size();
+}
+
+void KeyRounds::roundOnce(Round& r) {
+  if (r.wide.empty() || r.failed) return;  // one push is its own sum, exactly
+  timespec start, end;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  narrow(dtype_, r.total.data(), r.wide.data(), r.wide.size());  // into the first push's bytes: the result
+  clock_gettime(CLOCK_MONOTONIC, &end);
+  counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+  giveAccumulator(std::move(r.wide));
+}
+
+std::vector<float> KeyRounds::takeAccumulator() {
+  if (spare_.empty()) return std::vector<float>(nbytes_ / 2);
+  std::vector<float> wide = std::move(spare_.back());
+  spare_.pop_back();
+  return wide;
+}
+
+void KeyRounds::giveAccumulator(std::vector<float>&& wide) {
+  if (!wide.empty()) spare_.push_back(std::move(wide));
+  wide = {};
 }
 
 void KeyRounds::write(Round& r, Message&& data, uint64_t offset, uint32_t worker) {
@@ -348,6 +353,7 @@ void KeyRounds::freeDone() {
   for (auto it = rounds_.find(floor_); it != rounds_.end() && closed(it->second) &&
                                        it->second.numPulled == job_.numWorkers;
        it = rounds_.find(floor_)) {
+    giveAccumulator(std::move(it->second.wide));  // a failed round's
     rounds_.erase(it);
     ++floor_;
   }

@@ -4,7 +4,8 @@
 // Rules (docs/protocol.md): round r closes when every worker of the job pushed it; a duplicate push is
 // acknowledged and ignored; a pull of r is answered once r closed (a worker's second pull of r while its first
 // waits is refused); r is freed once every worker pulled it; at most two rounds are alive (floor, floor + 1).
-// A SUM round adds whole-key pushes into the first push's received message, in the key's dtype; a COPY round
+// A SUM round adds whole-key pushes into the first push's received message, in the key's dtype (fp16 and bf16:
+// in an fp32 accumulator, rounded once into that message when the round closes; server/sums.h); a COPY round
 // writes each push's bytes at its offset and, at close, the non-empty pushes must tile the key.
 //
 // Buffer lifetime: a round's result is a zmq message (the first push as received, or one allocated for a COPY
@@ -123,6 +124,7 @@ class KeyRounds {
     bool hasTotal = false;
     Message total;
     std::vector<Piece> pieces;  // COPY
+    std::vector<float> wide;  // fp16/bf16 SUM: the sum so far in fp32, from the round's second push to its close
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);
@@ -132,6 +134,11 @@ class KeyRounds {
   std::string lostBefore(const Round& r) const;  // "" if none
   std::string what(const char* verb, uint64_t rnd, uint32_t worker) const;
   void add(Round& r, Message&& data);
+  void roundOnce(Round& r);  // a closed widened round: its accumulator, rounded, becomes the result
+  // Accumulators go back to the key when their round closes: at most two rounds are alive, so a key holds at most
+  // two, allocated once (fresh big buffers page-fault on every round).
+  std::vector<float> takeAccumulator();
+  void giveAccumulator(std::vector<float>&& wide);
   void write(Round& r, Message&& data, uint64_t offset, uint32_t worker);
   std::string untiled(const Round& r, uint64_t rnd) const;
   Answer result(Pull&& pull, const Round& r) const;
@@ -143,14 +150,13 @@ class KeyRounds {
   uint32_t mode_;
   uint64_t nbytes_;
   uint16_t dtype_;
+  bool widened_;  // a SUM key of fp16 or bf16
   uint64_t floor_ = 0;
+  std::vector<std::vector<float>> spare_;
   std::map<uint64_t, Round> rounds_;
 };
 
 // "job 0x.. key K": how error messages name a key.
 std::string jobKeyName(uint64_t jobId, uint64_t key);
-
-// Add `n` bytes of `src` into `dst` elementwise in `dtype` (a wire dtype code; integers wrap).
-void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n);
 
 }  // namespace bps::server

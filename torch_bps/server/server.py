@@ -335,7 +335,7 @@ class SummationServer:
         check_init(h)
         info = self._keys.get((h.job_id, h.key))
         if info is None:
-            self._charge(self._book.add_key, h.job_id, h.nbytes, self._jobs[h.job_id].num_workers)
+            self._charge(self._book.add_key, h.job_id, h.nbytes, self._jobs[h.job_id].num_workers, h.dtype, h.mode)
             self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode))
             self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode)
         else:

@@ -1,0 +1,112 @@
+// The server's arithmetic (see sums.h). Plain loops the compiler vectorizes; on x86-64 each widened loop is also
+// built for x86-64-v3 (AVX2, F16C) and picked at load time, since the extension is built for the baseline ISA,
+// which has no fp16 conversion instruction.
+#include "server/sums.h"
+
+#include <bit>
+#include <cstring>
+
+#include "server/rounds.h"
+
+namespace bps::server {
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BPS_WIDE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define BPS_WIDE_CLONES
+#endif
+
+constexpr uint16_t kFloat16 = 3, kBFloat16 = 4;
+
+// A loop the compiler vectorizes; integers go through their unsigned type, so sums wrap as torch's do.
+template <typename T>
+void addLoop(T* __restrict dst, const T* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+template <typename T>
+void addAs(uint8_t* dst, const uint8_t* src, size_t n) {
+  addLoop(reinterpret_cast<T*>(dst), reinterpret_cast<const T*>(src), n / sizeof(T));
+}
+
+// bf16 is the top half of an fp32: widening is exact.
+inline float fromBf16(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+// Rounded as c10::BFloat16 rounds (round_to_nearest_even), NaN to 0x7FC0 as torch's kernels give it.
+inline uint16_t toBf16(float f) {
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  uint16_t rounded = static_cast<uint16_t>((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
+  return f != f ? uint16_t{0x7FC0} : rounded;
+}
+
+// _Float16 converts by IEEE rules (round to nearest, ties to even; overflow to infinity), as torch's Half does.
+BPS_WIDE_CLONES void widenSumHalf(float* __restrict acc, const _Float16* __restrict a, const _Float16* __restrict b,
+                                  size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
+}
+
+BPS_WIDE_CLONES void addHalf(float* __restrict acc, const _Float16* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += static_cast<float>(src[i]);
+}
+
+BPS_WIDE_CLONES void narrowHalf(_Float16* __restrict dst, const float* __restrict acc, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(acc[i]);
+}
+
+BPS_WIDE_CLONES void widenSumBf16(float* __restrict acc, const uint16_t* __restrict a, const uint16_t* __restrict b,
+                                  size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = fromBf16(a[i]) + fromBf16(b[i]);
+}
+
+BPS_WIDE_CLONES void addBf16(float* __restrict acc, const uint16_t* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += fromBf16(src[i]);
+}
+
+BPS_WIDE_CLONES void narrowBf16(uint16_t* __restrict dst, const float* __restrict acc, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(acc[i]);
+}
+
+[[noreturn]] void notWidened(uint16_t dtype) {
+  throw RoundError{kInternal, formatText("dtype code %u is not summed in fp32", dtype)};
+}
+
+}  // namespace
+
+void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n) {
+  switch (dtype) {
+    case 1: return addAs<float>(dst, src, n);
+    case 2: return addAs<double>(dst, src, n);
+    case 5: return addAs<uint32_t>(dst, src, n);
+    case 6: return addAs<uint64_t>(dst, src, n);
+    case 7: return addAs<uint8_t>(dst, src, n);
+    case 8: return addAs<uint8_t>(dst, src, n);  // int8 wraps as uint8 does
+    default: throw RoundError{kInternal, formatText("no addition in place for dtype code %u", dtype)};
+  }
+}
+
+bool sumsWidened(uint16_t dtype) { return dtype == kFloat16 || dtype == kBFloat16; }
+
+// Received frames are 2-byte aligned at least (the wire carries whole elements), which is all 16-bit loads need.
+void widenSum(uint16_t dtype, float* acc, const uint8_t* a, const uint8_t* b, size_t count) {
+  if (dtype == kFloat16) return widenSumHalf(acc, reinterpret_cast<const _Float16*>(a),
+                                             reinterpret_cast<const _Float16*>(b), count);
+  if (dtype == kBFloat16) return widenSumBf16(acc, reinterpret_cast<const uint16_t*>(a),
+                                              reinterpret_cast<const uint16_t*>(b), count);
+  notWidened(dtype);
+}
+
+void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count) {
+  if (dtype == kFloat16) return addHalf(acc, reinterpret_cast<const _Float16*>(src), count);
+  if (dtype == kBFloat16) return addBf16(acc, reinterpret_cast<const uint16_t*>(src), count);
+  notWidened(dtype);
+}
+
+void narrow(uint16_t dtype, uint8_t* dst, const float* acc, size_t count) {
+  if (dtype == kFloat16) return narrowHalf(reinterpret_cast<_Float16*>(dst), acc, count);
+  if (dtype == kBFloat16) return narrowBf16(reinterpret_cast<uint16_t*>(dst), acc, count);
+  notWidened(dtype);
+}
+
+}  // namespace bps::server

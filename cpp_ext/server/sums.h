@@ -1,0 +1,31 @@
+// The server's arithmetic: adding pushes into a round's result. docs/protocol.md ("Summation") states the rule;
+// torch_bps/_reference/rounds.py states it again in torch, and tests/server/test_server_rounds.py holds the two
+// to the same bits.
+//
+// fp32, fp64 and the integers are added in place in their own type (integers wrap). fp16 and bf16 are widened:
+// their pushes are added in an fp32 accumulator and the result is rounded once to the key's dtype, as torch
+// rounds (to nearest, ties to even), when the round closes. Rounding at every add would make the error grow
+// with the number of workers and depend on the order pushes arrive in; rounded once, a sum of 16-bit pushes
+// is within half an ulp of the exact sum of their fp32 values up to fp32's own rounding.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace bps::server {
+
+// Add `n` bytes of `src` into `dst` elementwise in `dtype` (a wire dtype code; integers wrap). Not for widened
+// dtypes.
+void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n);
+
+// Whether a SUM key of `dtype` is summed in an fp32 accumulator (fp16, bf16).
+bool sumsWidened(uint16_t dtype);
+
+// acc[i] = float(a[i]) + float(b[i]) for `count` elements of the widened `dtype`.
+void widenSum(uint16_t dtype, float* acc, const uint8_t* a, const uint8_t* b, size_t count);
+// acc[i] += float(src[i]).
+void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count);
+// dst[i] = acc[i] rounded to the widened `dtype` (to nearest, ties to even; a NaN stays a NaN).
+void narrow(uint16_t dtype, uint8_t* dst, const float* acc, size_t count);
+
+}  // namespace bps::server
