@@ -1,10 +1,14 @@
-// The server's arithmetic (see sums.h). Plain loops the compiler vectorizes; on x86-64 each widened loop is also
-// built for x86-64-v3 (AVX2, F16C) and picked at load time, since the extension is built for the baseline ISA,
-// which has no fp16 conversion instruction.
+// The server's arithmetic (see sums.h). Plain loops the compiler vectorizes; the extension is built for the
+// baseline x86-64 ISA, so on x86-64 the bf16 loops are also built for x86-64-v3 (AVX2) and picked at load time, and
+// the fp16 ones use F16C's conversions where the CPU has them (the compiler does not vectorize _Float16's).
 #include "server/sums.h"
 
 #include <bit>
 #include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include "server/rounds.h"
 
@@ -41,18 +45,74 @@ inline uint16_t toBf16(float f) {
   return f != f ? uint16_t{0x7FC0} : rounded;
 }
 
-// _Float16 converts by IEEE rules (round to nearest, ties to even; overflow to infinity), as torch's Half does.
-BPS_WIDE_CLONES void widenSumHalf(float* __restrict acc, const _Float16* __restrict a, const _Float16* __restrict b,
-                                  size_t n) {
+// fp16: F16C converts 8 elements per instruction (what torch's own kernels use, with the same rounding: to nearest,
+// ties to even, overflow to infinity); without it, _Float16 converts one at a time by the same IEEE rules.
+void widenSumHalfScalar(float* acc, const _Float16* a, const _Float16* b, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
 }
 
-BPS_WIDE_CLONES void addHalf(float* __restrict acc, const _Float16* __restrict src, size_t n) {
+void addHalfScalar(float* acc, const _Float16* src, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] += static_cast<float>(src[i]);
 }
 
-BPS_WIDE_CLONES void narrowHalf(_Float16* __restrict dst, const float* __restrict acc, size_t n) {
+void narrowHalfScalar(_Float16* dst, const float* acc, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(acc[i]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define BPS_F16C 1
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+bool hasF16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const _Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("avx2,f16c"))) void widenSumHalfF16c(float* acc, const _Float16* a, const _Float16* b,
+                                                            size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_add_ps(load8(a + i), load8(b + i)));
+  widenSumHalfScalar(acc + i, a + i, b + i, n - i);
+}
+
+__attribute__((target("avx2,f16c"))) void addHalfF16c(float* acc, const _Float16* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), load8(src + i)));
+  addHalfScalar(acc + i, src + i, n - i);
+}
+
+__attribute__((target("avx2,f16c"))) void narrowHalfF16c(_Float16* dst, const float* acc, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(acc + i), kNearest));
+  }
+  narrowHalfScalar(dst + i, acc + i, n - i);
+}
+#endif
+
+void widenSumHalf(float* acc, const _Float16* a, const _Float16* b, size_t n) {
+#ifdef BPS_F16C
+  if (hasF16c()) return widenSumHalfF16c(acc, a, b, n);
+#endif
+  widenSumHalfScalar(acc, a, b, n);
+}
+
+void addHalf(float* acc, const _Float16* src, size_t n) {
+#ifdef BPS_F16C
+  if (hasF16c()) return addHalfF16c(acc, src, n);
+#endif
+  addHalfScalar(acc, src, n);
+}
+
+void narrowHalf(_Float16* dst, const float* acc, size_t n) {
+#ifdef BPS_F16C
+  if (hasF16c()) return narrowHalfF16c(dst, acc, n);
+#endif
+  narrowHalfScalar(dst, acc, n);
 }
 
 BPS_WIDE_CLONES void widenSumBf16(float* __restrict acc, const uint16_t* __restrict a, const uint16_t* __restrict b,
