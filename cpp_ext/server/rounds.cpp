@@ -123,15 +123,13 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
   if (mode_ == kModeCopy) {
     write(r, std::move(data), offset, worker);
   } else {
-    add(r, std::move(data));
+    add(r, std::move(data), r.numPushed + 1 == job_.numWorkers);  // this worker has not pushed it yet
   }
   markPushed(r, worker);
   if (!closed(r)) return {};
   if (mode_ == kModeCopy) {
     r.failure = untiled(r, rnd);
     r.failed = !r.failure.empty();
-  } else {
-    roundOnce(r);
   }
   std::vector<Answer> ready;
   ready.reserve(r.waiting.size());
@@ -251,7 +249,7 @@ bool KeyRounds::hasWaiting() const {
   return std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
 }
 
-void KeyRounds::add(Round& r, Message&& data) {
+void KeyRounds::add(Round& r, Message&& data, bool closing) {
   if (!r.hasTotal) {  // the first push as it arrived: later ones are added into it, no allocation
     r.total = std::move(data);
     r.hasTotal = true;
@@ -259,27 +257,23 @@ void KeyRounds::add(Round& r, Message&& data) {
   }
   timespec start, end;
   clock_gettime(CLOCK_MONOTONIC, &start);
+  uint8_t* total = r.total.data();
   if (!widened_) {
-    addInPlace(dtype_, r.total.data(), data.data(), data.size());
-  } else if (r.wide.empty()) {  // the second push: the first one and it, widened, make the accumulator
+    addInPlace(dtype_, total, data.data(), data.size());
+  } else if (r.wide.empty() && closing) {  // two pushes: added and rounded in one pass
+    sumPair(dtype_, total, data.data(), nbytes_ / 2);
+  } else if (r.wide.empty()) {  // the second of three or more: with the first, it makes the accumulator
     r.wide = takeAccumulator();
-    widenSum(dtype_, r.wide.data(), r.total.data(), data.data(), r.wide.size());
+    widenSum(dtype_, r.wide.data(), total, data.data(), r.wide.size());
+  } else if (closing) {  // the last: added, and the sum rounded into the first push's bytes, the result
+    finishSum(dtype_, total, r.wide.data(), data.data(), r.wide.size());
+    giveAccumulator(std::move(r.wide));
   } else {
     addWidened(dtype_, r.wide.data(), data.data(), r.wide.size());
   }
   clock_gettime(CLOCK_MONOTONIC, &end);
   counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
   counters_.bytesSummed += data.size();
-}
-
-void KeyRounds::roundOnce(Round& r) {
-  if (r.wide.empty() || r.failed) return;  // one push is its own sum, exactly
-  timespec start, end;
-  clock_gettime(CLOCK_MONOTONIC, &start);
-  narrow(dtype_, r.total.data(), r.wide.data(), r.wide.size());  // into the first push's bytes: the result
-  clock_gettime(CLOCK_MONOTONIC, &end);
-  counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
-  giveAccumulator(std::move(r.wide));
 }
 
 std::vector<float> KeyRounds::takeAccumulator() {

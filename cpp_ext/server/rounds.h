@@ -5,7 +5,7 @@
 // acknowledged and ignored; a pull of r is answered once r closed (a worker's second pull of r while its first
 // waits is refused); r is freed once every worker pulled it; at most two rounds are alive (floor, floor + 1).
 // A SUM round adds whole-key pushes into the first push's received message, in the key's dtype (fp16 and bf16:
-// in an fp32 accumulator, rounded once into that message when the round closes; server/sums.h); a COPY round
+// in fp32, rounded once into that message by the round's last push; server/sums.h); a COPY round
 // writes each push's bytes at its offset and, at close, the non-empty pushes must tile the key.
 //
 // Buffer lifetime: a round's result is a zmq message (the first push as received, or one allocated for a COPY
@@ -124,7 +124,7 @@ class KeyRounds {
     bool hasTotal = false;
     Message total;
     std::vector<Piece> pieces;  // COPY
-    std::vector<float> wide;  // fp16/bf16 SUM: the sum so far in fp32, from the round's second push to its close
+    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers: the sum so far in fp32, until the last push
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);
@@ -133,8 +133,7 @@ class KeyRounds {
   void markPulled(Round& r, uint32_t worker);
   std::string lostBefore(const Round& r) const;  // "" if none
   std::string what(const char* verb, uint64_t rnd, uint32_t worker) const;
-  void add(Round& r, Message&& data);
-  void roundOnce(Round& r);  // a closed widened round: its accumulator, rounded, becomes the result
+  void add(Round& r, Message&& data, bool closing);  // closing: the round's last push
   // Accumulators go back to the key when their round closes: at most two rounds are alive, so a key holds at most
   // two, allocated once (fresh big buffers page-fault on every round).
   std::vector<float> takeAccumulator();

@@ -8,6 +8,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#define BPS_F16C 1
 #endif
 
 #include "server/rounds.h"
@@ -45,8 +46,27 @@ inline uint16_t toBf16(float f) {
   return f != f ? uint16_t{0x7FC0} : rounded;
 }
 
-// fp16: F16C converts 8 elements per instruction (what torch's own kernels use, with the same rounding: to nearest,
-// ties to even, overflow to infinity); without it, _Float16 converts one at a time by the same IEEE rules.
+// The four passes a widened round makes (sums.h), for bf16.
+BPS_WIDE_CLONES void widenSumBf16(float* __restrict acc, const uint16_t* __restrict a, const uint16_t* __restrict b,
+                                  size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = fromBf16(a[i]) + fromBf16(b[i]);
+}
+
+BPS_WIDE_CLONES void addBf16(float* __restrict acc, const uint16_t* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] += fromBf16(src[i]);
+}
+
+BPS_WIDE_CLONES void finishBf16(uint16_t* __restrict dst, const float* __restrict acc, const uint16_t* __restrict src,
+                                size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(acc[i] + fromBf16(src[i]));
+}
+
+BPS_WIDE_CLONES void pairBf16(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(fromBf16(dst[i]) + fromBf16(src[i]));
+}
+
+// fp16, one element at a time: _Float16 converts by IEEE rules (to nearest, ties to even, overflow to infinity), as
+// torch's Half does. Also the vector loops' tails.
 void widenSumHalfScalar(float* acc, const _Float16* a, const _Float16* b, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
 }
@@ -55,12 +75,16 @@ void addHalfScalar(float* acc, const _Float16* src, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] += static_cast<float>(src[i]);
 }
 
-void narrowHalfScalar(_Float16* dst, const float* acc, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(acc[i]);
+void finishHalfScalar(_Float16* dst, const float* acc, const _Float16* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(acc[i] + static_cast<float>(src[i]));
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define BPS_F16C 1
+void pairHalfScalar(_Float16* dst, const _Float16* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(static_cast<float>(dst[i]) + static_cast<float>(src[i]));
+}
+
+#ifdef BPS_F16C
+// fp16 eight at a time: F16C's conversions, the ones torch's own kernels use, with the same rounding.
 constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 bool hasF16c() {
@@ -70,6 +94,10 @@ bool hasF16c() {
 
 __attribute__((target("avx2,f16c"))) inline __m256 load8(const _Float16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("avx2,f16c"))) inline void store8(_Float16* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, kNearest));
 }
 
 __attribute__((target("avx2,f16c"))) void widenSumHalfF16c(float* acc, const _Float16* a, const _Float16* b,
@@ -85,48 +113,28 @@ __attribute__((target("avx2,f16c"))) void addHalfF16c(float* acc, const _Float16
   addHalfScalar(acc + i, src + i, n - i);
 }
 
-__attribute__((target("avx2,f16c"))) void narrowHalfF16c(_Float16* dst, const float* acc, size_t n) {
+__attribute__((target("avx2,f16c"))) void finishHalfF16c(_Float16* dst, const float* acc, const _Float16* src,
+                                                          size_t n) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(acc + i), kNearest));
-  }
-  narrowHalfScalar(dst + i, acc + i, n - i);
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), load8(src + i)));
+  finishHalfScalar(dst + i, acc + i, src + i, n - i);
 }
+
+__attribute__((target("avx2,f16c"))) void pairHalfF16c(_Float16* dst, const _Float16* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_add_ps(load8(dst + i), load8(src + i)));
+  pairHalfScalar(dst + i, src + i, n - i);
+}
+#define BPS_HALF(name, ...) return hasF16c() ? name##F16c(__VA_ARGS__) : name##Scalar(__VA_ARGS__)
+#else
+#define BPS_HALF(name, ...) return name##Scalar(__VA_ARGS__)
 #endif
 
-void widenSumHalf(float* acc, const _Float16* a, const _Float16* b, size_t n) {
-#ifdef BPS_F16C
-  if (hasF16c()) return widenSumHalfF16c(acc, a, b, n);
-#endif
-  widenSumHalfScalar(acc, a, b, n);
-}
-
-void addHalf(float* acc, const _Float16* src, size_t n) {
-#ifdef BPS_F16C
-  if (hasF16c()) return addHalfF16c(acc, src, n);
-#endif
-  addHalfScalar(acc, src, n);
-}
-
-void narrowHalf(_Float16* dst, const float* acc, size_t n) {
-#ifdef BPS_F16C
-  if (hasF16c()) return narrowHalfF16c(dst, acc, n);
-#endif
-  narrowHalfScalar(dst, acc, n);
-}
-
-BPS_WIDE_CLONES void widenSumBf16(float* __restrict acc, const uint16_t* __restrict a, const uint16_t* __restrict b,
-                                  size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = fromBf16(a[i]) + fromBf16(b[i]);
-}
-
-BPS_WIDE_CLONES void addBf16(float* __restrict acc, const uint16_t* __restrict src, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] += fromBf16(src[i]);
-}
-
-BPS_WIDE_CLONES void narrowBf16(uint16_t* __restrict dst, const float* __restrict acc, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(acc[i]);
-}
+// Received frames hold whole elements and are 2-byte aligned at least, which is all 16-bit loads need.
+inline const _Float16* half(const uint8_t* p) { return reinterpret_cast<const _Float16*>(p); }
+inline _Float16* half(uint8_t* p) { return reinterpret_cast<_Float16*>(p); }
+inline const uint16_t* bf16(const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline uint16_t* bf16(uint8_t* p) { return reinterpret_cast<uint16_t*>(p); }
 
 [[noreturn]] void notWidened(uint16_t dtype) {
   throw RoundError{kInternal, formatText("dtype code %u is not summed in fp32", dtype)};
@@ -148,24 +156,27 @@ void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n) {
 
 bool sumsWidened(uint16_t dtype) { return dtype == kFloat16 || dtype == kBFloat16; }
 
-// Received frames are 2-byte aligned at least (the wire carries whole elements), which is all 16-bit loads need.
 void widenSum(uint16_t dtype, float* acc, const uint8_t* a, const uint8_t* b, size_t count) {
-  if (dtype == kFloat16) return widenSumHalf(acc, reinterpret_cast<const _Float16*>(a),
-                                             reinterpret_cast<const _Float16*>(b), count);
-  if (dtype == kBFloat16) return widenSumBf16(acc, reinterpret_cast<const uint16_t*>(a),
-                                              reinterpret_cast<const uint16_t*>(b), count);
+  if (dtype == kBFloat16) return widenSumBf16(acc, bf16(a), bf16(b), count);
+  if (dtype == kFloat16) BPS_HALF(widenSumHalf, acc, half(a), half(b), count);
   notWidened(dtype);
 }
 
 void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count) {
-  if (dtype == kFloat16) return addHalf(acc, reinterpret_cast<const _Float16*>(src), count);
-  if (dtype == kBFloat16) return addBf16(acc, reinterpret_cast<const uint16_t*>(src), count);
+  if (dtype == kBFloat16) return addBf16(acc, bf16(src), count);
+  if (dtype == kFloat16) BPS_HALF(addHalf, acc, half(src), count);
   notWidened(dtype);
 }
 
-void narrow(uint16_t dtype, uint8_t* dst, const float* acc, size_t count) {
-  if (dtype == kFloat16) return narrowHalf(reinterpret_cast<_Float16*>(dst), acc, count);
-  if (dtype == kBFloat16) return narrowBf16(reinterpret_cast<uint16_t*>(dst), acc, count);
+void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count) {
+  if (dtype == kBFloat16) return finishBf16(bf16(dst), acc, bf16(src), count);
+  if (dtype == kFloat16) BPS_HALF(finishHalf, half(dst), acc, half(src), count);
+  notWidened(dtype);
+}
+
+void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count) {
+  if (dtype == kBFloat16) return pairBf16(bf16(dst), bf16(src), count);
+  if (dtype == kFloat16) BPS_HALF(pairHalf, half(dst), half(src), count);
   notWidened(dtype);
 }
 

@@ -21,11 +21,19 @@ void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n);
 // Whether a SUM key of `dtype` is summed in an fp32 accumulator (fp16, bf16).
 bool sumsWidened(uint16_t dtype);
 
-// acc[i] = float(a[i]) + float(b[i]) for `count` elements of the widened `dtype`.
+// A widened round's passes over its pushes, in the order they arrive. With two pushes, one: sumPair. With more, the
+// second makes the accumulator (widenSum), the next ones add into it (addWidened), and the last one is added and
+// the sum rounded in the same pass (finishSum), into the first push's bytes, which become the result. Rounding is
+// to nearest, ties to even, as torch rounds; a NaN stays a NaN. Each is the same bits as adding every push in fp32
+// in that order and rounding once at the end.
+//
+// acc[i] = float(a[i]) + float(b[i]), for `count` elements of the widened `dtype`.
 void widenSum(uint16_t dtype, float* acc, const uint8_t* a, const uint8_t* b, size_t count);
 // acc[i] += float(src[i]).
 void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count);
-// dst[i] = acc[i] rounded to the widened `dtype` (to nearest, ties to even; a NaN stays a NaN).
-void narrow(uint16_t dtype, uint8_t* dst, const float* acc, size_t count);
+// dst[i] = round(acc[i] + float(src[i])).
+void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count);
+// dst[i] = round(float(dst[i]) + float(src[i])).
+void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count);
 
 }  // namespace bps::server
