@@ -130,6 +130,10 @@ class Client:
         shared_memory: on a local stream, big frames go through shared memory the server maps
             (cpp_ext/transport/shared_ring.h): two memcpys in place of a unix socket's work. None: BPS_TRANSPORT is
             "stream" (not "unix").
+        backups: backup workers b (docs/protocol.md): a floating SUM round closes once num_workers - b workers
+            pushed it, its sum scaled to stand for all; every worker of the job must give the same b and window.
+        window: with backups, rounds alive per key (2 to 64): how far a slow worker may fall behind and still
+            catch up by pulling the rounds it missed.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -158,6 +162,8 @@ class Client:
         receive_buffer_bytes: Sequence[int] = (),
         local_stream: bool | None = None,
         shared_memory: bool | None = None,
+        backups: int = 0,
+        window: int = 2,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -175,6 +181,9 @@ class Client:
                 f"timeouts must be positive (timeout={timeout}, connect_timeout={connect_timeout}, "
                 f"heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout})"
             )
+        if not 0 <= backups < num_workers or not 2 <= window <= 64 or (window != 2 and not backups):
+            raise ValueError(f"backups={backups} must be in [0, num_workers={num_workers}) and window={window} in "
+                             "[2, 64] (2 without backups)")  # fmt: skip
         if credit_bytes <= 0:
             raise ValueError(f"credit_bytes must be positive, got {credit_bytes}")
         if server_credit_bytes < 0 or not 0 <= socket_buffer_bytes < 1 << 31:
@@ -216,7 +225,8 @@ class Client:
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
                                receive_buffer_bytes=receive_buffer_bytes, local_stream=local_stream,
-                               shared_memory=shared_memory, **credentials)  # fmt: skip
+                               shared_memory=shared_memory, backups=backups, window=window,
+                               **credentials)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
             self._incarnations = tuple(self._impl.hello(connect_timeout))
@@ -358,6 +368,11 @@ class Client:
         returned something to do."""
         return self._impl.scheduler_stats()
 
+    def take_behind(self) -> int:
+        """With backup workers: the most rounds of a key that had already closed past one this client pulled, since
+        the last call (0: this worker is not behind the others)."""
+        return self._impl.take_behind()
+
     def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0):
         """Check one push_pull's arguments; return them as the C++ client takes them:
         (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset), offsets in bytes."""
@@ -372,7 +387,8 @@ class Client:
             _check_tensor(out, "out")
             if out.dtype != tensor.dtype:
                 raise ValueError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
-        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() == key_numel)
+        # An empty SUM push only pulls (a worker catching up on backup rounds that closed without it).
+        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() in (0, key_numel))
         fits = 0 <= offset <= offset + tensor.numel() <= key_numel and 0 <= out_offset <= out_offset + out.numel()
         if not (whole and fits and out_offset + out.numel() <= key_numel):
             raise ValueError(

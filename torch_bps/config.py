@@ -178,6 +178,10 @@ class Config:
     )
     # How long a failover waits for a standby server to register when none is free (0: take what remains).
     standby_wait: float = field(default=0.0, metadata={"env": "BPS_STANDBY_WAIT", "parse": float})
+    # Backup workers b (torch_bps.backup.BackupWorkers): a gradient round closes once n - b workers pushed it, and
+    # the rest are dropped; a worker up to backup_window - 1 rounds behind catches up by pulling what it missed.
+    backup_workers: int = field(default=0, metadata={"env": "BPS_BACKUP_WORKERS", "parse": int})
+    backup_window: int = field(default=4, metadata={"env": "BPS_BACKUP_WINDOW", "parse": int})
 
     def partition_floor(self) -> int:
         """Return the smallest partition: min_partition_bytes if set; else DEFAULT_MIN_PARTITION_BYTES, or the socket
@@ -271,6 +275,10 @@ class Config:
             raise ConfigError(f"standby_wait={self.standby_wait} must not be negative")
         if self.num_servers < 0:
             raise ConfigError(f"num_servers={self.num_servers} must not be negative")
+        if self.backup_workers < 0 or not 2 <= self.backup_window <= 64:
+            raise ConfigError(f"backup_workers={self.backup_workers} must not be negative and backup_window="
+                              f"{self.backup_window} must be in [2, 64] (BPS_BACKUP_WORKERS, "
+                              "BPS_BACKUP_WINDOW)")  # fmt: skip
 
 
 def from_environment(name: str):

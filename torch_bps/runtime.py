@@ -101,6 +101,7 @@ class Runtime:
         config = config or Config.resolve()
         timeout = timeout or config.connect_timeout
         topology = _topology(name, rank, world_size)
+        _check_backups(config, topology)
         ns = dist.PrefixStore(f"torch_bps/{name}/{_attempt()}", raw_store(store))
         job_id = _agree_job_id(ns, rank, timeout)
         secret, colocated, dedicated, server_proc = _find_servers(name, store, ns, topology, config, timeout)
@@ -187,9 +188,9 @@ class Runtime:
         """See torch_bps.rebalance."""
         return self._engine.router.rebalance() if self._engine.router is not None else None
 
-    def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0) -> None:
+    def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0, pull_only: bool = False) -> None:
         """Sum each tensor (1-D, contiguous, CPU) in place over every rank of the group as one collective, then
-        call `done(error or None)` on a completion thread (see torch_bps.engine.pipeline)."""
+        call `done(error or None)` on a completion thread (see torch_bps.engine.pipeline; `pull_only` there)."""
 
         def finish(error: BaseException | None) -> None:
             if error is not None:
@@ -197,7 +198,11 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run(tensors, self._timeline.wrap(tensors, finish), priority=priority)
+        self._engine.run(tensors, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
+
+    def take_behind(self) -> int:
+        """Backup workers: how many rounds past one this worker pulled had already closed, since the last call."""
+        return self._client.take_behind()
 
     def push_pull(self, tensor: torch.Tensor, *, priority: int = 0) -> torch.futures.Future:
         """Sum `tensor` (1-D, contiguous, CPU) in place over every rank of the group; the future holds it."""
@@ -330,6 +335,16 @@ def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config
     )
 
 
+def _check_backups(config: Config, topology: Topology) -> None:
+    """Refuse backup workers the job cannot have, before any server starts."""
+    b = config.backup_workers
+    workers = topology.num_nodes if config.local_reduce and topology.local_size > 1 else topology.world_size
+    if b and b >= workers:
+        raise ConfigError(f"BPS_BACKUP_WORKERS={b} with {workers} workers: at least one worker must push every round")
+    if b and config.failover and (config.servers or config.num_servers):
+        raise ConfigError(f"BPS_BACKUP_WORKERS={b} and server failover do not combine yet: set BPS_FAILOVER=0")
+
+
 def _key_book(weights, config: Config, topology: Topology, local_channels) -> KeyBook:
     """How tensors are cut into keys and placed: one slice per local rank when the machine reduces locally."""
     slices = local_channels[0].slice_range if local_channels is not None else None
@@ -356,6 +371,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   server_credit_bytes=config.server_credit_bytes,
                   socket_buffer_bytes=config.socket_buffer_bytes, **transport_options(config.transport),
                   receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
+                  backups=config.backup_workers, window=config.backup_window if config.backup_workers else 2,
                   **failover)  # fmt: skip
 
 

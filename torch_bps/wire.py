@@ -24,7 +24,7 @@ from torch_bps.errors import ProtocolError
 
 MAGIC = 0x31535042  # b"BPS1" little-endian
 VERSION = 2
-# magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, reserved (0), then the u64s
+# magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, rounds, then the u64s
 HEADER = struct.Struct("<IHHHHIIIII8Q")
 HEADER_SIZE = HEADER.size  # 96
 REPLY = 0x80  # a reply's command is the request's command | REPLY
@@ -121,7 +121,7 @@ class Header:
     worker: int = 0
     num_workers: int = 0
     wait_ms: int = 0  # PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
-    mode: int = 0  # INIT/PUSH/PULL: the key's Mode
+    mode: int = 0  # INIT/PUSH/PULL: the key's Mode; HELLO: the job's backup workers
     incarnation: int = 0
     job_id: int = 0
     key: int = 0
@@ -130,6 +130,9 @@ class Header:
     nbytes: int = 0  # INIT/PUSH/PULL: the key's size in bytes
     offset: int = 0  # PUSH: where the payload goes in the key; PULL: first byte wanted
     length: int = 0  # PUSH: payload bytes; PULL: bytes wanted
+    # HELLO: the job's window of live rounds per key (0: 2); a PULL's reply: how many later rounds of the key have
+    # already closed (how far behind the worker is)
+    rounds: int = 0
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -142,7 +145,7 @@ class Header:
             self.num_workers,
             self.wait_ms,
             self.mode,
-            0,  # reserved: keeps the u64 fields 8-byte aligned
+            self.rounds,
             self.incarnation,
             self.job_id,
             self.key,
@@ -158,14 +161,14 @@ class Header:
         """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad."""
         if len(data) != HEADER_SIZE:
             raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
-        (magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, _reserved, incarnation, job_id,
+        (magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, rounds, incarnation, job_id,
          key, rnd, request_id, nbytes, offset, length) = HEADER.unpack(data)  # fmt: skip
         if magic != MAGIC:
             raise ProtocolError(Status.BAD_FRAME, f"bad magic 0x{magic:08x}")
         if version != VERSION:
             raise ProtocolError(Status.BAD_VERSION, f"protocol version {version}, this side speaks {VERSION}")
         values = (command, status, dtype, worker, num_workers, wait_ms, mode, incarnation, job_id, key, rnd,
-                  request_id, nbytes, offset, length)  # fmt: skip
+                  request_id, nbytes, offset, length, rounds)  # fmt: skip
         return _header(dict(zip(_FIELDS, values, strict=True)))
 
     def reply(self, status: int = Status.OK, **changes: int) -> Header:

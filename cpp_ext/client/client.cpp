@@ -139,7 +139,8 @@ OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
   uint64_t keyBytes = part.keyBytes;
   bool fits = part.pushOffset <= keyBytes && src.nbytes() <= keyBytes - part.pushOffset &&
               part.pullOffset <= keyBytes && dst.nbytes() <= keyBytes - part.pullOffset;
-  if (!fits || (part.mode == transport::kModeSum && (part.pushOffset != 0 || src.nbytes() != keyBytes)) ||
+  bool pullOnly = src.nbytes() == 0;  // a SUM part that only pulls (Dispatcher::start)
+  if (!fits || (part.mode == transport::kModeSum && !pullOnly && (part.pushOffset != 0 || src.nbytes() != keyBytes)) ||
       (part.mode != transport::kModeSum && part.mode != transport::kModeCopy)) {
     throw Error(ErrorKind::kValue,
                 formatText("push_pull of key %" PRIu64 " (%" PRIu64 " bytes, mode %u): push of %zu bytes at %" PRIu64
@@ -208,6 +209,8 @@ void Client::abandon(size_t server, const std::string& why) {
 }
 
 SchedulerStats Client::schedulerStats() const { return dispatcher_->stats(); }
+
+uint32_t Client::takeBehind() { return dispatcher_->takeBehind(); }
 
 void Client::stats(uint64_t token, size_t server, at::Tensor dst) {
   checkServer(server);

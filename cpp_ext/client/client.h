@@ -67,6 +67,8 @@ class Client {
   void abandon(size_t server, const std::string& why);
 
   SchedulerStats schedulerStats() const;
+  // Backup workers: how many rounds past a pulled one had already closed, at most, since the last call.
+  uint32_t takeBehind();
 
   // Read the server's counters into `dst` (kStatsCounters little-endian u64, i.e. an int64 tensor).
   void stats(uint64_t token, size_t server, at::Tensor dst);

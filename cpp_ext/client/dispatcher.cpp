@@ -142,7 +142,9 @@ void Dispatcher::start(const OpPtr& op) {
   auto deadline = Clock::now() + op->timeout;
   // INIT, PUSH and PULL are pipelined: the server handles one peer's messages in order.
   if (init && !sendRequest(op, kInit, deadline)) return;
-  if (!sendRequest(op, kPush, deadline)) return;
+  // A SUM part with nothing to push only pulls: a worker catching up on rounds that closed without it.
+  bool pullOnly = op->mode == transport::kModeSum && op->src.nbytes() == 0;
+  if (!pullOnly && !sendRequest(op, kPush, deadline)) return;
   // Later than the server's own limit (waitMs), so that its answer, which names the workers that have not
   // pushed, arrives first.
   auto grace = std::max<Clock::duration>(std::chrono::seconds(2), op->timeout / 10);
@@ -164,7 +166,8 @@ bool Dispatcher::sendRequest(const OpPtr& op, uint16_t command, Clock::time_poin
   h.round = op->round;
   h.requestId = requests_.nextId();
   h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
-  h.mode = op->mode;
+  h.mode = command == kHello ? options_.backups : op->mode;
+  if (command == kHello) h.rounds = options_.window;
   if (command == kPush) {
     h.offset = op->pushOffset;
     h.length = op->src.nbytes();
@@ -256,7 +259,12 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
     // The one copy on the receive side: the received buffer -> the destination tensor (none when a link read
     // the payload straight into it: Requests::placePull).
     if (expected > 0 && message.payload != op->dst.data_ptr()) std::memcpy(op->dst.data_ptr(), message.payload, expected);
-    if (command == kPull) trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
+    if (command == kPull) {
+      trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
+      uint32_t seen = behind_.load(std::memory_order_relaxed);
+      while (h.rounds > seen && !behind_.compare_exchange_weak(seen, h.rounds, std::memory_order_relaxed)) {
+      }
+    }
   }
   if (op->requests.empty()) finishOp(op);
 }

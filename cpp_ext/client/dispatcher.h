@@ -41,6 +41,9 @@ class Dispatcher : public transport::LinkListener {
   ServerLinks& links() { return links_; }
   const ServerLinks& links() const { return links_; }
   SchedulerStats stats() const { return scheduler_.stats(); }
+  // The most rounds already closed past a pulled one (a PULL reply's `rounds`) since the last call: how far
+  // behind the others this worker is (backup workers).
+  uint32_t takeBehind() { return behind_.exchange(0, std::memory_order_relaxed); }
   TraceBuffer& trace() { return trace_; }
 
   // transport::LinkListener: what the links report while run() drives them.
@@ -50,6 +53,7 @@ class Dispatcher : public transport::LinkListener {
   void onClosed(Link& link, const std::string& why, bool wasReady) override;
 
  private:
+  std::atomic<uint32_t> behind_{0};
   // Sending (dispatcher.cpp).
   void takeSubmissions();
   void sendQueued();

@@ -57,6 +57,10 @@ struct ClientOptions {
   bool localStream = true;
   // There, big frames go through shared memory (transport/shared_ring.h) if the server takes it.
   bool sharedMemory = true;
+  // Backup workers (docs/protocol.md): a floating SUM round closes once numWorkers - backups workers pushed it;
+  // `window` rounds may be alive per key. Sent in HELLO: every worker of the job must say the same.
+  uint32_t backups = 0;
+  uint32_t window = 2;
 };
 
 // A batch part's outcome (pushPullBatch's `outcomes`).

@@ -90,7 +90,8 @@ class PyClient {
            double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
            py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false,
-           std::vector<int> receiveBufferBytes = {}, bool localStream = true, bool sharedMemory = true) {
+           std::vector<int> receiveBufferBytes = {}, bool localStream = true, bool sharedMemory = true,
+           uint32_t backups = 0, uint32_t window = 2) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -130,6 +131,8 @@ class PyClient {
     options.localStream = localStream;
     options.sharedMemory = sharedMemory;
     options.autoCredit = autoCredit;
+    options.backups = backups;
+    options.window = window;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
   }
@@ -210,13 +213,15 @@ PYBIND11_MODULE(_C, m) {
                        std::string identity, std::string curveSecret, std::vector<std::string> curveServerKeys,
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
                        int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit,
-                       std::vector<int> receiveBufferBytes, bool localStream, bool sharedMemory) {
+                       std::vector<int> receiveBufferBytes, bool localStream, bool sharedMemory, uint32_t backups,
+                       uint32_t window) {
              bps::python::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
                                  serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
-                                 autoCredit, std::move(receiveBufferBytes), localStream, sharedMemory);
+                                 autoCredit, std::move(receiveBufferBytes), localStream, sharedMemory, backups,
+                                 window);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
@@ -226,7 +231,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
            py::arg("stream") = false, py::arg("auto_credit") = false,
            py::arg("receive_buffer_bytes") = std::vector<int>{}, py::arg("local_stream") = true,
-           py::arg("shared_memory") = true)
+           py::arg("shared_memory") = true, py::arg("backups") = 0, py::arg("window") = 2)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
@@ -267,6 +272,7 @@ PYBIND11_MODULE(_C, m) {
       .def("kept_bytes", [](PyClient& c, uint64_t key) { return c.get().keptBytes(key); }, py::arg("key"), release())
       .def("abandon", [](PyClient& c, size_t server, const std::string& why) { c.get().abandon(server, why); },
            py::arg("server"), py::arg("why"), release())
+      .def("take_behind", [](PyClient& c) { return c.get().takeBehind(); })
       .def("scheduler_stats",
            [](PyClient& c) {
              bps::python::SchedulerStats s = c.get().schedulerStats();

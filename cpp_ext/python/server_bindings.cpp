@@ -95,8 +95,8 @@ void bindServerCore(py::module_& m) {
           "on_disconnect(fd); on_zap(frames) -> reply frames; tick() -> bool, every tick_seconds.",
           py::arg("on_request"), py::arg("on_disconnect"), py::arg("on_zap"), py::arg("tick"),
           py::arg("tick_seconds"))
-      .def("hello", &ServerCore::hello, py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("peer"),
-           py::arg("identity"))
+      .def("hello", &ServerCore::hello, py::arg("job_id"), py::arg("worker"), py::arg("num_workers"),
+           py::arg("backups"), py::arg("window"), py::arg("peer"), py::arg("identity"))
       .def("touch", &ServerCore::touch, py::arg("job_id"), py::arg("worker"))
       .def("declare", &ServerCore::declare, py::arg("job_id"), py::arg("key"), py::arg("nbytes"), py::arg("dtype"),
            py::arg("mode"))
@@ -122,7 +122,8 @@ void bindServerCore(py::module_& m) {
               out[py::int_(jobId)] = py::dict(
                   py::arg("pushes") = c.pushes, py::arg("pulls") = c.pulls, py::arg("bytes_in") = c.bytesIn,
                   py::arg("bytes_out") = c.bytesOut, py::arg("bytes_summed") = c.bytesSummed,
-                  py::arg("sum_ns") = c.sumNs, py::arg("errors") = c.errors, py::arg("sums") = c.sums);
+                  py::arg("sum_ns") = c.sumNs, py::arg("errors") = c.errors, py::arg("sums") = c.sums,
+                  py::arg("late_pushes") = c.latePushes);
             }
             return out;
           },

@@ -27,9 +27,10 @@ namespace {
 
 py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
                        uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
-                       uint64_t nbytes, uint32_t waitMs, uint32_t mode, uint64_t offset, uint64_t length) {
-  Header h{command, status, dtype, worker, numWorkers, waitMs, mode,   incarnation,
-           jobId,   key,    round, requestId, nbytes,  offset, length};
+                       uint64_t nbytes, uint32_t waitMs, uint32_t mode, uint64_t offset, uint64_t length,
+                       uint32_t rounds) {
+  Header h{command, status, dtype, worker, numWorkers, waitMs, mode,   rounds,
+           incarnation, jobId, key, round, requestId, nbytes,  offset, length};
   uint8_t out[kHeaderSize];
   packHeader(h, out);
   return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
@@ -46,6 +47,7 @@ py::dict unpackHeaderPy(py::bytes data) {
   d["num_workers"] = h.numWorkers;
   d["wait_ms"] = h.waitMs;
   d["mode"] = h.mode;
+  d["rounds"] = h.rounds;
   d["incarnation"] = h.incarnation;
   d["job_id"] = h.jobId;
   d["key"] = h.key;
@@ -59,8 +61,9 @@ py::dict unpackHeaderPy(py::bytes data) {
 
 py::tuple answerTuple(Answer& a) {
   std::string data(reinterpret_cast<const char*>(a.data.data()), a.data.size());
-  return py::make_tuple(a.pull.header.requestId, a.status, a.status == kOk ? py::object(py::bytes(data))
-                                                                           : py::object(py::str(a.message)));
+  return py::make_tuple(a.pull.header.requestId, a.status,
+                        a.status == kOk ? py::object(py::bytes(data)) : py::object(py::str(a.message)),
+                        a.status == kOk ? a.pull.header.rounds : 0);
 }
 
 py::list answerList(std::vector<Answer>& answers) {
@@ -69,21 +72,17 @@ py::list answerList(std::vector<Answer>& answers) {
   return out;
 }
 
-// One key's rounds alone, with the job it reads: what the reference test drives.
+// One key's rounds alone, with the job it reads: what the reference test drives. Every call returns (status,
+// error message, answers): status 0 if the call was accepted; answers are (token, status, result bytes or error
+// message, the reply's `rounds`), the pulls that freeing a round released included.
 class KeyRoundsProbe {
  public:
-  KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name)
-      : job_(makeJob(numWorkers)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
+  KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name,
+                 uint32_t backups, uint32_t window)
+      : job_(makeJob(numWorkers, backups, window)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
 
-  // Each call returns (status, error message, answers): status 0 if the call was accepted; answers are
-  // (token, status, result bytes or error message).
   py::tuple push(uint32_t worker, uint64_t rnd, const std::string& data, uint64_t offset) {
-    try {
-      std::vector<Answer> ready = rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset);
-      return py::make_tuple(0, "", answerList(ready));
-    } catch (const RoundError& e) {
-      return py::make_tuple(e.status, e.message, py::list());
-    }
+    return call([&] { return rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset); });
   }
   py::tuple pull(uint32_t worker, uint64_t rnd, uint64_t token, uint64_t offset, uint64_t length, double deadline) {
     Header h;
@@ -93,25 +92,19 @@ class KeyRoundsProbe {
     h.requestId = token;
     h.offset = offset;
     h.length = length;
-    try {
+    return call([&] {
       Answer answer;
-      py::list answers;
-      if (rounds_.pull(Pull{"", h}, deadline, &answer)) answers.append(answerTuple(answer));
-      return py::make_tuple(0, "", answers);
-    } catch (const RoundError& e) {
-      return py::make_tuple(e.status, e.message, py::list());
-    }
+      std::vector<Answer> answers;
+      if (rounds_.pull(Pull{"", h}, deadline, &answer)) answers.push_back(std::move(answer));
+      return answers;
+    });
   }
   py::tuple refuse(uint32_t worker, uint64_t rnd, const std::string& reason) {
-    try {
-      std::vector<Answer> failed = rounds_.refuse(worker, rnd, reason);
-      return py::make_tuple(0, "", answerList(failed));
-    } catch (const RoundError& e) {
-      return py::make_tuple(e.status, e.message, py::list());
-    }
+    return call([&] { return rounds_.refuse(worker, rnd, reason); });
   }
   py::list failLost() {
     std::vector<Answer> failed = rounds_.failLost();
+    for (auto& a : rounds_.takeReleased()) failed.push_back(std::move(a));
     return answerList(failed);
   }
   py::list expire(double now) {
@@ -121,11 +114,28 @@ class KeyRoundsProbe {
   void setLost(uint32_t worker, const std::string& how) { job_.setLost(worker, how); }
   uint64_t floor() const { return rounds_.floor(); }
   bool hasWaiting() const { return rounds_.hasWaiting(); }
+  uint64_t latePushes() const { return counters_.latePushes; }
 
  private:
-  static Job makeJob(uint32_t numWorkers) {
+  template <typename F>
+  py::tuple call(F&& f) {
+    uint16_t status = 0;
+    std::string message;
+    std::vector<Answer> answers;
+    try {
+      answers = f();
+    } catch (const RoundError& e) {
+      status = e.status;
+      message = e.message;
+    }
+    for (auto& a : rounds_.takeReleased()) answers.push_back(std::move(a));
+    return py::make_tuple(status, message, answerList(answers));
+  }
+  static Job makeJob(uint32_t numWorkers, uint32_t backups, uint32_t window) {
     Job job;
     job.numWorkers = numWorkers;
+    job.backups = backups;
+    job.window = window;
     return job;
   }
 
@@ -143,7 +153,7 @@ void bindTesting(py::module_& m) {
         py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
         py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
         py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0,
-        py::arg("mode") = 0, py::arg("offset") = 0, py::arg("length") = 0);
+        py::arg("mode") = 0, py::arg("offset") = 0, py::arg("length") = 0, py::arg("rounds") = 0);
   m.def("unpack_header", &unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
         py::arg("data"));
 
@@ -177,8 +187,9 @@ void bindTesting(py::module_& m) {
            py::arg("backlogged"), "the new credit when a measured window closed, else 0");
 
   py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")
-      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&>(), py::arg("num_workers"),
-           py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"))
+      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&, uint32_t, uint32_t>(),
+           py::arg("num_workers"), py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"),
+           py::arg("backups") = 0, py::arg("window") = 2)
       .def("push", &KeyRoundsProbe::push, py::arg("worker"), py::arg("round"), py::arg("data"), py::arg("offset"))
       .def("pull", &KeyRoundsProbe::pull, py::arg("worker"), py::arg("round"), py::arg("token"), py::arg("offset"),
            py::arg("length"), py::arg("deadline") = std::numeric_limits<double>::infinity())
@@ -187,7 +198,8 @@ void bindTesting(py::module_& m) {
       .def("expire", &KeyRoundsProbe::expire, py::arg("now"))
       .def("set_lost", &KeyRoundsProbe::setLost, py::arg("worker"), py::arg("how"))
       .def_property_readonly("floor", &KeyRoundsProbe::floor)
-      .def_property_readonly("has_waiting", &KeyRoundsProbe::hasWaiting);
+      .def_property_readonly("has_waiting", &KeyRoundsProbe::hasWaiting)
+      .def_property_readonly("late_pushes", &KeyRoundsProbe::latePushes);
 }
 
 }  // namespace bps::python

@@ -280,9 +280,11 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
       counters_.bytesIn += h.length;
       mine.bytesIn += h.length;
       uint64_t summedBefore = counters_.sums.bytesSummed, nsBefore = counters_.sums.sumNs;
+      uint64_t lateBefore = counters_.sums.latePushes;
       int64_t start = trace_.on() ? realtimeNs() : 0;
       std::vector<Answer> ready = key.rounds.push(h.worker, h.round, std::move(frames[2]), h.offset);
       uint64_t summed = counters_.sums.bytesSummed - summedBefore, ns = counters_.sums.sumNs - nsBefore;
+      mine.latePushes += counters_.sums.latePushes - lateBefore;
       if (summed != 0) {
         ++counters_.sumCount;
         ++mine.sums;
@@ -308,6 +310,7 @@ bool ServerCore::handleNatively(std::vector<Message>& frames, const Header& h, c
   } catch (const std::exception& e) {  // a bug: answer it, keep serving everyone else
     replyError(peer, h, kInternal, std::string("native server core: ") + e.what());
   }
+  answer(key.rounds.takeReleased());  // freeing a round may have moved a backup job's window
   mine.bytesOut += counters_.bytesOut - outBefore;  // this job's pulls answered, by this push or at once
   jobs_.track(key.rounds);
   return true;

@@ -6,12 +6,14 @@ namespace bps::server {
 using transport::kModeSum;
 using transport::kPush;
 
-void JobTable::hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, const std::string& peer,
-                     const std::string& identity) {
+void JobTable::hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window,
+                     const std::string& peer, const std::string& identity) {
   auto& job = jobs_[jobId];
   if (!job) {
     job = std::make_unique<Job>();
     job->numWorkers = numWorkers;
+    job->backups = backups;
+    job->window = window;
     job->owner = identity;  // the job belongs to the identity of its first HELLO
   }
   job->peers[worker] = peer;
@@ -40,6 +42,7 @@ std::vector<Answer> JobTable::workerLost(uint64_t jobId, uint32_t worker, const 
   for (auto& [jobKey, key] : keys_) {
     if (jobKey.first != jobId) continue;
     for (auto& a : key->rounds.failLost()) answers.push_back(std::move(a));
+    for (auto& a : key->rounds.takeReleased()) answers.push_back(std::move(a));
     track(key->rounds);
   }
   return answers;
@@ -57,6 +60,7 @@ std::vector<Answer> JobTable::refuse(uint64_t jobId, uint64_t key, uint32_t work
         rounds.refuse(worker, round, "the round failed because another worker's push was refused (" + reason + ")");
   } catch (const RoundError&) {  // the refused push named a round that is not alive: nothing to fail
   }
+  for (auto& a : rounds.takeReleased()) answers.push_back(std::move(a));
   track(rounds);
   return answers;
 }

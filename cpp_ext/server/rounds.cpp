@@ -2,6 +2,8 @@
 // and the error texts are its texts, character for character).
 #include "server/rounds.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <cstring>
 #include <ctime>
@@ -74,12 +76,13 @@ KeyRounds::Round& KeyRounds::live(uint64_t rnd, uint32_t worker, const char* ver
                                     formatText(": round already completed and freed (oldest live round is %llu)",
                                                static_cast<unsigned long long>(floor_))};
   }
-  if (rnd - floor_ >= 2) {
+  if (rnd - floor_ >= window()) {
     auto f = static_cast<unsigned long long>(floor_);
+    std::string most = window() == 2 ? "two" : std::to_string(window());
     throw RoundError{kBadRound, what(verb, rnd, worker) +
-                                    formatText(": at most two rounds may be alive and the oldest live round is %llu "
+                                    formatText(": at most %s rounds may be alive and the oldest live round is %llu "
                                                "(every worker must pull round %llu first)",
-                                               f, f)};
+                                               most.c_str(), f, f)};
   }
   auto it = rounds_.find(rnd);
   if (it == rounds_.end()) {
@@ -95,6 +98,7 @@ void KeyRounds::markPushed(Round& r, uint32_t worker) {
     r.pushed[worker] = 1;
     ++r.numPushed;
   }
+  if (r.failed && r.numPushed >= needed()) r.closed = true;  // a failed round closes (and frees) as usual
 }
 
 void KeyRounds::markPulled(Round& r, uint32_t worker) {
@@ -104,11 +108,44 @@ void KeyRounds::markPulled(Round& r, uint32_t worker) {
   }
 }
 
+uint32_t KeyRounds::needed() const {
+  bool floating = dtype_ >= 1 && dtype_ <= 4;  // float32, float64, float16, bfloat16: a mean can be rescaled
+  return mode_ == kModeSum && floating ? job_.numWorkers - job_.backups : job_.numWorkers;
+}
+
 std::string KeyRounds::lostBefore(const Round& r) const {
+  // It can never close once more workers are lost before pushing it than it may do without.
+  uint32_t spare = job_.numWorkers - needed(), lost = 0;
+  const std::string* first = nullptr;
   for (const auto& [w, how] : job_.lost) {
-    if (w >= r.pushed.size() || !r.pushed[w]) return "the round can never close: " + how + " before pushing it";
+    if (w < r.pushed.size() && r.pushed[w]) continue;
+    if (!first) first = &how;
+    if (++lost > spare) return "the round can never close: " + *first + " before pushing it";
   }
   return "";
+}
+
+void KeyRounds::close(Round& r, uint64_t rnd) {
+  r.closed = true;
+  r.contributors = r.numPushed;
+  if (mode_ == kModeCopy) {
+    r.failure = untiled(r, rnd);
+    r.failed = !r.failure.empty();
+  } else if (r.contributors < job_.numWorkers && r.hasTotal && !(widened_ && r.contributors > 1)) {
+    // A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean). A widened
+    // sum of two or more was scaled before its rounding (add).
+    at::ScalarType type = dtype_ == 1 ? at::kFloat : dtype_ == 2 ? at::kDouble : dtype_ == 3 ? at::kHalf : at::kBFloat16;
+    int64_t count = static_cast<int64_t>(r.total.size() / at::elementSize(type));
+    at::from_blob(r.total.data(), {count}, at::TensorOptions().dtype(type))
+        .mul_(static_cast<double>(job_.numWorkers) / r.contributors);
+  }
+}
+
+Answer KeyRounds::release(Waiting& w, Round& r) {
+  markPulled(r, w.pull.header.worker);
+  if (!r.failed) return result(std::move(w.pull), r);
+  std::string message = what("pull", w.pull.header.round, w.pull.header.worker) + ": " + r.failure;
+  return Answer{std::move(w.pull), kKeyMismatch, std::move(message), Message()};
 }
 
 std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& data, uint64_t offset) {
@@ -120,29 +157,25 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
     throw RoundError{kKeyMismatch, std::move(message)};
   }
   if (r.pushed[worker]) return {};  // a resent push: acknowledged, never added twice
+  if (r.closed) {  // a backup round closed without it: dropped, never half-added
+    markPushed(r, worker);
+    ++counters_.latePushes;
+    return {};
+  }
   if (mode_ == kModeCopy) {
     write(r, std::move(data), offset, worker);
   } else {
-    add(r, std::move(data), r.numPushed + 1 == job_.numWorkers);  // this worker has not pushed it yet
+    add(r, std::move(data), r.numPushed + 1);  // this worker has not pushed it yet
   }
   markPushed(r, worker);
-  if (!closed(r)) return {};
-  if (mode_ == kModeCopy) {
-    r.failure = untiled(r, rnd);
-    r.failed = !r.failure.empty();
-  }
+  if (r.numPushed < needed()) return {};
+  close(r, rnd);
   std::vector<Answer> ready;
   ready.reserve(r.waiting.size());
-  for (auto& w : r.waiting) {
-    markPulled(r, w.pull.header.worker);
-    if (r.failed) {
-      std::string message = what("pull", w.pull.header.round, w.pull.header.worker) + ": " + r.failure;
-      ready.push_back(Answer{std::move(w.pull), kKeyMismatch, std::move(message), Message()});
-    } else {
-      ready.push_back(result(std::move(w.pull), r));
-    }
+  if (r.failed || released(rnd)) {  // else its pulls wait for the window (freeDone releases them)
+    for (auto& w : r.waiting) ready.push_back(release(w, r));
+    r.waiting.clear();
   }
-  r.waiting.clear();
   freeDone();  // may free r: every answer above holds its own reference to the result
   return ready;
 }
@@ -157,8 +190,8 @@ bool KeyRounds::pull(Pull&& pull, double deadline, Answer* answer) {
     freeDone();
     throw RoundError{kKeyMismatch, std::move(message)};
   }
-  if (!closed(r)) {
-    std::string lost = lostBefore(r);
+  if (!r.closed || !released(rnd)) {
+    std::string lost = r.closed ? "" : lostBefore(r);
     if (!lost.empty()) throw RoundError{kWorkerLost, what("pull", rnd, worker) + ": " + lost};
     for (const auto& w : r.waiting) {
       if (w.pull.header.worker == worker) {  // keeps waiting pulls <= workers per round
@@ -194,8 +227,9 @@ std::vector<Answer> KeyRounds::refuse(uint32_t worker, uint64_t rnd, const std::
 
 std::vector<Answer> KeyRounds::failLost() {
   std::vector<Answer> failed;
+  if (job_.backups) freeDone();  // a lost worker's pulls are no longer awaited
   for (auto& [rnd, r] : rounds_) {
-    if (r.waiting.empty()) continue;
+    if (r.waiting.empty() || r.closed) continue;
     std::string lost = lostBefore(r);
     if (lost.empty()) continue;
     for (auto& w : r.waiting) {
@@ -212,6 +246,19 @@ std::vector<Answer> KeyRounds::expire(double now) {
   for (auto& [rnd, r] : rounds_) {
     bool due = std::any_of(r.waiting.begin(), r.waiting.end(), [&](const Waiting& w) { return w.deadline <= now; });
     if (!due) continue;
+    if (r.closed) {  // waiting for the window: name who holds the oldest round
+      std::vector<Waiting> keep;
+      for (auto& w : r.waiting) {
+        if (w.deadline > now) {
+          keep.push_back(std::move(w));
+          continue;
+        }
+        std::string message = what("pull", rnd, w.pull.header.worker) + ": " + behind(rnd);
+        expired.push_back(Answer{std::move(w.pull), kRoundTimeout, std::move(message), Message()});
+      }
+      r.waiting = std::move(keep);
+      continue;
+    }
     std::string who;
     uint32_t missing = 0;
     for (uint32_t w = 0; w < job_.numWorkers; ++w) {
@@ -249,7 +296,7 @@ bool KeyRounds::hasWaiting() const {
   return std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
 }
 
-void KeyRounds::add(Round& r, Message&& data, bool closing) {
+void KeyRounds::add(Round& r, Message&& data, uint32_t contributors) {
   if (!r.hasTotal) {  // the first push as it arrived: later ones are added into it, no allocation
     r.total = std::move(data);
     r.hasTotal = true;
@@ -258,15 +305,19 @@ void KeyRounds::add(Round& r, Message&& data, bool closing) {
   timespec start, end;
   clock_gettime(CLOCK_MONOTONIC, &start);
   uint8_t* total = r.total.data();
+  bool closing = contributors >= needed();
+  // A backup round's sum stands for n pushes (close); a widened one is scaled here, in fp32, before its rounding.
+  float scale = contributors < job_.numWorkers ? static_cast<float>(static_cast<double>(job_.numWorkers) / contributors)
+                                               : 1.0f;
   if (!widened_) {
     addInPlace(dtype_, total, data.data(), data.size());
   } else if (r.wide.empty() && closing) {  // two pushes: added and rounded in one pass
-    sumPair(dtype_, total, data.data(), nbytes_ / 2);
+    sumPair(dtype_, total, data.data(), nbytes_ / 2, scale);
   } else if (r.wide.empty()) {  // the second of three or more: with the first, it makes the accumulator
     r.wide = takeAccumulator();
     widenSum(dtype_, r.wide.data(), total, data.data(), r.wide.size());
   } else if (closing) {  // the last: added, and the sum rounded into the first push's bytes, the result
-    finishSum(dtype_, total, r.wide.data(), data.data(), r.wide.size());
+    finishSum(dtype_, total, r.wide.data(), data.data(), r.wide.size(), scale);
     giveAccumulator(std::move(r.wide));
   } else {
     addWidened(dtype_, r.wide.data(), data.data(), r.wide.size());
@@ -329,7 +380,27 @@ std::string KeyRounds::untiled(const Round& r, uint64_t rnd) const {
          list;
 }
 
+std::string KeyRounds::behind(uint64_t rnd) const {
+  auto oldest = rounds_.find(floor_);
+  std::string who;
+  uint32_t missing = 0;
+  double now = monotonicSeconds();
+  for (uint32_t w = 0; w < job_.numWorkers; ++w) {
+    if (job_.isLost(w) || (oldest != rounds_.end() && oldest->second.pulled[w])) continue;
+    who += (missing++ ? "; " : "") + job_.describe(w, now);
+  }
+  auto f = static_cast<unsigned long long>(floor_);
+  return formatText("the round closed, but its result waits until every worker pulled round %llu (a worker may fall "
+                    "at most %u rounds behind): %u have not: ",
+                    f, job_.window - 1, missing) +
+         who + formatText(" (round %llu)", static_cast<unsigned long long>(rnd));
+}
+
 Answer KeyRounds::result(Pull&& pull, const Round& r) const {
+  uint64_t rnd = pull.header.round;
+  uint32_t ahead = 0;
+  for (auto it = rounds_.upper_bound(rnd); it != rounds_.end(); ++it) ahead += it->second.closed ? 1 : 0;
+  pull.header.rounds = ahead;  // the reply tells the worker how far behind it is
   const Header& h = pull.header;
   Answer answer{std::move(pull), kOk, "", Message()};
   if (!r.hasTotal) return answer;
@@ -344,12 +415,21 @@ Answer KeyRounds::result(Pull&& pull, const Round& r) const {
 
 void KeyRounds::freeDone() {
   // Rounds free in order: a later round fully pulled waits until the ones before it are freed.
-  for (auto it = rounds_.find(floor_); it != rounds_.end() && closed(it->second) &&
-                                       it->second.numPulled == job_.numWorkers;
-       it = rounds_.find(floor_)) {
+  for (auto it = rounds_.find(floor_); it != rounds_.end() && it->second.closed; it = rounds_.find(floor_)) {
+    uint32_t done = it->second.numPulled;
+    if (job_.backups) {  // a lost worker will not pull: with backups the job goes on without it
+      for (const auto& [w, how] : job_.lost) done += it->second.pulled[w] ? 0 : 1;
+    }
+    if (done < job_.numWorkers) break;
     giveAccumulator(std::move(it->second.wide));  // a failed round's
     rounds_.erase(it);
     ++floor_;
+    // The window moved: pulls of closed rounds now inside it are answered.
+    for (auto& [rnd, r] : rounds_) {
+      if (!r.closed || r.waiting.empty() || !released(rnd)) continue;
+      for (auto& w : r.waiting) released_.push_back(release(w, r));
+      r.waiting.clear();
+    }
   }
 }
 

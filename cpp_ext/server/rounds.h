@@ -1,11 +1,14 @@
 // The rounds of one key on the summation server, natively: torch_bps/_reference/rounds.py (KeyRounds) is the
 // reference, and tests/server/test_server_rounds.py drives both with the same random sequences and compares.
 //
-// Rules (docs/protocol.md): round r closes when every worker of the job pushed it; a duplicate push is
-// acknowledged and ignored; a pull of r is answered once r closed (a worker's second pull of r while its first
-// waits is refused); r is freed once every worker pulled it; at most two rounds are alive (floor, floor + 1).
+// Rules (docs/protocol.md): round r closes when every worker of the job pushed it (with b backup workers, a
+// floating SUM round closes at n - b pushes, its sum scaled by n / contributors, and later pushes are dropped); a
+// duplicate push is acknowledged and ignored; a pull of r is answered once r closed (a worker's second pull of r
+// while its first waits is refused); r is freed once every worker pulled it (with backups: or is lost); at most
+// two rounds are alive (floor, floor + 1), with backups the job's window W, and a pull of r waits until
+// r <= floor + W - 2, so that the worker's next push lands inside the window.
 // A SUM round adds whole-key pushes into the first push's received message, in the key's dtype (fp16 and bf16:
-// in fp32, rounded once into that message by the round's last push; server/sums.h); a COPY round
+// in fp32, scaled and rounded once into that message by the round's last push; server/sums.h); a COPY round
 // writes each push's bytes at its offset and, at close, the non-empty pushes must tile the key.
 //
 // Buffer lifetime: a round's result is a zmq message (the first push as received, or one allocated for a COPY
@@ -55,11 +58,14 @@ struct Answer {
 // One job's share of the server's traffic (bps-server --metrics-port), counted by the core's loop.
 struct JobCounters {
   uint64_t pushes = 0, pulls = 0, bytesIn = 0, bytesOut = 0, errors = 0, sums = 0, bytesSummed = 0, sumNs = 0;
+  uint64_t latePushes = 0;  // pushes of a backup round that had already closed: dropped
 };
 
 // What a server knows of one job's workers (the hot path's copy; the control plane keeps its own).
 struct Job {
   uint32_t numWorkers = 0;
+  uint32_t backups = 0;  // b: a floating SUM round closes once n - b workers pushed it
+  uint32_t window = 2;  // rounds alive per key
   std::string owner;  // the identity (ZAP user id) of the job's first HELLO
   std::unordered_map<uint32_t, std::string> peers;  // worker -> address of its last HELLO
   std::unordered_map<uint32_t, double> lastSeen;  // worker -> monotonic seconds of its last request
@@ -77,6 +83,7 @@ struct Job {
 struct SumCounters {
   uint64_t bytesSummed = 0;
   uint64_t sumNs = 0;
+  uint64_t latePushes = 0;
 };
 
 // Monotonic seconds (CLOCK_MONOTONIC: Python's time.monotonic()).
@@ -89,9 +96,11 @@ class KeyRounds {
 
   // Fold a push of `worker` into round `rnd`; return the answers to pulls it completes. Throws RoundError.
   std::vector<Answer> push(uint32_t worker, uint64_t rnd, Message&& data, uint64_t offset);
-  // Answer `pull` now (the round closed: the returned answer's status OK) or queue it until `deadline`
-  // (monotonic seconds) and return false. Throws RoundError.
+  // Answer `pull` now (the round closed and the window allows: the returned answer's status OK) or queue it until
+  // `deadline` (monotonic seconds) and return false. Throws RoundError.
   bool pull(Pull&& pull, double deadline, Answer* answer);
+  // The answers to pulls that freeing a round released (backups: the window moved), since the last call.
+  std::vector<Answer> takeReleased() { return std::move(released_); }
   // Record that worker's push of rnd was refused: the round fails for everyone; return the waiting pulls' answers.
   std::vector<Answer> refuse(uint32_t worker, uint64_t rnd, const std::string& reason);
   // Answer every waiting pull of a round that a lost worker has not pushed (WORKER_LOST).
@@ -122,26 +131,33 @@ class KeyRounds {
     bool failed = false;
     std::string failure;
     bool hasTotal = false;
+    bool closed = false;
+    uint32_t contributors = 0;  // how many pushes the result holds
     Message total;
     std::vector<Piece> pieces;  // COPY
     std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers: the sum so far in fp32, until the last push
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);
-  bool closed(const Round& r) const { return r.numPushed == job_.numWorkers; }
+  uint32_t needed() const;  // pushes that close a round
+  uint32_t window() const { return job_.backups ? job_.window : 2; }
+  bool released(uint64_t rnd) const { return !job_.backups || rnd + 2 <= floor_ + job_.window; }
+  void close(Round& r, uint64_t rnd);
+  Answer release(Waiting& w, Round& r);
   void markPushed(Round& r, uint32_t worker);
   void markPulled(Round& r, uint32_t worker);
   std::string lostBefore(const Round& r) const;  // "" if none
   std::string what(const char* verb, uint64_t rnd, uint32_t worker) const;
-  void add(Round& r, Message&& data, bool closing);  // closing: the round's last push
-  // Accumulators go back to the key when their round closes: at most two rounds are alive, so a key holds at most
-  // two, allocated once (fresh big buffers page-fault on every round).
+  void add(Round& r, Message&& data, uint32_t contributors);  // the round's pushes with this one
+  // Accumulators go back to the key when their round closes: at most a window of rounds is alive, so a key holds at
+  // most that many, allocated once (fresh big buffers page-fault on every round).
   std::vector<float> takeAccumulator();
   void giveAccumulator(std::vector<float>&& wide);
   void write(Round& r, Message&& data, uint64_t offset, uint32_t worker);
   std::string untiled(const Round& r, uint64_t rnd) const;
   Answer result(Pull&& pull, const Round& r) const;
   void freeDone();
+  std::string behind(uint64_t rnd) const;  // why a closed round's pull waits: who has not pulled the floor
 
   std::string name_;
   const Job& job_;
@@ -153,6 +169,7 @@ class KeyRounds {
   uint64_t floor_ = 0;
   std::vector<std::vector<float>> spare_;
   std::map<uint64_t, Round> rounds_;
+  std::vector<Answer> released_;
 };
 
 // "job 0x.. key K": how error messages name a key.

@@ -57,12 +57,12 @@ BPS_WIDE_CLONES void addBf16(float* __restrict acc, const uint16_t* __restrict s
 }
 
 BPS_WIDE_CLONES void finishBf16(uint16_t* __restrict dst, const float* __restrict acc, const uint16_t* __restrict src,
-                                size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(acc[i] + fromBf16(src[i]));
+                                size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) dst[i] = toBf16((acc[i] + fromBf16(src[i])) * scale);
 }
 
-BPS_WIDE_CLONES void pairBf16(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = toBf16(fromBf16(dst[i]) + fromBf16(src[i]));
+BPS_WIDE_CLONES void pairBf16(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) dst[i] = toBf16((fromBf16(dst[i]) + fromBf16(src[i])) * scale);
 }
 
 // fp16, one element at a time: _Float16 converts by IEEE rules (to nearest, ties to even, overflow to infinity), as
@@ -75,12 +75,14 @@ void addHalfScalar(float* acc, const _Float16* src, size_t n) {
   for (size_t i = 0; i < n; ++i) acc[i] += static_cast<float>(src[i]);
 }
 
-void finishHalfScalar(_Float16* dst, const float* acc, const _Float16* src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(acc[i] + static_cast<float>(src[i]));
+void finishHalfScalar(_Float16* dst, const float* acc, const _Float16* src, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>((acc[i] + static_cast<float>(src[i])) * scale);
 }
 
-void pairHalfScalar(_Float16* dst, const _Float16* src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(static_cast<float>(dst[i]) + static_cast<float>(src[i]));
+void pairHalfScalar(_Float16* dst, const _Float16* src, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<_Float16>((static_cast<float>(dst[i]) + static_cast<float>(src[i])) * scale);
+  }
 }
 
 #ifdef BPS_F16C
@@ -114,16 +116,18 @@ __attribute__((target("avx2,f16c"))) void addHalfF16c(float* acc, const _Float16
 }
 
 __attribute__((target("avx2,f16c"))) void finishHalfF16c(_Float16* dst, const float* acc, const _Float16* src,
-                                                          size_t n) {
+                                                          size_t n, float scale) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), load8(src + i)));
-  finishHalfScalar(dst + i, acc + i, src + i, n - i);
+  __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(acc + i), load8(src + i)), s));
+  finishHalfScalar(dst + i, acc + i, src + i, n - i, scale);
 }
 
-__attribute__((target("avx2,f16c"))) void pairHalfF16c(_Float16* dst, const _Float16* src, size_t n) {
+__attribute__((target("avx2,f16c"))) void pairHalfF16c(_Float16* dst, const _Float16* src, size_t n, float scale) {
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_add_ps(load8(dst + i), load8(src + i)));
-  pairHalfScalar(dst + i, src + i, n - i);
+  __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_mul_ps(_mm256_add_ps(load8(dst + i), load8(src + i)), s));
+  pairHalfScalar(dst + i, src + i, n - i, scale);
 }
 #define BPS_HALF(name, ...) return hasF16c() ? name##F16c(__VA_ARGS__) : name##Scalar(__VA_ARGS__)
 #else
@@ -168,15 +172,15 @@ void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count) {
   notWidened(dtype);
 }
 
-void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count) {
-  if (dtype == kBFloat16) return finishBf16(bf16(dst), acc, bf16(src), count);
-  if (dtype == kFloat16) BPS_HALF(finishHalf, half(dst), acc, half(src), count);
+void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count, float scale) {
+  if (dtype == kBFloat16) return finishBf16(bf16(dst), acc, bf16(src), count, scale);
+  if (dtype == kFloat16) BPS_HALF(finishHalf, half(dst), acc, half(src), count, scale);
   notWidened(dtype);
 }
 
-void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count) {
-  if (dtype == kBFloat16) return pairBf16(bf16(dst), bf16(src), count);
-  if (dtype == kFloat16) BPS_HALF(pairHalf, half(dst), half(src), count);
+void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count, float scale) {
+  if (dtype == kBFloat16) return pairBf16(bf16(dst), bf16(src), count, scale);
+  if (dtype == kFloat16) BPS_HALF(pairHalf, half(dst), half(src), count, scale);
   notWidened(dtype);
 }
 

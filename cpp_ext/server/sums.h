@@ -23,17 +23,18 @@ bool sumsWidened(uint16_t dtype);
 
 // A widened round's passes over its pushes, in the order they arrive. With two pushes, one: sumPair. With more, the
 // second makes the accumulator (widenSum), the next ones add into it (addWidened), and the last one is added and
-// the sum rounded in the same pass (finishSum), into the first push's bytes, which become the result. Rounding is
-// to nearest, ties to even, as torch rounds; a NaN stays a NaN. Each is the same bits as adding every push in fp32
-// in that order and rounding once at the end.
+// the sum rounded in the same pass (finishSum), into the first push's bytes, which become the result. A backup
+// round's sum is scaled (by n / contributors) in fp32 before that rounding; `scale` 1 otherwise. Rounding is to
+// nearest, ties to even, as torch rounds; a NaN stays a NaN. Each is the same bits as adding every push in fp32 in
+// that order, multiplying by the scale in fp32 and rounding once at the end.
 //
 // acc[i] = float(a[i]) + float(b[i]), for `count` elements of the widened `dtype`.
 void widenSum(uint16_t dtype, float* acc, const uint8_t* a, const uint8_t* b, size_t count);
 // acc[i] += float(src[i]).
 void addWidened(uint16_t dtype, float* acc, const uint8_t* src, size_t count);
-// dst[i] = round(acc[i] + float(src[i])).
-void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count);
-// dst[i] = round(float(dst[i]) + float(src[i])).
-void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count);
+// dst[i] = round((acc[i] + float(src[i])) * scale).
+void finishSum(uint16_t dtype, uint8_t* dst, const float* acc, const uint8_t* src, size_t count, float scale);
+// dst[i] = round((float(dst[i]) + float(src[i])) * scale).
+void sumPair(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t count, float scale);
 
 }  // namespace bps::server

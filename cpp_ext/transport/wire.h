@@ -56,7 +56,10 @@ struct Header {
   uint32_t worker = 0;
   uint32_t numWorkers = 0;
   uint32_t waitMs = 0;  // PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
-  uint32_t mode = kModeSum;  // INIT/PUSH/PULL: the key's Mode
+  uint32_t mode = kModeSum;  // INIT/PUSH/PULL: the key's Mode; HELLO: the job's backup workers
+  // HELLO: the job's window of live rounds per key (0: 2); a PULL's reply: how many later rounds of the key have
+  // already closed (how far behind the worker is)
+  uint32_t rounds = 0;
   uint64_t incarnation = 0;
   uint64_t jobId = 0;
   uint64_t key = 0;
@@ -92,7 +95,7 @@ inline void packHeader(const Header& h, uint8_t* out) {
   store<uint32_t>(out, 16, h.numWorkers);
   store<uint32_t>(out, 20, h.waitMs);
   store<uint32_t>(out, 24, h.mode);
-  store<uint32_t>(out, 28, 0);  // reserved: keeps the u64 fields 8-byte aligned
+  store<uint32_t>(out, 28, h.rounds);
   store<uint64_t>(out, 32, h.incarnation);
   store<uint64_t>(out, 40, h.jobId);
   store<uint64_t>(out, 48, h.key);
@@ -131,6 +134,7 @@ inline Header unpackHeader(const uint8_t* in, size_t size) {
   h.numWorkers = load<uint32_t>(in, 16);
   h.waitMs = load<uint32_t>(in, 20);
   h.mode = load<uint32_t>(in, 24);
+  h.rounds = load<uint32_t>(in, 28);
   h.incarnation = load<uint64_t>(in, 32);
   h.jobId = load<uint64_t>(in, 40);
   h.key = load<uint64_t>(in, 48);

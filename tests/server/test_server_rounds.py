@@ -29,23 +29,28 @@ SUM_DTYPES = [1, 3, 4, 8, 6]  # float32, float16, bfloat16, int8 (wraps), int64
 class Reference:
     """_reference/rounds.py's KeyRounds, with its answers put in the shape KeyRoundsProbe returns."""
 
-    def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int):
-        self.job = Job(num_workers)
+    def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int, backups: int = 0, window: int = 2):
+        self.job = Job(num_workers, backups, window)
         self.mode, self.dtype = mode, dtype
-        self.rounds = KeyRounds(NAME, self.job, SumCounters(), Mode(mode), nbytes)
+        self.counters = SumCounters()
+        self.rounds = KeyRounds(NAME, self.job, self.counters, Mode(mode), nbytes, DTYPES[dtype])
         self.pulls: dict[int, tuple[int, int, int, int]] = {}  # token -> (worker, round, offset, length)
 
     def _answer(self, token: int, result) -> tuple:
         worker, rnd, offset, length = self.pulls[token]
         if isinstance(result, Round):
-            return token, Status.OK, result.total.view(torch.uint8)[offset : offset + length].numpy().tobytes()
-        return token, Status.KEY_MISMATCH, f"pull of {NAME} round {rnd} by worker {worker}: {result}"
+            data = result.total.view(torch.uint8)[offset : offset + length].numpy().tobytes()
+            return token, Status.OK, data, result.ahead
+        return token, Status.KEY_MISMATCH, f"pull of {NAME} round {rnd} by worker {worker}: {result}", 0
+
+    def _released(self) -> list:
+        return [self._answer(t, r) for t, r in self.rounds.take_released()]
 
     def _call(self, fn) -> tuple:
         try:
-            return 0, "", fn()
+            return 0, "", fn() + self._released()
         except ProtocolError as e:
-            return e.status, str(e), []
+            return e.status, str(e), self._released()
 
     def push(self, worker: int, rnd: int, data: bytes, offset: int) -> tuple:
         dtype = torch.uint8 if self.mode == Mode.COPY else DTYPES[self.dtype]
@@ -67,20 +72,22 @@ class Reference:
 
     def lose(self, worker: int, how: str) -> list:
         self.job.lost[worker] = how
-        return [(t, Status.WORKER_LOST, m) for t, m in self.rounds.fail_lost()]
+        return [(t, Status.WORKER_LOST, m, 0) for t, m in self.rounds.fail_lost()] + self._released()
 
     def expire(self, now: float) -> list:
-        return [(t, Status.ROUND_TIMEOUT, m) for t, m in self.rounds.expire(now)]
+        return [(t, Status.ROUND_TIMEOUT, m, 0) for t, m in self.rounds.expire(now)]
 
 
 def _normalize(outcome) -> tuple:
     status, message, answers = outcome
-    return status, message, sorted((int(t), int(s), r) for t, s, r in answers)
+    return status, message, sorted((int(t), int(s), r, int(a)) for t, s, r, a in answers)
 
 
 @st.composite
 def scenarios(draw):
-    num_workers = draw(st.integers(1, 3))
+    num_workers = draw(st.integers(1, 4))
+    backups = draw(st.integers(0, num_workers - 1))
+    window = draw(st.integers(2, 4)) if backups else 2
     mode = draw(st.sampled_from([Mode.SUM, Mode.COPY]))
     if mode == Mode.SUM:
         dtype = draw(st.sampled_from(SUM_DTYPES))
@@ -90,7 +97,7 @@ def scenarios(draw):
     ops = []
     for _ in range(draw(st.integers(1, 30))):
         kind = draw(st.sampled_from(["push"] * 4 + ["pull"] * 4 + ["refuse", "lose", "expire"]))
-        worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 3))
+        worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 5))
         if kind == "push":
             if mode == Mode.SUM:
                 offset, data = 0, _sum_data(draw, dtype, nbytes)
@@ -111,7 +118,7 @@ def scenarios(draw):
             ops.append((kind, worker))
         else:
             ops.append((kind, draw(st.sampled_from([1.5, 2.5]))))
-    return num_workers, int(mode), nbytes, dtype, ops
+    return num_workers, int(mode), nbytes, dtype, backups, window, ops
 
 
 # Besides hypothesis's floats (which favour simple values whose sums are exact), 11-bit significands at magnitudes
@@ -136,9 +143,9 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
 @given(scenario=scenarios())
 def test_the_native_rounds_answer_as_the_reference_does(scenario):
-    num_workers, mode, nbytes, dtype, ops = scenario
-    ref = Reference(num_workers, mode, nbytes, dtype)
-    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME)
+    num_workers, mode, nbytes, dtype, backups, window, ops = scenario
+    ref = Reference(num_workers, mode, nbytes, dtype, backups, window)
+    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME, backups, window)
     token = 0
     for op in ops:
         kind = op[0]
@@ -166,6 +173,7 @@ def test_the_native_rounds_answer_as_the_reference_does(scenario):
         assert _normalize(got) == _normalize(want), op
         assert native.floor == ref.rounds.floor, op
         assert native.has_waiting == ref.rounds.has_waiting, op
+        assert native.late_pushes == ref.counters.late_pushes, op
 
 
 def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
@@ -175,30 +183,36 @@ def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
     assert probe.push(0, 0, a, 0) == (0, "", [])  # a duplicate: never added twice
     assert probe.pull(0, 0, 1, 0, 8) == (0, "", [])  # waits
     status, _, answers = probe.push(1, 0, b, 0)
-    assert status == 0 and answers == [(1, Status.OK, bytes([200] * 8))]  # 100 + 100 wraps to -56 = 200 unsigned
+    assert status == 0 and answers == [(1, Status.OK, bytes([200] * 8), 0)]  # 100 + 100 wraps to -56 = 200 unsigned
     assert probe.floor == 0
-    assert probe.pull(1, 0, 2, 0, 8)[2] == [(2, Status.OK, bytes([200] * 8))]
+    assert probe.pull(1, 0, 2, 0, 8)[2] == [(2, Status.OK, bytes([200] * 8), 0)]
     assert probe.floor == 1
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(dtype=st.sampled_from([3, 4]), data=st.data())
 def test_16_bit_sums_are_the_fp32_sum_rounded_once_in_both(dtype, data):
-    # The random sequences above seldom close a round of three or more workers; these always do.
+    # The random sequences above seldom close a round of three or more workers; these always do, with or without
+    # backup workers (a backup round's sum of c is scaled by n / c in fp32, before the one rounding).
     workers, n = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 40))  # vector bodies and their tails
+    backups = data.draw(st.integers(0, workers - 1))
     pushes = [torch.tensor(data.draw(st.lists(FLOATS, min_size=n, max_size=n))).to(DTYPES[dtype]) for _ in
               range(workers)]  # fmt: skip
     order = data.draw(st.permutations(range(workers)))
-    want = pushes[order[0]].float()  # the first push, then the others added in the order they arrived
-    for w in order[1:]:
+    closing = order[: workers - backups]  # the pushes the round holds; the others come late and are dropped
+    want = pushes[closing[0]].float()  # the first push, then the others added in the order they arrived
+    for w in closing[1:]:
         want += pushes[w].float()
-    want = want.to(DTYPES[dtype])
-    for rounds in (Reference(workers, int(Mode.SUM), 2 * n, dtype),
-                   _C._testing.KeyRoundsProbe(workers, int(Mode.SUM), 2 * n, dtype, NAME)):  # fmt: skip
+    if backups:
+        want = (want.mul_(workers / len(closing)) if len(closing) > 1 else
+                pushes[closing[0]].mul(workers / len(closing)))  # fmt: skip
+    want = want.to(DTYPES[dtype]).view(torch.uint8).numpy().tobytes()
+    for rounds in (Reference(workers, int(Mode.SUM), 2 * n, dtype, backups),
+                   _C._testing.KeyRoundsProbe(workers, int(Mode.SUM), 2 * n, dtype, NAME, backups, 2)):  # fmt: skip
         for w in order:
             assert rounds.push(w, 0, pushes[w].view(torch.uint8).numpy().tobytes(), 0)[0] == 0
-        _, _, answers = rounds.pull(0, 0, 1, 0, 2 * n, math.inf)
-        assert answers == [(1, Status.OK, want.view(torch.uint8).numpy().tobytes())], type(rounds)
+        _, _, answers = rounds.pull(order[0], 0, 1, 0, 2 * n, math.inf)
+        assert answers == [(1, Status.OK, want, 0)], type(rounds)
 
 
 @pytest.mark.parametrize("dtype", [3, 4])  # float16, bfloat16
@@ -216,4 +230,52 @@ def test_a_16_bit_sum_is_made_in_fp32_and_rounded_once(dtype):
             for worker in order:
                 status, message, answers = rounds.push(worker, 0, data[worker], 0)
                 assert (status, message, answers) == (0, "", []), order
-            assert rounds.pull(0, 0, 1, 0, 4, math.inf)[2] == [(1, Status.OK, want)], (order, type(rounds))
+            assert rounds.pull(0, 0, 1, 0, 4, math.inf)[2] == [(1, Status.OK, want, 0)], (order, type(rounds))
+
+
+def f32(*values: float) -> bytes:
+    return torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+
+
+def test_a_backup_round_closes_without_the_slowest_and_the_window_holds_the_fastest():
+    """n = 3, b = 1, W = 3: a round closes at 2 pushes, scaled by 3/2; the third push is dropped, never added; a
+    worker may run 2 rounds ahead of the slowest puller, and the slowest learns how far behind it is."""
+    probe = _C._testing.KeyRoundsProbe(3, int(Mode.SUM), 4, 1, NAME, 1, 3)
+    assert probe.push(0, 0, f32(1.0), 0) == (0, "", [])
+    assert probe.pull(0, 0, 1, 0, 4) == (0, "", [])  # waits: one push of the two it needs
+    assert probe.push(1, 0, f32(2.0), 0) == (0, "", [(1, Status.OK, f32(4.5), 0)])  # (1 + 2) * 3 / 2
+    assert probe.push(2, 0, f32(100.0), 0) == (0, "", [])  # late: acknowledged, dropped
+    assert probe.late_pushes == 1
+    assert probe.pull(1, 0, 2, 0, 4)[2] == [(2, Status.OK, f32(4.5), 0)]
+    for rnd in (1, 2):
+        probe.push(0, rnd, f32(1.0), 0)
+        probe.push(1, rnd, f32(1.0), 0)
+    assert probe.pull(0, 1, 3, 0, 4)[2] == [(3, Status.OK, f32(3.0), 1)]  # round 2 closed too
+    assert probe.pull(0, 2, 4, 0, 4) == (0, "", [])  # closed, but held: worker 2 has not pulled round 0
+    status, message, _ = probe.push(0, 3, f32(1.0), 0)
+    assert status == Status.BAD_ROUND and "at most 3 rounds" in message
+    # The slow worker pulls what it missed (without pushing round 1 or 2): round 0 frees and round 2's pull goes out.
+    assert sorted(probe.pull(2, 0, 5, 0, 4)[2]) == [(4, Status.OK, f32(3.0), 0), (5, Status.OK, f32(4.5), 2)]
+    assert probe.floor == 1
+
+
+def test_a_backup_round_goes_on_without_a_lost_worker_and_fails_past_b():
+    probe = _C._testing.KeyRoundsProbe(3, int(Mode.SUM), 4, 1, NAME, 1, 2)
+    probe.set_lost(2, "worker 2 (at 10.0.0.2) disconnected")
+    assert probe.fail_lost() == []
+    probe.push(0, 0, f32(1.0), 0)
+    probe.push(1, 0, f32(1.0), 0)
+    probe.pull(0, 0, 1, 0, 4)
+    probe.pull(1, 0, 2, 0, 4)
+    assert probe.floor == 1  # freed without the lost worker's pull
+    probe.set_lost(1, "worker 1 (at 10.0.0.1) disconnected")
+    assert probe.fail_lost() == []
+    status, message, _ = probe.pull(0, 1, 3, 0, 4)
+    assert status == Status.WORKER_LOST and "can never close" in message
+
+
+def test_integer_and_copy_rounds_of_a_backup_job_still_need_every_worker():
+    probe = _C._testing.KeyRoundsProbe(2, int(Mode.SUM), 8, 6, NAME, 1, 2)  # int64: no mean to rescale
+    probe.push(0, 0, bytes(8), 0)
+    assert probe.pull(0, 0, 1, 0, 8) == (0, "", [])
+    assert probe.push(1, 0, bytes(8), 0)[2] == [(1, Status.OK, bytes(8), 0)]

@@ -185,9 +185,11 @@ def test_16_bit_sum_keys_are_charged_their_fp32_accumulators():
     # Each of a bf16 SUM key's two live rounds sums in an fp32 accumulator twice the key's size (a COPY key of
     # bf16 bytes has none).
     nbytes = 1 << 20
-    assert key_charge(nbytes, 2, BF16) == key_charge(nbytes, 2) + 4 * nbytes == key_charge(nbytes, 2, F16)
-    assert key_charge(nbytes, 2, BF16, Mode.COPY) == key_charge(nbytes, 2)
-    server = ServerProcess(extra_args=("--job-quota-bytes", str(JOB_OVERHEAD + key_charge(nbytes, 2, BF16))))
+    bf16 = key_charge(nbytes, 2, dtype=BF16)
+    assert bf16 == key_charge(nbytes, 2) + 4 * nbytes == key_charge(nbytes, 2, dtype=F16)
+    assert key_charge(nbytes, 2, dtype=BF16, mode=Mode.COPY) == key_charge(nbytes, 2)
+    assert key_charge(nbytes, 2, 4, BF16) == key_charge(nbytes, 2, 4) + 8 * nbytes  # a window of 4 rounds
+    server = ServerProcess(extra_args=("--job-quota-bytes", str(JOB_OVERHEAD + bf16)))
     try:
         a = RawPeer(server.address, 0xB16, 0, 2)
         a.hello()

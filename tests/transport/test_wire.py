@@ -26,6 +26,7 @@ headers = st.builds(
     num_workers=u32,
     wait_ms=u32,
     mode=u32,
+    rounds=u32,
     incarnation=u64,
     job_id=u64,
     key=u64,
@@ -68,12 +69,13 @@ def test_cpp_unpack_reads_python_pack(h):
     assert Header.unpack(_C._testing.pack_header(**as_dict(h))) == h
 
 
-def test_reserved_field_is_written_zero_and_ignored_on_read():
-    raw = bytearray(_C._testing.pack_header(command=3, key=7, mode=1))
-    assert struct.unpack_from("<I", raw, 28) == (0,)
+def test_rounds_field_sits_at_offset_28():
+    """HELLO's window of live rounds and a PULL reply's rounds closed ahead: the u32 between mode and the u64s."""
+    raw = bytearray(_C._testing.pack_header(command=1, key=7, mode=1, rounds=6))
+    assert struct.unpack_from("<II", raw, 24) == (1, 6)
     struct.pack_into("<I", raw, 28, 0xDEADBEEF)
-    assert _C._testing.unpack_header(bytes(raw)) == as_dict(Header(command=3, key=7, mode=1))
-    assert Header.unpack(bytes(raw)) == Header(command=3, key=7, mode=1)
+    assert _C._testing.unpack_header(bytes(raw)) == as_dict(Header(command=1, key=7, mode=1, rounds=0xDEADBEEF))
+    assert Header.unpack(bytes(raw)) == Header(command=1, key=7, mode=1, rounds=0xDEADBEEF)
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,6 +11,12 @@ floor + 1). A round that a lost worker has not pushed can never close: its pulls
 naming the worker. A pull that waited longer than it
 allows fails with ROUND_TIMEOUT, naming the workers that have not pushed (a stalled rank).
 
+With b backup workers (Job.backups), a floating SUM round closes once n - b workers pushed it, its sum scaled by
+n / contributors (so that every reader's division by n gives the contributors' mean); later pushes of it are
+dropped and counted; up to the job's window W of rounds are alive, and a pull of a closed round r is answered
+once r <= floor + W - 2 (the worker's next push then lands inside the window); a round frees once every worker
+that is not lost pulled it; and a round can never close once more than b workers were lost before pushing it.
+
 The server runs the native rounds (cpp_ext/server/rounds.h); this module states the same rules in Python and
 nothing in torch_bps imports it: tests/server/test_server_rounds.py drives both with the same random sequences
 and compares every answer. Nothing here locks: one thread uses a KeyRounds.
@@ -48,6 +54,9 @@ class Round:
     # fp16/bf16: the sum so far in fp32, from the round's second push until it closes and is rounded into total.
     wide: torch.Tensor | None = None
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # COPY: (offset, length, worker) pushed
+    closed: bool = False
+    contributors: int = 0  # how many pushes the result holds
+    ahead: int = 0  # set when answered: how many later rounds of the key had closed (the reply's `rounds`)
 
 
 # SUM keys of these dtypes add in fp32 and round once, so the result does not depend on how many workers pushed
@@ -61,19 +70,23 @@ Result = Round | str  # a closed round (its total is the result), or why it fail
 class SumCounters:
     bytes_summed: int = 0
     sum_ns: int = 0
+    late_pushes: int = 0
 
 
 class KeyRounds:
     """The live rounds of one (job, key)."""
 
-    def __init__(self, name: str, job: Job, counters: SumCounters, mode: Mode = Mode.SUM, nbytes: int = 0):
+    def __init__(self, name: str, job: Job, counters: SumCounters, mode: Mode = Mode.SUM, nbytes: int = 0,
+                 dtype: torch.dtype | None = None):  # fmt: skip
         self.name = name  # "job J key K", for error messages
         self.job = job
         self.mode = mode
+        self.dtype = dtype  # the key's (a backup round closes early only when it is floating)
         self.nbytes = nbytes  # the key's size (COPY rounds allocate it)
         self.num_workers = job.num_workers
         self.floor = 0  # every round below floor has been freed
         self.rounds: dict[int, Round] = {}
+        self.released: list[tuple[object, Result]] = []
         self._counters = counters
 
     def refuse(self, worker: int, rnd: int, reason: str) -> list[object]:
@@ -86,12 +99,17 @@ class KeyRounds:
         """
         r = self._live(rnd, worker, "push")
         r.failure = r.failure or reason
-        r.pushed.add(worker)
+        self._mark_pushed(r, worker)
         waiting = [token for token, _, _ in r.waiting]
         r.pulled.update(puller for _, puller, _ in r.waiting)
         r.waiting.clear()
         self._free_done()
         return waiting
+
+    def take_released(self) -> list[tuple[object, Result]]:
+        """Return the (pull token, result) pairs that freeing a round released (the window moved) since last called."""
+        released, self.released = self.released, []
+        return released
 
     def push(
         self, worker: int, rnd: int, data: torch.Tensor, offset: int = 0, source: object = None
@@ -104,26 +122,27 @@ class KeyRounds:
         """
         r = self._live(rnd, worker, "push")
         if r.failure is not None:
-            r.pushed.add(worker)
+            self._mark_pushed(r, worker)
             self._free_done()
             raise ProtocolError(Status.KEY_MISMATCH, f"push of {self.name} round {rnd} by worker {worker}: {r.failure}")
         if worker in r.pushed:
             return []  # a resent push: acknowledged, never added twice
+        if r.closed:  # a backup round closed without it: dropped, never half-added
+            r.pushed.add(worker)
+            self._counters.late_pushes += 1
+            return []
         if self.mode == Mode.COPY:
             self._write(r, data, offset, worker, source)
         else:
             self._add(r, data, source)
         r.pushed.add(worker)
-        if not self._closed(r):
+        if len(r.pushed) < self._needed():
             return []
-        if self.mode == Mode.COPY:
-            r.failure = self._untiled(r, rnd)
-        else:
-            self._round_once(r)
-        ready = [(token, r.failure or r) for token, _, _ in r.waiting]
-        for _, puller, _ in r.waiting:
-            r.pulled.add(puller)
-        r.waiting.clear()
+        self._close(r, rnd)
+        ready = []
+        if r.failure is not None or self._released(rnd):  # else its pulls wait for the window (_free_done)
+            ready = [(token, self._release(r, rnd, puller)) for token, puller, _ in r.waiting]
+            r.waiting.clear()
         self._free_done()
         return ready
 
@@ -137,8 +156,8 @@ class KeyRounds:
             r.pulled.add(worker)
             self._free_done()
             raise ProtocolError(Status.KEY_MISMATCH, f"pull of {self.name} round {rnd} by worker {worker}: {r.failure}")
-        if not self._closed(r):
-            if lost := self._lost_before(r):
+        if not r.closed or not self._released(rnd):
+            if not r.closed and (lost := self._lost_before(r)):
                 raise ProtocolError(Status.WORKER_LOST, f"pull of {self.name} round {rnd} by worker {worker}: {lost}")
             if any(waiting == worker for _, waiting, _ in r.waiting):  # keeps waiting pulls <= workers per round
                 raise ProtocolError(
@@ -147,15 +166,17 @@ class KeyRounds:
                 )
             r.waiting.append((token, worker, deadline))
             return None
-        r.pulled.add(worker)
+        result = self._release(r, rnd, worker)
         self._free_done()
-        return r
+        return result
 
     def fail_lost(self) -> list[tuple[object, str]]:
         """Return (pull token, message) for every waiting pull of a round that a lost worker has not pushed."""
         failed = []
+        if self.job.backups:
+            self._free_done()  # a lost worker's pulls are no longer awaited
         for rnd, r in self.rounds.items():
-            if r.waiting and (lost := self._lost_before(r)):
+            if r.waiting and not r.closed and (lost := self._lost_before(r)):
                 failed += [
                     (token, f"pull of {self.name} round {rnd} by worker {w}: {lost}") for token, w, _ in r.waiting
                 ]
@@ -167,6 +188,11 @@ class KeyRounds:
         expired = []
         for rnd, r in self.rounds.items():
             if not any(deadline <= now for _, _, deadline in r.waiting):
+                continue
+            if r.closed:  # waiting for the window: name who holds the oldest round
+                expired += [(token, f"pull of {self.name} round {rnd} by worker {w}: {self._behind(rnd)}")
+                            for token, w, deadline in r.waiting if deadline <= now]  # fmt: skip
+                r.waiting = [item for item in r.waiting if item[2] > now]
                 continue
             missing = [w for w in range(self.num_workers) if w not in r.pushed]
             who = "; ".join(self.job.describe(w) for w in missing)
@@ -187,12 +213,58 @@ class KeyRounds:
     def has_waiting(self) -> bool:
         return any(r.waiting for r in self.rounds.values())
 
+    def _mark_pushed(self, r: Round, worker: int) -> None:
+        r.pushed.add(worker)
+        if r.failure is not None and len(r.pushed) >= self._needed():
+            r.closed = True  # a failed round closes (and frees) as usual
+
+    def _needed(self) -> int:
+        """Pushes that close a round: n, or n - b for a floating SUM key (a mean can be rescaled)."""
+        floating = self.dtype is not None and self.dtype.is_floating_point
+        return self.num_workers - self.job.backups if self.mode == Mode.SUM and floating else self.num_workers
+
+    @property
+    def _window(self) -> int:
+        return self.job.window if self.job.backups else 2
+
+    def _released(self, rnd: int) -> bool:
+        return not self.job.backups or rnd + 2 <= self.floor + self.job.window
+
+    def _close(self, r: Round, rnd: int) -> None:
+        r.closed, r.contributors = True, len(r.pushed)
+        if self.mode == Mode.COPY:
+            r.failure = self._untiled(r, rnd)
+        else:
+            if r.contributors < self.num_workers and r.total is not None:
+                # A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean);
+                # a 16-bit one in fp32, before its one rounding.
+                (r.wide if r.wide is not None else r.total).mul_(self.num_workers / r.contributors)
+            self._round_once(r)
+
+    def _release(self, r: Round, rnd: int, worker: int) -> Result:
+        """Count worker's pull of closed round rnd and return what answers it."""
+        r.pulled.add(worker)
+        r.ahead = sum(1 for later, x in self.rounds.items() if later > rnd and x.closed)
+        return r.failure or r
+
     def _lost_before(self, r: Round) -> str | None:
-        """If a lost worker has not pushed round r (so it can never close), say which and how it was lost."""
-        for w, how in self.job.lost.items():
-            if w not in r.pushed:
-                return f"the round can never close: {how} before pushing it"
+        """If more workers were lost before pushing round r than it may do without (so it can never close), say
+        how the first was lost."""
+        lost = [how for w, how in self.job.lost.items() if w not in r.pushed]
+        if len(lost) > self.num_workers - self._needed():
+            return f"the round can never close: {lost[0]} before pushing it"
         return None
+
+    def _behind(self, rnd: int) -> str:
+        """Why closed round rnd's pull waits: the workers that have not pulled the oldest live round."""
+        oldest = self.rounds.get(self.floor)
+        missing = [w for w in range(self.num_workers)
+                   if w not in self.job.lost and (oldest is None or w not in oldest.pulled)]  # fmt: skip
+        who = "; ".join(self.job.describe(w) for w in missing)
+        return (
+            f"the round closed, but its result waits until every worker pulled round {self.floor} (a worker may "
+            f"fall at most {self.job.window - 1} rounds behind): {len(missing)} have not: {who} (round {rnd})"
+        )
 
     def _live(self, rnd: int, worker: int, what: str) -> Round:
         if rnd < self.floor:
@@ -201,19 +273,17 @@ class KeyRounds:
                 f"{what} of {self.name} round {rnd} by worker {worker}: round already completed and freed "
                 f"(oldest live round is {self.floor})",
             )
-        if rnd >= self.floor + 2:
+        if rnd >= self.floor + self._window:
+            most = "two" if self._window == 2 else str(self._window)
             raise ProtocolError(
                 Status.BAD_ROUND,
-                f"{what} of {self.name} round {rnd} by worker {worker}: at most two rounds may be alive and the "
+                f"{what} of {self.name} round {rnd} by worker {worker}: at most {most} rounds may be alive and the "
                 f"oldest live round is {self.floor} (every worker must pull round {self.floor} first)",
             )
         r = self.rounds.get(rnd)
         if r is None:  # not setdefault: that would build a Round on every push and pull
             r = self.rounds[rnd] = Round()
         return r
-
-    def _closed(self, r: Round) -> bool:
-        return len(r.pushed) == self.num_workers
 
     def _add(self, r: Round, data: torch.Tensor, source: object) -> None:
         if r.total is None:
@@ -231,7 +301,7 @@ class KeyRounds:
 
     def _round_once(self, r: Round) -> None:
         """A closed fp16/bf16 round: its fp32 sum, rounded to nearest (ties to even), becomes the result."""
-        if r.wide is None or r.failure is not None:
+        if r.wide is None:
             return  # one push is its own sum, exactly
         start = time.perf_counter_ns()
         r.total.copy_(r.wide)
@@ -266,6 +336,14 @@ class KeyRounds:
 
     def _free_done(self) -> None:
         # Rounds free in order: a later round fully pulled waits until the ones before it are freed.
-        while (r := self.rounds.get(self.floor)) is not None and self._closed(r) and len(r.pulled) == self.num_workers:
+        while (r := self.rounds.get(self.floor)) is not None and r.closed:
+            # A lost worker will not pull: with backups the job goes on without it.
+            gone = {w for w in self.job.lost if w not in r.pulled} if self.job.backups else set()
+            if len(r.pulled) + len(gone) < self.num_workers:
+                break
             del self.rounds[self.floor]
             self.floor += 1
+            for rnd, later in self.rounds.items():  # the window moved: pulls of closed rounds inside it are answered
+                if later.closed and later.waiting and self._released(rnd):
+                    self.released += [(token, self._release(later, rnd, w)) for token, w, _ in later.waiting]
+                    later.waiting.clear()

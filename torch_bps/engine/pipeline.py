@@ -82,6 +82,7 @@ class _Op:
     # result is in the caller's tensors (cast back), so it may be gathered.
     ending: bool = False
     network_ended: bool = False
+    pull_only: bool = False  # push nothing, pull the rounds' sums (a worker catching up on backup rounds)
 
 
 class PushPullEngine:
@@ -151,9 +152,13 @@ class PushPullEngine:
         self.run([tensor], completer(future, tensor), priority=priority)
         return future
 
-    def run(self, tensors: Sequence[torch.Tensor | Exchange], done: Done, *, priority: int = 0) -> None:
+    def run(self, tensors: Sequence[torch.Tensor | Exchange], done: Done, *, priority: int = 0,
+            pull_only: bool = False) -> None:  # fmt: skip
         """Sum each 1-D contiguous CPU tensor in place over all workers (or exchange it as its `Exchange`
         says), then call `done(error or None)` once.
+
+        `pull_only`: push nothing and overwrite the tensors with their rounds' sums, which the other workers make
+        (backup workers: a worker catching up on rounds that closed without it; one local rank per worker).
 
         Collective: every rank calls it with tensors of the same numels, dtypes and modes, in the same order.
         `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
@@ -163,12 +168,14 @@ class PushPullEngine:
             t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
+        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM for x in items)):
+            raise ValueError("pull_only takes summed tensors, with one local rank per worker")
         mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), self._travels_as(x), x.mode)[mine] for x in items]
             if self.local_channels is None:
-                self._schedule(_Op(items, plans, priority, done))
+                self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
                 self._rs_queue.put(_Op(items, plans, priority, done))
 
@@ -310,6 +317,8 @@ class PushPullEngine:
             # over the range it pushed (any all-reduce's) uses one tensor for both.
             pushing = t if src == whole else t[src[0] - at : src[1] - at]
             out = pushing if dst == src else t[dst[0] - at : dst[1] - at]
+            if op.pull_only:  # an empty push: the client sends only the PULL
+                pushing, out = t[lo - at : lo - at], t[lo - at : hi - at]
             parts.append(Partition(pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 

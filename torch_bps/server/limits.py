@@ -1,11 +1,11 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
-A server holds, per key, at most two live rounds (each one tensor of the key's size, cpp_ext/server/rounds.h;
-an fp16 or bf16 SUM key also an fp32 accumulator per round, twice its size), at most one waiting PULL per worker
-and round, and a little metadata. That is known the moment a key is
-declared, so the book charges it then: INIT of a key that would take its job past the job's quota, or the
-server past its bound, is refused with OVER_QUOTA before anything is allocated. HELLO of a new job is
-charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
+A server holds, per key, at most two live rounds (the job's window W with backup workers), each one tensor of
+the key's size (cpp_ext/server/rounds.h; an fp16 or bf16 SUM key also an fp32 accumulator per round, twice its
+size), at most one waiting PULL per worker and round, and a little metadata.
+That is known the moment a key is declared, so the book charges it then: INIT of a key that would take its job
+past the job's quota, or the server past its bound, is refused with OVER_QUOTA before anything is allocated.
+HELLO of a new job is charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
 forgotten, which gives its charge back. What the book does not see is bounded at the socket: a frame over
 `max_frame_bytes` drops its connection before it is read (ZMQ_MAXMSGSIZE), at most `queue_messages`
 messages wait per connection (ZMQ_RCVHWM). Nothing queues between the socket and the summation: the
@@ -89,11 +89,11 @@ class Limits:
 WIDENED_DTYPES = tuple(code for code, dtype in DTYPES.items() if dtype.itemsize == 2 and dtype.is_floating_point)
 
 
-def key_charge(nbytes: int, num_workers: int, dtype: int = 0, mode: int = Mode.SUM) -> int:
-    """Return the most a key of nbytes can make the server hold: two rounds, a waiting pull per worker each, and for
-    an fp16/bf16 SUM key two fp32 accumulators (each twice nbytes)."""
-    accumulators = 2 * 2 * nbytes if mode == Mode.SUM and dtype in WIDENED_DTYPES else 0
-    return 2 * nbytes + accumulators + KEY_OVERHEAD + 2 * num_workers * PULL_OVERHEAD
+def key_charge(nbytes: int, num_workers: int, window: int = 2, dtype: int = 0, mode: int = Mode.SUM) -> int:
+    """Return the most a key of nbytes can make the server hold: `window` live rounds (the job's; 2 without backup
+    workers), a waiting pull per worker each, and for an fp16/bf16 SUM key an fp32 accumulator (twice nbytes) each."""
+    accumulators = window * 2 * nbytes if mode == Mode.SUM and dtype in WIDENED_DTYPES else 0
+    return window * nbytes + accumulators + KEY_OVERHEAD + window * num_workers * PULL_OVERHEAD
 
 
 class MemoryBook:
@@ -114,9 +114,10 @@ class MemoryBook:
         self._take(job_id, JOB_OVERHEAD, f"HELLO of job {job_id:#x}")
         self._seen[job_id] = time.monotonic()
 
-    def add_key(self, job_id: int, nbytes: int, num_workers: int, dtype: int = 0, mode: int = Mode.SUM) -> None:
+    def add_key(self, job_id: int, nbytes: int, num_workers: int, window: int = 2, dtype: int = 0,
+                mode: int = Mode.SUM) -> None:  # fmt: skip
         """Charge a new key of job_id; raise ProtocolError(OVER_QUOTA) past the job's quota or the server's bound."""
-        charge = key_charge(nbytes, num_workers, dtype, mode)
+        charge = key_charge(nbytes, num_workers, window, dtype, mode)
         self._take(job_id, charge, f"INIT of {nbytes} bytes for job {job_id:#x}")
 
     def touch(self, job_id: int, now: float) -> None:

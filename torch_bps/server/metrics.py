@@ -50,6 +50,7 @@ _JOB = (
     ("bytes_summed", "bps_job_summed_bytes_total", "counter", "the job's bytes added"),
     ("sum_ns", "bps_job_sum_seconds_total", "counter", "time spent adding the job's pushes"),
     ("errors", "bps_job_errors_total", "counter", "error replies to the job"),
+    ("late_pushes", "bps_job_late_pushes_total", "counter", "pushes dropped: their backup round had closed"),
     ("memory_charged", "bps_job_memory_charged_bytes", "gauge", "bytes charged to the job"),
     ("workers", "bps_job_workers", "gauge", "workers of the job"),
     ("keys", "bps_job_keys", "gauge", "keys the job declared"),

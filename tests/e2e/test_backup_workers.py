@@ -1,0 +1,146 @@
+"""Backup workers (torch_bps.backup.BackupWorkers) with real ranks and a real server: a slow rank does not set the
+pace, every rank applies the contributors' mean (never the sum over n), replicas stay bit-identical, a killed rank
+does not stop the job, and settings the job cannot have are refused by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.helpers import ServerProcess, _free_port, rank_context, run_ranks
+from torch_bps import BackupWorkers, Config
+from torch_bps.client import Client
+from torch_bps.errors import ConfigError, ServerError
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 12
+SLOW = 2  # the straggler's rank
+DELAY = 0.4  # its extra seconds per computed step
+
+
+@pytest.fixture
+def server():
+    s = ServerProcess(auth=False)
+    yield s
+    s.stop()
+
+
+def _config(server_address: str) -> Config:
+    return Config.resolve(servers=(server_address,), placement="dedicated", failover=False, auth="off", timeout=30)
+
+
+def _plain(rank, world, gloo, address):
+    """p starts at 0; rank r's gradient is r + 1 everywhere; SGD with lr 1 subtracts the round's mean each step."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sync = BackupWorkers(torch.nn.ParameterList([p]), opt, backups=1, config=_config(address))
+    deltas = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        before = p.detach().clone()
+        if sync.compute():
+            if rank == SLOW:
+                time.sleep(DELAY)
+            ((rank + 1) * p.sum()).backward()
+        sync.step()
+        deltas.append((before - p.detach())[0].item())
+    sync.close()
+    return deltas, p.detach().numpy().tobytes(), sync.caught_up
+
+
+def test_a_slow_rank_is_dropped_and_catches_up_and_every_rank_applies_the_contributors_mean(server):
+    results = run_ranks(_plain, 3, server.address, backend="gloo")
+    deltas, params, caught_up = zip(*results, strict=True)
+    assert len(set(params)) == 1, "replicas differ"
+    assert deltas[0] == deltas[1] == deltas[2]
+    # Contributors {0,1,2}: (1+2+3)/3; two of them: 1.5, 2 or 2.5. Dividing by n instead would give 1, 4/3 or 5/3.
+    assert set(deltas[0]) <= {2.0, 1.5, 2.5}, deltas[0]
+    assert 1.5 in deltas[0], "the straggler was never dropped"
+    assert caught_up[SLOW] >= 2 and caught_up[0] == caught_up[1] == 0, caught_up
+
+
+def _ddp(rank, world, gloo, address):
+    torch.manual_seed(0)  # DDP broadcasts rank 0's parameters anyway
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = DistributedDataParallel(net, process_group=gloo, bucket_cap_mb=0.0002)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sync = BackupWorkers(model, opt, backups=1, config=_config(address))
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        if sync.compute():
+            if rank == SLOW:
+                time.sleep(DELAY)
+            x = torch.randn(4, 8, generator=data)
+            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        sync.step()
+    sync.close()
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters()), sync.caught_up
+
+
+def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server):
+    results = run_ranks(_ddp, 3, server.address, backend="gloo")
+    params, caught_up = zip(*results, strict=True)
+    assert len(set(params)) == 1, "replicas differ"
+    assert caught_up[SLOW] >= 1, caught_up
+
+
+def _train_until_killed(rank, world, port, address, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))  # fmt: skip
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = torch.optim.SGD([p], lr=1.0)
+        sync = BackupWorkers(torch.nn.ParameterList([p]), opt, backups=1, config=_config(address))
+        for step in range(STEPS):
+            if rank == SLOW and step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            if sync.compute():
+                ((rank + 1) * p.sum()).backward()
+            sync.step()
+        results.put((rank, "ok", p.detach().numpy().tobytes()))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", repr(e)))
+    time.sleep(3)  # rank 0 hosts the store: leave it up while the other finishes
+    os._exit(0)
+
+
+def test_a_killed_rank_does_not_stop_a_job_with_a_backup(server):
+    ctx = rank_context()
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_train_until_killed, args=(r, 3, port, server.address, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (s, out)) for r, s, out in (results.get(timeout=120) for _ in range(2)))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == got[1][0] == "ok", got
+    assert got[0][1] == got[1][1]
+    assert procs[SLOW].exitcode == -signal.SIGKILL
+
+
+def test_settings_a_job_cannot_have_are_refused_by_name(server):
+    with pytest.raises(ConfigError, match="BPS_BACKUP_WINDOW"):
+        Config.resolve(backup_workers=1, backup_window=1)
+    with pytest.raises(ConfigError, match="backup_workers=-1"):
+        Config.resolve(backup_workers=-1)
+    with pytest.raises(ValueError, match="backups=2 must be in"):
+        Client([server.address], 7, 0, 2, backups=2, auth=False)
+    # Every worker of a job must say the same: mixing modes within one job is refused, naming both.
+    with Client([server.address], 7, 0, 3, backups=1, window=3, auth=False):
+        with pytest.raises(ServerError, match="3 workers, 0 backup workers and 2 live rounds, but the job was "
+                                              "declared with 3, 1 and 3"):  # fmt: skip
+            Client([server.address], 7, 1, 3, auth=False)

@@ -1,0 +1,188 @@
+"""Backup workers: synchronous data-parallel training that does not wait for its slowest b workers.
+
+The rule of Chen et al. 2016 ("Revisiting Distributed Synchronous SGD") and TensorFlow's SyncReplicasOptimizer, on
+the summation service: with b backups among n workers, each gradient round closes on the servers once n - b
+workers pushed it; later pushes of it are dropped, never half-added (and counted: bps_job_late_pushes_total). The
+servers scale the sum of the c contributions by n / c, so every worker, dividing by n as DDP does, applies the
+contributors' mean, and all apply the same bits: replicas stay identical. A worker that fell behind learns it from
+its pulls (a reply says how many later rounds already closed) and catches up by pulling the rounds it missed and
+applying them in order, without computing them. The servers keep `window` rounds per key: a worker may fall
+window - 1 rounds behind before the others wait for it.
+
+    sync = torch_bps.BackupWorkers(model, optimizer, backups=1)    # after dist.init_process_group (any backend)
+    for x, y in loader:
+        optimizer.zero_grad()
+        if sync.compute():                 # False while this worker catches up
+            loss_fn(model(x), y).backward()
+        sync.step()                        # the contributors' mean, then optimizer.step()
+
+`model` may be a DistributedDataParallel module: its gradient buckets then go to the servers during backward
+(BackupWorkers registers itself as DDP's comm hook; DDP's own group may be gloo). Every rank is one worker to the
+servers. Replicas must start equal (DDP broadcasts them; otherwise seed them alike).
+
+May import: torch, torch_bps.config and torch_bps.errors; torch_bps.runtime on first use.
+"""
+
+# No `from __future__ import annotations`: DDP checks its comm hook's annotations against the real types.
+import dataclasses
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from torch_bps.config import Config
+from torch_bps.errors import ConfigError
+
+log = logging.getLogger("torch_bps.backup")
+
+# DDP fixes its buckets after its first step: a worker replays a step's buckets only once they no longer change.
+_WARMUP_STEPS = 2
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """One collective of a step: its size and dtype, and where its sums go (parameter, start, numel)."""
+
+    numel: int
+    dtype: torch.dtype
+    params: list[tuple[torch.nn.Parameter, int, int]]
+
+
+class BackupWorkers:
+    """Run each training step's gradient rounds with `backups` backup workers (see the module's docstring).
+
+    Args:
+        model: the module being trained (a DistributedDataParallel module, or a plain one).
+        optimizer: its optimizer; `step()` runs it.
+        backups: b, 1 <= b < the group's size.
+        window: rounds the servers keep per key (BPS_BACKUP_WINDOW, default 4): how far a slow worker may fall
+            behind and still catch up by pulling.
+        process_group: the ranks that train together (None: the default group).
+        config: other settings (None: the BPS_* environment variables); servers as for any torch_bps job.
+
+    Example: `sync = BackupWorkers(ddp_model, opt, backups=1)`; then `compute()`, `backward()`, `step()` per step.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, backups: int,
+                 window: int | None = None, process_group: dist.ProcessGroup | None = None,
+                 config: Config | None = None):  # fmt: skip
+        if not dist.is_initialized():
+            raise RuntimeError("BackupWorkers needs torch.distributed initialized (dist.init_process_group)")
+        self.group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        size = self.group.size()
+        if not 1 <= backups < size:
+            raise ConfigError(f"backups={backups} with {size} workers: use 1 <= backups < {size}")
+        changes = {"backup_workers": backups, "local_reduce": False}
+        if window is not None:
+            changes["backup_window"] = window
+        self.config = dataclasses.replace(config or Config.resolve(), **changes)
+        self.config._check()
+        self.model, self.optimizer = model, optimizer
+        self.steps = 0  # steps taken
+        self.caught_up = 0  # of them, rounds applied without computing them
+        self._behind = 0
+        self._lock = threading.Lock()
+        self._runtime = None
+        self._ddp = isinstance(model, DistributedDataParallel)
+        self._buckets: list[_Bucket] = []  # this step's collectives, in order (DDP: as its hook saw them)
+        self._futures: list[torch.futures.Future] = []
+        if self._ddp:
+            model.register_comm_hook(self, _hook)
+
+    def compute(self) -> bool:
+        """Whether this step needs a forward and backward pass: False while this worker is catching up."""
+        return self._behind == 0 or self.steps < _WARMUP_STEPS
+
+    def step(self) -> None:
+        """Apply this step's round: the contributors' mean of the gradients (or, catching up, the round the others
+        made), then `optimizer.step()`. Blocks until the round's sums are here."""
+        runtime = self._connect()
+        if self.compute():
+            if not self._ddp:
+                self._buckets = self._plain_buckets()
+                self._futures = [self._push(runtime, b, self._gather(b)) for b in self._buckets]
+            if len(self._futures) != len(self._buckets):
+                raise RuntimeError("BackupWorkers.step() without a backward pass through the DDP model this step")
+            sums = [f.wait() for f in self._futures]
+        else:
+            sums = [self._pull(runtime, b) for b in self._buckets]
+            self.caught_up += 1
+        for bucket, flat in zip(self._buckets, sums, strict=True):
+            for p, start, numel in bucket.params:
+                p.grad = flat[start : start + numel].view_as(p).clone()
+        self._futures = []
+        self.optimizer.step()
+        self.steps += 1
+        self._behind = runtime.take_behind()
+        if self._behind:
+            log.debug("rank %d: %d rounds behind after step %d", self.group.rank(), self._behind, self.steps)
+
+    def close(self) -> None:
+        """Close the connection to the servers (a later step opens a new one)."""
+        with self._lock:
+            if self._runtime is not None:
+                self._runtime.close()
+                self._runtime = None
+
+    # -- the rounds
+    def _connect(self):
+        with self._lock:
+            if self._runtime is None:
+                from torch_bps.runtime import Runtime  # loads the C++ client
+
+                store = dist.distributed_c10d._get_default_store()
+                self._runtime = Runtime.create(store, self.group.rank(), self.group.size(), name="backup",
+                                               config=self.config)  # fmt: skip
+            return self._runtime
+
+    def _push(self, runtime, bucket: _Bucket, flat: torch.Tensor) -> torch.futures.Future:
+        # Divided first, as DDP does: the servers sum, scale by n / contributors, and the mean comes back.
+        flat.div_(self.group.size())
+        return runtime.push_pull(flat, priority=0)
+
+    def _pull(self, runtime, bucket: _Bucket) -> torch.Tensor:
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+        future = torch.futures.Future()
+        runtime.run([flat], lambda error: future.set_exception(error) if error else future.set_result(flat),
+                    pull_only=True)  # fmt: skip
+        return future.wait()
+
+    def _plain_buckets(self) -> list[_Bucket]:
+        """One bucket per dtype of the trainable parameters, in parameter order."""
+        buckets: dict[torch.dtype, _Bucket] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                b = buckets.setdefault(p.dtype, _Bucket(0, p.dtype, []))
+                b.params.append((p, b.numel, p.numel()))
+                b.numel += p.numel()
+        return list(buckets.values())
+
+    @staticmethod
+    def _gather(bucket: _Bucket) -> torch.Tensor:
+        flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
+        for p, start, numel in bucket.params:
+            if p.grad is not None:
+                flat[start : start + numel].copy_(p.grad.reshape(-1))
+        return flat
+
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if bucket.index() == 0 or not self._futures:  # DDP's first bucket of a step (it reduces in index order)
+            self._buckets, self._futures = [], []
+        buffer = bucket.buffer()
+        if buffer.device.type != "cpu":
+            raise ValueError("BackupWorkers: DDP buckets on CPU only (the device path is not built yet)")
+        params, start = [], 0
+        for p in bucket.parameters():
+            params.append((p, start, p.numel()))
+            start += p.numel()
+        self._buckets.append(_Bucket(buffer.numel(), buffer.dtype, params))
+        future = self._push(self._connect(), self._buckets[-1], buffer)
+        self._futures.append(future)
+        return future
+
+
+def _hook(state: BackupWorkers, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's comm hook for BackupWorkers: the bucket's round goes to the servers during backward."""
+    return state._on_bucket(bucket)
