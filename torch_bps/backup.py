@@ -56,7 +56,7 @@ class BackupWorkers:
     Args:
         model: the module being trained (a DistributedDataParallel module, or a plain one).
         optimizer: its optimizer; `step()` runs it.
-        backups: b, 1 <= b < the group's size.
+        backups: b, 0 <= b < the group's size (0: plain synchronous rounds, every worker in each).
         window: rounds the servers keep per key (BPS_BACKUP_WINDOW, default 4): how far a slow worker may fall
             behind and still catch up by pulling.
         process_group: the ranks that train together (None: the default group).
@@ -72,8 +72,8 @@ class BackupWorkers:
             raise RuntimeError("BackupWorkers needs torch.distributed initialized (dist.init_process_group)")
         self.group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
         size = self.group.size()
-        if not 1 <= backups < size:
-            raise ConfigError(f"backups={backups} with {size} workers: use 1 <= backups < {size}")
+        if not 0 <= backups < size:
+            raise ConfigError(f"backups={backups} with {size} workers: use 0 <= backups < {size}")
         changes = {"backup_workers": backups, "local_reduce": False}
         if window is not None:
             changes["backup_window"] = window

@@ -168,9 +168,20 @@ class Cluster:
         netns.ip("link", "set", port, "up", netns=self.bridge_ns)
         if self.tcp_congestion:
             self._set_congestion_control(host)
+        self._shape(host)
+
+    def _shape(self, host: Host) -> None:
         tbf = self._shapings.get(host.name, self.shaping).tbf_args()
         netns.tc("qdisc", "replace", "dev", IFNAME, "root", *tbf, netns=host.netns)  # host -> bridge
-        netns.tc("qdisc", "replace", "dev", port, "root", *tbf, netns=self.bridge_ns)  # bridge -> host
+        netns.tc("qdisc", "replace", "dev", _bridge_port(host), "root", *tbf, netns=self.bridge_ns)  # bridge -> host
+
+    def set_rate(self, host: Host, rate_mbit: float | None) -> None:
+        """Shape `host`'s link, both ways, at `rate_mbit` from now on (None: the cluster's rate again)."""
+        if rate_mbit is None:
+            self._shapings.pop(host.name, None)
+        else:
+            self._shapings[host.name] = Shaping.for_rate(rate_mbit)
+        self._shape(host)
 
     def _set_congestion_control(self, host: Host) -> None:
         try:
