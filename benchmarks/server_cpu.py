@@ -16,7 +16,10 @@ The ratios: server CPU / (add + memcpy) per GiB, and per message the server's CP
 with DIR first on the path), e.g. `--server old=/tmp/bps-base --server new=.` for an A/B: servers alternate
 within every repeat, so machine load drifting hits all alike, and each ratio is taken within a repeat.
 
-Usage: python benchmarks/server_cpu.py [--quick] [--server NAME=DIR ...] [--json out.json]
+`--dtype float16|bfloat16` pushes 16-bit keys, which the server sums in an fp32 accumulator and rounds once
+(docs/protocol.md, "Summation"); the floor's add is then torch's `add_` in that dtype.
+
+Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--server NAME=DIR ...] [--json out.json]
 May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
 """
 
@@ -102,11 +105,12 @@ def start_server(checkout: str, max_frame: int) -> tuple[Process, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def run_workers(server: Process, address: str, workers: int, size: int, keys: int, rounds: int, tag: str) -> dict:
+def run_workers(server: Process, address: str, workers: int, size: int, keys: int, rounds: int, tag: str,
+                dtype: str = "float32") -> dict:  # fmt: skip
     """W worker processes push_pull `keys` keys of `size` bytes for `rounds` rounds; return the server's CPU."""
     job = f"server-cpu-{os.getpid()}-{tag}"
-    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, str(workers), str(size), str(keys),
-            str(rounds)]  # fmt: skip
+    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, dtype, str(workers), str(size),
+            str(keys), str(rounds)]  # fmt: skip
     procs = [Process([*argv, str(w)], REPO) for w in range(workers)]
     try:
         for p in procs:  # each has said HELLO, declared its keys and run one round (first sums allocated)
@@ -128,12 +132,14 @@ def run_workers(server: Process, address: str, workers: int, size: int, keys: in
 
 
 def worker_main(argv: list[str]) -> int:
-    """One worker: `_worker ADDRESS JOB WORKERS SIZE KEYS ROUNDS INDEX`, driven by "go"/"exit" on stdin."""
+    """One worker: `_worker ADDRESS JOB DTYPE WORKERS SIZE KEYS ROUNDS INDEX`, driven by "go"/"exit" on stdin."""
     from torch_bps.client import Client, job_id_from_name
 
-    address, job, workers, size, keys, rounds, index = argv[0], argv[1], *map(int, argv[2:])
+    address, job, dtype, workers, size, keys, rounds, index = argv[0], argv[1], argv[2], *map(int, argv[3:])
+    dtype = getattr(torch, dtype)
     torch.set_num_threads(1)
-    tensors = [torch.full((size // 4,), float(index + 1)) for _ in range(keys)]
+    # Small integers: every sum is exact in every dtype, so a wrong one is the server's.
+    tensors = [torch.full((size // dtype.itemsize,), float(index + 1), dtype=dtype) for _ in range(keys)]
     outs = [torch.empty_like(t) for t in tensors]  # the pushed tensors stay as they are: every sum is known
     with Client([address], job_id_from_name(job), index, workers, timeout=STEP_TIMEOUT) as client:
 
@@ -154,12 +160,13 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
-def floor_seconds_per_gib(size: int, workers: int, budget: float) -> dict:
+def floor_seconds_per_gib(size: int, workers: int, budget: float, dtype: str = "float32") -> dict:
     """CPU seconds per GiB pushed that the server cannot avoid: add_ of (W-1)/W of it, memcpy of twice it."""
     torch.set_num_threads(1)
     n = max(2, FLOOR_POOL_BYTES // size)
-    pool = [torch.ones(size // 4) for _ in range(n)]
-    other = [torch.ones(size // 4) for _ in range(n)]
+    dt = getattr(torch, dtype)
+    pool = [torch.ones(size // dt.itemsize, dtype=dt) for _ in range(n)]
+    other = [torch.ones(size // dt.itemsize, dtype=dt) for _ in range(n)]
 
     def per_byte(fn) -> float:
         for i in range(n):  # warm: touch every page once
@@ -175,7 +182,8 @@ def floor_seconds_per_gib(size: int, workers: int, budget: float) -> dict:
     return dict(add=add, memcpy=memcpy)
 
 
-def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, repeats: int, budget: float) -> list:
+def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, repeats: int, budget: float,
+            dtype: str = "float32") -> list:  # fmt: skip
     rows = []
     for size in sizes:
         keys = max(2, min(64, 8 * MiB // size))
@@ -186,11 +194,12 @@ def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, r
             for name, checkout in servers.items():
                 server, address = start_server(checkout, size)
                 try:
-                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, f"{name}-{size}-{rep}"))
+                    tag = f"{name}-{size}-{rep}"
+                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, tag, dtype))
                 finally:
                     server.stop()
-            floors.append(floor_seconds_per_gib(size, workers, budget))
-        row = dict(size=size, keys=keys, rounds=rounds, workers=workers, repeats=repeats)
+            floors.append(floor_seconds_per_gib(size, workers, budget, dtype))
+        row = dict(size=size, keys=keys, rounds=rounds, workers=workers, repeats=repeats, dtype=dtype)
         for rep in range(repeats):
             floor = floors[rep]["add"] + floors[rep]["memcpy"]
             for name in servers:
@@ -239,15 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=128, help="MiB each worker pushes per run (default 128; quick 32)")
     p.add_argument("--repeats", type=int, default=3, help="runs per server and size (default 3; quick 1)")
     p.add_argument("--quick", action="store_true", help="--mib 32 --repeats 1")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="the keys' dtype (default float32)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write every row (and each repeat's ratio) here")
     args = p.parse_args(argv)
     servers = dict(s.split("=", 1) for s in args.server) if args.server else {"this": REPO}
     servers = {name: os.path.abspath(path) for name, path in servers.items()}
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     mib, repeats = (32, 1) if args.quick else (args.mib, args.repeats)
-    print(f"{args.workers} worker processes, 1 server process, loopback, auth token; torch {torch.__version__}; "
-          f"{os.cpu_count()} CPUs; medians of {repeats} repeats")  # fmt: skip
-    rows = measure(servers, sizes, args.workers, mib, repeats, budget=0.3)
+    print(f"{args.workers} worker processes, 1 server process, loopback, auth token; {args.dtype} keys; torch "
+          f"{torch.__version__}; {os.cpu_count()} CPUs; medians of {repeats} repeats")  # fmt: skip
+    rows = measure(servers, sizes, args.workers, mib, repeats, budget=0.3, dtype=args.dtype)
     if args.json:
         command = " ".join(["python", "benchmarks/server_cpu.py", *argv])
         with open(args.json, "w") as f:

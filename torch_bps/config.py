@@ -75,6 +75,17 @@ def transport_options(transport: str) -> dict[str, bool]:
     }
 
 
+# The dtype fp32 sums travel in (Config.wire_dtype): "fp32" sends every tensor as its own dtype.
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def parse_wire_dtype(value: str) -> str:
+    """Return a wire dtype name (BPS_WIRE_DTYPE), checked: ConfigError if it is not one of WIRE_DTYPES."""
+    if value not in WIRE_DTYPES:
+        raise ConfigError(f"wire dtype {value!r} is unknown: use fp32 (the default: each tensor's own), bf16 or fp16")
+    return value
+
+
 def _parse_auth(value: str) -> str:
     if value not in ("token", "curve", "off"):
         raise ValueError("use token (the default), curve or off")
@@ -135,6 +146,10 @@ class Config:
     # bytes a colocated server sums) whose big frames go through shared memory (cpp_ext/transport/shared_ring.h).
     # "unix": the local stream without shared memory. "tcp": the stream, never the local one. "zmq": ZeroMQ only.
     transport: str = field(default=DEFAULT_TRANSPORT, metadata={"env": "BPS_TRANSPORT", "parse": parse_transport})
+    # What fp32 tensors summed through the servers travel as: "bf16" or "fp16" halve the bytes on every worker link;
+    # the servers add 16-bit pushes in fp32 and round once, and every worker applies the same rounded sum
+    # (torch_bps/engine/precision.py). "fp32": every tensor as its own dtype. Gathers and integers are never cast.
+    wire_dtype: str = field(default="fp32", metadata={"env": "BPS_WIRE_DTYPE", "parse": parse_wire_dtype})
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
     # The address other machines reach this one's embedded server at; default: the interface that
@@ -250,6 +265,8 @@ class Config:
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         parse_transport(self.transport)
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"wire_dtype={self.wire_dtype!r}: use fp32 (the default), bf16 or fp16")
         if self.auth not in ("token", "curve", "off"):
             raise ConfigError(f"auth={self.auth!r}: use token (the default), curve or off")
         if self.registry:

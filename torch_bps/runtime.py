@@ -34,6 +34,7 @@ from torch_bps.config import Config, transport_options
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
+from torch_bps.engine.precision import wire_dtype
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
@@ -118,7 +119,7 @@ class Runtime:
         channels = _local_comms(ns, topology, job_id, config) if hierarchical else None
         engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
                                 local_rank=topology.local_rank, timeout=config.timeout,
-                                alone=client.num_workers == 1)  # fmt: skip
+                                alone=client.num_workers == 1, wire_dtype=wire_dtype(config.wire_dtype))  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated)
         rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:

@@ -27,9 +27,11 @@ class DdpSpec:
     """The model and the run: `layers` x Linear(hidden, hidden), `batch` samples per rank per step.
 
     `wrap`: "ddp" (DistributedDataParallel) or "fsdp" (`fully_shard` on every Linear and the root).
+    `hook`: "" or "fp16" (DDP with torch's `fp16_compress_hook`).
     """
 
     wrap: str = "ddp"
+    hook: str = ""
     hidden: int = 2048
     layers: int = 6
     batch: int = 16
@@ -59,7 +61,7 @@ def run_ddp(
                 sys.executable, "-m", WORKER, "--backend", backend, "--rank", str(r), "--world", str(n),
                 "--store", store, "--hidden", str(spec.hidden), "--layers", str(spec.layers),
                 "--batch", str(spec.batch), "--steps", str(spec.steps), "--warmup", str(spec.warmup),
-                "--timeout", str(spec.timeout_s), "--wrap", spec.wrap,
+                "--timeout", str(spec.timeout_s), "--wrap", spec.wrap, "--hook", spec.hook,
             ],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env_of(r, h) if env_of else {})},
         )

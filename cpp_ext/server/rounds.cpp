@@ -9,45 +9,15 @@
 #include <ctime>
 #include <utility>
 
+#include "server/sums.h"
+
 namespace bps::server {
 
 namespace {
 
 std::string hex(uint64_t value) { return formatText("0x%llx", static_cast<unsigned long long>(value)); }
 
-// A loop the compiler vectorizes; integers go through their unsigned type, so sums wrap as torch's do.
-template <typename T>
-void addLoop(T* __restrict dst, const T* __restrict src, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-template <typename T>
-void addAs(uint8_t* dst, const uint8_t* src, size_t n) {
-  addLoop(reinterpret_cast<T*>(dst), reinterpret_cast<const T*>(src), n / sizeof(T));
-}
-
-// fp16 and bf16 are added by torch's kernels, in their own dtype (each element rounded as torch rounds it).
-void addHalf(at::ScalarType type, uint8_t* dst, const uint8_t* src, size_t n) {
-  auto options = at::TensorOptions().dtype(type);
-  int64_t count = static_cast<int64_t>(n / 2);
-  at::from_blob(dst, {count}, options).add_(at::from_blob(const_cast<uint8_t*>(src), {count}, options));
-}
-
 }  // namespace
-
-void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n) {
-  switch (dtype) {
-    case 1: return addAs<float>(dst, src, n);
-    case 2: return addAs<double>(dst, src, n);
-    case 3: return addHalf(at::kHalf, dst, src, n);
-    case 4: return addHalf(at::kBFloat16, dst, src, n);
-    case 5: return addAs<uint32_t>(dst, src, n);
-    case 6: return addAs<uint64_t>(dst, src, n);
-    case 7: return addAs<uint8_t>(dst, src, n);
-    case 8: return addAs<uint8_t>(dst, src, n);  // int8 wraps as uint8 does
-    default: throw RoundError{kInternal, formatText("no addition for dtype code %u", dtype)};
-  }
-}
 
 double monotonicSeconds() {
   timespec ts;
@@ -87,7 +57,13 @@ bool Job::isLost(uint32_t worker) const {
 
 KeyRounds::KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes,
                      uint16_t dtype)
-    : name_(std::move(name)), job_(job), counters_(counters), mode_(mode), nbytes_(nbytes), dtype_(dtype) {}
+    : name_(std::move(name)),
+      job_(job),
+      counters_(counters),
+      mode_(mode),
+      nbytes_(nbytes),
+      dtype_(dtype),
+      widened_(mode == kModeSum && sumsWidened(dtype)) {}
 
 std::string KeyRounds::what(const char* verb, uint64_t rnd, uint32_t worker) const {
   return formatText("%s of %s round %llu by worker %u", verb, name_.c_str(), static_cast<unsigned long long>(rnd),
@@ -155,8 +131,9 @@ void KeyRounds::close(Round& r, uint64_t rnd) {
   if (mode_ == kModeCopy) {
     r.failure = untiled(r, rnd);
     r.failed = !r.failure.empty();
-  } else if (r.contributors < job_.numWorkers && r.hasTotal) {
-    // A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean).
+  } else if (r.contributors < job_.numWorkers && r.hasTotal && !(widened_ && r.contributors > 1)) {
+    // A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean). A widened
+    // sum of two or more was scaled before its rounding (add).
     at::ScalarType type = dtype_ == 1 ? at::kFloat : dtype_ == 2 ? at::kDouble : dtype_ == 3 ? at::kHalf : at::kBFloat16;
     int64_t count = static_cast<int64_t>(r.total.size() / at::elementSize(type));
     at::from_blob(r.total.data(), {count}, at::TensorOptions().dtype(type))
@@ -188,7 +165,7 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
   if (mode_ == kModeCopy) {
     write(r, std::move(data), offset, worker);
   } else {
-    add(r, std::move(data));
+    add(r, std::move(data), r.numPushed + 1);  // this worker has not pushed it yet
   }
   markPushed(r, worker);
   if (r.numPushed < needed()) return {};
@@ -319,7 +296,7 @@ bool KeyRounds::hasWaiting() const {
   return std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
 }
 
-void KeyRounds::add(Round& r, Message&& data) {
+void KeyRounds::add(Round& r, Message&& data, uint32_t contributors) {
   if (!r.hasTotal) {  // the first push as it arrived: later ones are added into it, no allocation
     r.total = std::move(data);
     r.hasTotal = true;
@@ -327,10 +304,39 @@ void KeyRounds::add(Round& r, Message&& data) {
   }
   timespec start, end;
   clock_gettime(CLOCK_MONOTONIC, &start);
-  addInPlace(dtype_, r.total.data(), data.data(), data.size());
+  uint8_t* total = r.total.data();
+  bool closing = contributors >= needed();
+  // A backup round's sum stands for n pushes (close); a widened one is scaled here, in fp32, before its rounding.
+  float scale = contributors < job_.numWorkers ? static_cast<float>(static_cast<double>(job_.numWorkers) / contributors)
+                                               : 1.0f;
+  if (!widened_) {
+    addInPlace(dtype_, total, data.data(), data.size());
+  } else if (r.wide.empty() && closing) {  // two pushes: added and rounded in one pass
+    sumPair(dtype_, total, data.data(), nbytes_ / 2, scale);
+  } else if (r.wide.empty()) {  // the second of three or more: with the first, it makes the accumulator
+    r.wide = takeAccumulator();
+    widenSum(dtype_, r.wide.data(), total, data.data(), r.wide.size());
+  } else if (closing) {  // the last: added, and the sum rounded into the first push's bytes, the result
+    finishSum(dtype_, total, r.wide.data(), data.data(), r.wide.size(), scale);
+    giveAccumulator(std::move(r.wide));
+  } else {
+    addWidened(dtype_, r.wide.data(), data.data(), r.wide.size());
+  }
   clock_gettime(CLOCK_MONOTONIC, &end);
   counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
   counters_.bytesSummed += data.size();
+}
+
+std::vector<float> KeyRounds::takeAccumulator() {
+  if (spare_.empty()) return std::vector<float>(nbytes_ / 2);
+  std::vector<float> wide = std::move(spare_.back());
+  spare_.pop_back();
+  return wide;
+}
+
+void KeyRounds::giveAccumulator(std::vector<float>&& wide) {
+  if (!wide.empty()) spare_.push_back(std::move(wide));
+  wide = {};
 }
 
 void KeyRounds::write(Round& r, Message&& data, uint64_t offset, uint32_t worker) {
@@ -415,6 +421,7 @@ void KeyRounds::freeDone() {
       for (const auto& [w, how] : job_.lost) done += it->second.pulled[w] ? 0 : 1;
     }
     if (done < job_.numWorkers) break;
+    giveAccumulator(std::move(it->second.wide));  // a failed round's
     rounds_.erase(it);
     ++floor_;
     // The window moved: pulls of closed rounds now inside it are answered.

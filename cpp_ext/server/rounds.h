@@ -7,7 +7,8 @@
 // while its first waits is refused); r is freed once every worker pulled it (with backups: or is lost); at most
 // two rounds are alive (floor, floor + 1), with backups the job's window W, and a pull of r waits until
 // r <= floor + W - 2, so that the worker's next push lands inside the window.
-// A SUM round adds whole-key pushes into the first push's received message, in the key's dtype; a COPY round
+// A SUM round adds whole-key pushes into the first push's received message, in the key's dtype (fp16 and bf16:
+// in fp32, scaled and rounded once into that message by the round's last push; server/sums.h); a COPY round
 // writes each push's bytes at its offset and, at close, the non-empty pushes must tile the key.
 //
 // Buffer lifetime: a round's result is a zmq message (the first push as received, or one allocated for a COPY
@@ -134,6 +135,7 @@ class KeyRounds {
     uint32_t contributors = 0;  // how many pushes the result holds
     Message total;
     std::vector<Piece> pieces;  // COPY
+    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers: the sum so far in fp32, until the last push
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);
@@ -146,7 +148,11 @@ class KeyRounds {
   void markPulled(Round& r, uint32_t worker);
   std::string lostBefore(const Round& r) const;  // "" if none
   std::string what(const char* verb, uint64_t rnd, uint32_t worker) const;
-  void add(Round& r, Message&& data);
+  void add(Round& r, Message&& data, uint32_t contributors);  // the round's pushes with this one
+  // Accumulators go back to the key when their round closes: at most a window of rounds is alive, so a key holds at
+  // most that many, allocated once (fresh big buffers page-fault on every round).
+  std::vector<float> takeAccumulator();
+  void giveAccumulator(std::vector<float>&& wide);
   void write(Round& r, Message&& data, uint64_t offset, uint32_t worker);
   std::string untiled(const Round& r, uint64_t rnd) const;
   Answer result(Pull&& pull, const Round& r) const;
@@ -159,15 +165,14 @@ class KeyRounds {
   uint32_t mode_;
   uint64_t nbytes_;
   uint16_t dtype_;
+  bool widened_;  // a SUM key of fp16 or bf16
   uint64_t floor_ = 0;
+  std::vector<std::vector<float>> spare_;
   std::map<uint64_t, Round> rounds_;
   std::vector<Answer> released_;
 };
 
 // "job 0x.. key K": how error messages name a key.
 std::string jobKeyName(uint64_t jobId, uint64_t key);
-
-// Add `n` bytes of `src` into `dst` elementwise in `dtype` (a wire dtype code; integers wrap).
-void addInPlace(uint16_t dtype, uint8_t* dst, const uint8_t* src, size_t n);
 
 }  // namespace bps::server

@@ -121,10 +121,18 @@ def scenarios(draw):
     return num_workers, int(mode), nbytes, dtype, backups, window, ops
 
 
+# Besides hypothesis's floats (which favour simple values whose sums are exact), 11-bit significands at magnitudes
+# up to 2**13: their sums need rounding, so a sum rounded at each add differs from one rounded once, and four of
+# them stay below fp16's largest value.
+FLOATS = st.floats(-1e4, 1e4, allow_nan=False, width=16) | st.builds(
+    lambda m, e: m * 2.0**e, st.integers(-(2**11), 2**11), st.integers(-17, 2)
+)
+
+
 def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
     n = nbytes // DTYPES[dtype].itemsize
     if DTYPES[dtype].is_floating_point:
-        values = draw(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=16), min_size=n, max_size=n))
+        values = draw(st.lists(FLOATS, min_size=n, max_size=n))
         return torch.tensor(values, dtype=torch.float32).to(DTYPES[dtype]).view(torch.uint8).numpy().tobytes()
     return draw(st.binary(min_size=nbytes, max_size=nbytes))
 
@@ -179,6 +187,50 @@ def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
     assert probe.floor == 0
     assert probe.pull(1, 0, 2, 0, 8)[2] == [(2, Status.OK, bytes([200] * 8), 0)]
     assert probe.floor == 1
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from([3, 4]), data=st.data())
+def test_16_bit_sums_are_the_fp32_sum_rounded_once_in_both(dtype, data):
+    # The random sequences above seldom close a round of three or more workers; these always do, with or without
+    # backup workers (a backup round's sum of c is scaled by n / c in fp32, before the one rounding).
+    workers, n = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 40))  # vector bodies and their tails
+    backups = data.draw(st.integers(0, workers - 1))
+    pushes = [torch.tensor(data.draw(st.lists(FLOATS, min_size=n, max_size=n))).to(DTYPES[dtype]) for _ in
+              range(workers)]  # fmt: skip
+    order = data.draw(st.permutations(range(workers)))
+    closing = order[: workers - backups]  # the pushes the round holds; the others come late and are dropped
+    want = pushes[closing[0]].float()  # the first push, then the others added in the order they arrived
+    for w in closing[1:]:
+        want += pushes[w].float()
+    if backups:
+        want = (want.mul_(workers / len(closing)) if len(closing) > 1 else
+                pushes[closing[0]].mul(workers / len(closing)))  # fmt: skip
+    want = want.to(DTYPES[dtype]).view(torch.uint8).numpy().tobytes()
+    for rounds in (Reference(workers, int(Mode.SUM), 2 * n, dtype, backups),
+                   _C._testing.KeyRoundsProbe(workers, int(Mode.SUM), 2 * n, dtype, NAME, backups, 2)):  # fmt: skip
+        for w in order:
+            assert rounds.push(w, 0, pushes[w].view(torch.uint8).numpy().tobytes(), 0)[0] == 0
+        _, _, answers = rounds.pull(order[0], 0, 1, 0, 2 * n, math.inf)
+        assert answers == [(1, Status.OK, want, 0)], type(rounds)
+
+
+@pytest.mark.parametrize("dtype", [3, 4])  # float16, bfloat16
+def test_a_16_bit_sum_is_made_in_fp32_and_rounded_once(dtype):
+    # 1 + u/2 + u/2 (u: the dtype's ulp at 1): rounded at each add, 1 + u/2 ties to even, back to 1, twice; summed in
+    # fp32 and rounded once, 1 + u. Both implementations, and in every order the pushes may arrive in.
+    torch_dtype = DTYPES[dtype]
+    ulp = torch.finfo(torch_dtype).eps
+    values = [1.0, ulp / 2, ulp / 2]
+    data = [torch.tensor([v, -v], dtype=torch_dtype).view(torch.uint8).numpy().tobytes() for v in values]
+    want = torch.tensor([1 + ulp, -1 - ulp], dtype=torch_dtype).view(torch.uint8).numpy().tobytes()
+    for order in ([0, 1, 2], [1, 2, 0], [2, 0, 1]):
+        for rounds in (Reference(3, int(Mode.SUM), 4, dtype),
+                       _C._testing.KeyRoundsProbe(3, int(Mode.SUM), 4, dtype, NAME)):  # fmt: skip
+            for worker in order:
+                status, message, answers = rounds.push(worker, 0, data[worker], 0)
+                assert (status, message, answers) == (0, "", []), order
+            assert rounds.pull(0, 0, 1, 0, 4, math.inf)[2] == [(1, Status.OK, want, 0)], (order, type(rounds))
 
 
 def f32(*values: float) -> bytes:

@@ -16,7 +16,7 @@ from torch_bps.wire import STATS_FIELDS, Command, Mode, Status
 
 pytestmark = pytest.mark.timeout(120)
 
-U8, F32 = 7, 1  # dtype codes of docs/protocol.md
+U8, F32, F16, BF16 = 7, 1, 3, 4  # dtype codes of docs/protocol.md
 # Every float32 NaN class and sign, infinities, -0.0 and a denormal: an addition would quiet the signalling
 # NaN 0x7f800001 into 0x7fc00001; a copy keeps every bit.
 PATTERNS = struct.pack("<8I", 0x7F800001, 0xFFBFFFFF, 0x7FC00000, 0x7F800000, 0xFF800000, 0x80000000, 1, 0x3F800000)
@@ -179,6 +179,28 @@ def test_a_worker_lost_mid_gather_fails_the_pulls_naming_it(server, job_id):
     assert f"pull of job {job_id:#x} key 8 round 0 by worker 0" in message
     assert f"worker 1 of job {job_id:#x} (at 127.0.0.1) disconnected before pushing it" in message
     a.close()
+
+
+def test_16_bit_sum_keys_are_charged_their_fp32_accumulators():
+    # Each of a bf16 SUM key's two live rounds sums in an fp32 accumulator twice the key's size (a COPY key of
+    # bf16 bytes has none).
+    nbytes = 1 << 20
+    bf16 = key_charge(nbytes, 2, dtype=BF16)
+    assert bf16 == key_charge(nbytes, 2) + 4 * nbytes == key_charge(nbytes, 2, dtype=F16)
+    assert key_charge(nbytes, 2, dtype=BF16, mode=Mode.COPY) == key_charge(nbytes, 2)
+    assert key_charge(nbytes, 2, 4, BF16) == key_charge(nbytes, 2, 4) + 8 * nbytes  # a window of 4 rounds
+    server = ServerProcess(extra_args=("--job-quota-bytes", str(JOB_OVERHEAD + bf16)))
+    try:
+        a = RawPeer(server.address, 0xB16, 0, 2)
+        a.hello()
+        h, rest = a.request(Command.INIT, key=2, nbytes=nbytes + 2, dtype=BF16, mode=Mode.SUM)
+        assert h.status == Status.OVER_QUOTA and "over its quota" in rest[0].decode()
+        init(a, 1, nbytes, Mode.SUM, BF16)  # exactly the quota
+        h, rest = a.request(Command.INIT, key=3, nbytes=1, dtype=U8, mode=Mode.COPY)
+        assert h.status == Status.OVER_QUOTA and "over its quota" in rest[0].decode()
+        a.close()
+    finally:
+        server.stop()
 
 
 def test_copy_keys_are_charged_like_sum_keys():

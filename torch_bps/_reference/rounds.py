@@ -1,6 +1,7 @@
 """Reference model, not run by the server: versioned rounds of one key, closed by distinct workers, bounded memory.
 
-A SUM key's round adds whole-key pushes; a COPY key's round writes each push's bytes at its offset (an
+A SUM key's round adds whole-key pushes (fp16 and bf16 in an fp32 accumulator, rounded once to the key's dtype
+when the round closes: docs/protocol.md, "Summation"); a COPY key's round writes each push's bytes at its offset (an
 all-gather or broadcast: bytes are copied, never summed, so every bit pattern and any dtype survives), and
 at close its pushes must tile the key exactly, or the round fails (bytes nobody wrote must never be sent).
 The rules are docs/protocol.md's: round r closes when every worker of the job pushed it; a duplicate
@@ -50,11 +51,17 @@ class Round:
     # itself as the reply, which shares the bytes by reference count instead of handing pyzmq a tensor to
     # track until libzmq releases it. Opaque here: never read, only kept beside total.
     source: object = None
+    # fp16/bf16: the sum so far in fp32, from the round's second push until it closes and is rounded into total.
+    wide: torch.Tensor | None = None
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # COPY: (offset, length, worker) pushed
     closed: bool = False
     contributors: int = 0  # how many pushes the result holds
     ahead: int = 0  # set when answered: how many later rounds of the key had closed (the reply's `rounds`)
 
+
+# SUM keys of these dtypes add in fp32 and round once, so the result does not depend on how many workers pushed
+# or in which order, beyond fp32's own rounding.
+WIDENED = (torch.float16, torch.bfloat16)
 
 Result = Round | str  # a closed round (its total is the result), or why it failed
 
@@ -227,9 +234,12 @@ class KeyRounds:
         r.closed, r.contributors = True, len(r.pushed)
         if self.mode == Mode.COPY:
             r.failure = self._untiled(r, rnd)
-        elif r.contributors < self.num_workers and r.total is not None:
-            # A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean).
-            r.total.mul_(self.num_workers / r.contributors)
+        else:
+            if r.contributors < self.num_workers and r.total is not None:
+                # A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean);
+                # a 16-bit one in fp32, before its one rounding.
+                (r.wide if r.wide is not None else r.total).mul_(self.num_workers / r.contributors)
+            self._round_once(r)
 
     def _release(self, r: Round, rnd: int, worker: int) -> Result:
         """Count worker's pull of closed round rnd and return what answers it."""
@@ -280,9 +290,23 @@ class KeyRounds:
             r.total, r.source = data, source
             return
         start = time.perf_counter_ns()
-        r.total.add_(data)
+        if data.dtype not in WIDENED:
+            r.total.add_(data)
+        elif r.wide is None:
+            r.wide = r.total.float().add_(data)
+        else:
+            r.wide.add_(data)  # widened exactly, added in fp32
         self._counters.sum_ns += time.perf_counter_ns() - start
         self._counters.bytes_summed += data.numel() * data.element_size()
+
+    def _round_once(self, r: Round) -> None:
+        """A closed fp16/bf16 round: its fp32 sum, rounded to nearest (ties to even), becomes the result."""
+        if r.wide is None:
+            return  # one push is its own sum, exactly
+        start = time.perf_counter_ns()
+        r.total.copy_(r.wide)
+        self._counters.sum_ns += time.perf_counter_ns() - start
+        r.wide = None
 
     def _write(self, r: Round, data: torch.Tensor, offset: int, worker: int, source: object) -> None:
         data = data.view(torch.uint8)

@@ -1,7 +1,7 @@
 """The worker pipeline: one collective's tensors, stage by stage, to one completion.
 
-    local reduce-scatter -> cut into partitions -> push/pull through the C++ client, which schedules them
-      (priority, credit) -> local all-gather -> done(error)
+    local reduce-scatter -> cast to the wire dtype -> cut into partitions -> push/pull through the C++ client,
+      which schedules them (priority, credit) -> cast back -> local all-gather -> done(error)
 
 A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
 from the ranks' ranges (COPY) and/or read back only in part; all their partitions go down to the client in one
@@ -25,7 +25,11 @@ ranges instead, so that the machine pushes its ranks' bytes once), and hands the
 network stage is fully pipelined across collectives. The all-gathers must keep submission order too, but need
 no thread of their own: the completion thread that ends a collective's network stage gathers it and runs its
 `done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
-a fresh completion task before `done` runs, because `done` may block on a later collective. When the machine is
+a fresh completion task before `done` runs, because `done` may block on a later collective.
+
+With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-bit staging buffers right before
+their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
+gather them. When the machine is
 the whole job (`alone`) the local stages already make the result: nothing goes to a server, and a collective
 with none before or behind it is gathered on the stage thread itself.
 
@@ -52,6 +56,7 @@ import torch
 
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
+from torch_bps.engine.precision import StagingBuffers, travels_as
 from torch_bps.engine.spans import describe, span, stage
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
@@ -69,9 +74,14 @@ class _Op:
     priority: int
     done: Done
     slices: list[torch.Tensor] = field(default_factory=list)  # several local ranks: this rank's reduced slices
+    # A wire dtype: item index -> (where this rank's slice starts in the tensor, that slice in the wire dtype)
+    staged: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     error: BaseException | None = None
     sent_at: float = 0.0  # when its partitions went to the client (time.monotonic())
-    network_ended: bool = False  # under the engine's _state lock: a late second ending is ignored
+    # Under the engine's _state lock. ending: one ending took it (a late second one is ignored); network_ended: its
+    # result is in the caller's tensors (cast back), so it may be gathered.
+    ending: bool = False
+    network_ended: bool = False
     pull_only: bool = False  # push nothing, pull the rounds' sums (a worker catching up on backup rounds)
 
 
@@ -94,6 +104,7 @@ class PushPullEngine:
             a server.
         router: a torch_bps.failover.Router: partitions go through it (it follows keys across failovers)
             instead of straight to the client.
+        wire_dtype: what fp32 sums travel as (torch.bfloat16, torch.float16), or None: as themselves (precision.py).
     """
 
     def __init__(
@@ -107,8 +118,11 @@ class PushPullEngine:
         worker_ranks: Sequence[int] | None = None,
         alone: bool = False,
         router=None,
+        wire_dtype: torch.dtype | None = None,
     ):
         self.client = client
+        self.wire_dtype = None if alone else wire_dtype  # alone, nothing goes on a wire
+        self._staging = StagingBuffers()
         self.router = router
         self.alone = alone
         self._worker_ranks = worker_ranks
@@ -159,7 +173,7 @@ class PushPullEngine:
         mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
-            plans = [self.keys.plan(x.tensor.numel(), x.tensor.dtype, x.mode)[mine] for x in items]
+            plans = [self.keys.plan(x.tensor.numel(), self._travels_as(x), x.mode)[mine] for x in items]
             if self.local_channels is None:
                 self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
@@ -220,10 +234,40 @@ class PushPullEngine:
             if i != me:
                 t[lo:hi].copy_(blocks[i * block : i * block + hi - lo])
 
-    # -- stage: partitions onto the network, in one batch the client schedules (priority, credit)
+    # -- step 2: fp32 sums into staging buffers of the wire dtype (precision.py), and back once pulled
+    def _travels_as(self, x: Exchange) -> torch.dtype:
+        return travels_as(x.tensor, x.mode, self.wire_dtype)
+
+    def _cast_to_wire(self, op: _Op) -> None:
+        for i, x in enumerate(op.items):
+            if self._travels_as(x) != x.tensor.dtype:
+                lo, hi = self._slice_range(x.tensor.numel())
+                op.staged[i] = (lo, self._staging.cast(x.tensor[lo:hi], self.wire_dtype))
+
+    def _cast_back(self, op: _Op) -> None:
+        """Write each staged sum into the caller's tensor (what this worker pulled of it) and give its buffer back.
+        A failed collective's buffers are dropped instead: a late reply may still be written into them."""
+        try:
+            for i, (lo, staged) in op.staged.items():
+                if op.error is not None:
+                    continue
+                x = op.items[i]
+                a, b = intersect(x.pulled_by(self._ranks(x)), lo, lo + staged.numel())
+                x.tensor[a:b].copy_(staged[a - lo : b - lo])
+                self._staging.give(staged)
+        except BaseException as e:  # noqa: BLE001 - the collective fails with it
+            op.error = op.error or e
+        op.staged.clear()
+
+    # -- step 3: partitions onto the network, in one batch the client schedules (priority, credit)
     def _schedule(self, op: _Op) -> None:
+        try:
+            self._cast_to_wire(op)
+        except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails
+            self._network_done(op, e)
+            return
         plans = zip(op.items, op.plans, strict=True)
-        parts = [] if self.alone else [part for x, plan in plans for part in self._parts(x, plan, op.pull_only)]
+        parts = [] if self.alone else [part for i, (x, plan) in enumerate(plans) for part in self._parts(op, i, plan)]
         if not parts:
             self._network_done(op, None)
             return
@@ -247,14 +291,23 @@ class PushPullEngine:
         servers = ", ".join(self.client.servers[i] for i in sorted({p.server for p in parts}))
         return f"torch_bps::network {len(parts)} partitions, keys {min(keys):#x}..{max(keys):#x}, servers {servers}"
 
-    def _parts(self, x: Exchange, plan: list[Part], pull_only: bool = False) -> list[Partition]:
+    def _slice_range(self, numel: int) -> tuple[int, int]:
+        """This local rank's slice of a tensor of numel elements: what it pushes and pulls for its machine."""
+        return self.local_channels[0].slice_range(numel) if self.local_channels is not None else (0, numel)
+
+    def _ranks(self, x: Exchange) -> Sequence[int]:
+        return self.worker_ranks if x.push is not None or x.pull is not None else ()
+
+    def _parts(self, op: _Op, index: int, plan: list[Part]) -> list[Partition]:
         """This rank's partitions of one tensor, as push_pull_batch takes them."""
-        t = x.tensor
-        # Parts are cut from this local rank's slice: `base` is where it starts in the tensor.
-        base = self.local_channels[0].slice_range(t.numel())[0] if self.local_channels is not None else 0
-        ranks = self.worker_ranks if x.push is not None or x.pull is not None else ()
+        x = op.items[index]
+        # Parts are cut from this local rank's slice: `base` is where it starts in the tensor. A staged tensor's
+        # partitions are views of its staging buffer, which holds the slice from `base` on.
+        base = self._slice_range(x.tensor.numel())[0]
+        t, at = (x.tensor, 0) if index not in op.staged else (op.staged[index][1], base)
+        ranks = self._ranks(x)
         pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
-        whole = (0, t.numel())
+        whole = (at, at + t.numel())
         parts = []
         for part in plan:
             lo = base + part.start
@@ -262,20 +315,24 @@ class PushPullEngine:
             src, dst = intersect(pushed, lo, hi), intersect(pulled, lo, hi)
             # A slice makes a tensor per call: a partition that is the whole tensor goes as it is, and one pulled
             # over the range it pushed (any all-reduce's) uses one tensor for both.
-            pushing = t if src == whole else t[src[0] : src[1]]
-            out = pushing if dst == src else t[dst[0] : dst[1]]
-            if pull_only:  # an empty push: the client sends only the PULL
-                pushing, out = t[lo:lo], t[lo:hi]
+            pushing = t if src == whole else t[src[0] - at : src[1] - at]
+            out = pushing if dst == src else t[dst[0] - at : dst[1] - at]
+            if op.pull_only:  # an empty push: the client sends only the PULL
+                pushing, out = t[lo - at : lo - at], t[lo - at : hi - at]
             parts.append(Partition(pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
         with self._state:
-            if op.network_ended:
+            if op.ending:
                 return  # the stall check ended it already: a completion after that changes nothing
-            op.network_ended = True
+            op.ending = True
             self._in_network.pop(id(op), None)
             op.error = op.error or error
+        if op.staged:
+            self._cast_back(op)  # before network_ended: a gatherer must find the sum in the caller's tensor
+        with self._state:
+            op.network_ended = True
             if self.local_channels is None:
                 gather = None
             elif self._gathering or self._to_gather[0] is not op:
@@ -300,7 +357,7 @@ class PushPullEngine:
                 self._gathering = False  # none behind it has been reduce-scattered yet
             self.client.post(lambda: op.done(op.error))  # `done` may block: never on the stage thread
 
-    # -- step 3: local all-gather and completion, by the one gatherer (several local ranks only)
+    # -- step 4: local all-gather and completion, by the one gatherer (several local ranks only)
     def _gather_next(self) -> None:
         """Gather the first collective not yet gathered (its network stage ended) and complete it; the caller holds
         the gatherer's role, which passes to a fresh completion task if the next one is ready too."""

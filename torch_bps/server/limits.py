@@ -1,7 +1,8 @@
 """Memory limits of a summation server: what one frame, one job and the whole server may make it hold.
 
 A server holds, per key, at most two live rounds (the job's window W with backup workers), each one tensor of
-the key's size (cpp_ext/server/rounds.h), at most one waiting PULL per worker and round, and a little metadata.
+the key's size (cpp_ext/server/rounds.h; an fp16 or bf16 SUM key also an fp32 accumulator per round, twice its
+size), at most one waiting PULL per worker and round, and a little metadata.
 That is known the moment a key is declared, so the book charges it then: INIT of a key that would take its job
 past the job's quota, or the server past its bound, is refused with OVER_QUOTA before anything is allocated.
 HELLO of a new job is charged a fixed cost the same way, and a job nobody has sent anything for `job_lease` seconds is
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from torch_bps.errors import ProtocolError
-from torch_bps.wire import Status
+from torch_bps.wire import DTYPES, Mode, Status
 
 # What the server holds besides round data, per thing, rounded up so the book never undercounts: a key's
 # declaration, its rounds' bookkeeping and their table slots; a waiting pull's identity frame and header.
@@ -84,10 +85,15 @@ class Limits:
             raise ValueError(f"job_lease_seconds={self.job_lease_seconds}, queue_messages={self.queue_messages}")
 
 
-def key_charge(nbytes: int, num_workers: int, window: int = 2) -> int:
+# SUM keys of these dtype codes are summed in an fp32 accumulator per live round (cpp_ext/server/sums.h).
+WIDENED_DTYPES = tuple(code for code, dtype in DTYPES.items() if dtype.itemsize == 2 and dtype.is_floating_point)
+
+
+def key_charge(nbytes: int, num_workers: int, window: int = 2, dtype: int = 0, mode: int = Mode.SUM) -> int:
     """Return the most a key of nbytes can make the server hold: `window` live rounds (the job's; 2 without backup
-    workers), a waiting pull per worker each."""
-    return window * nbytes + KEY_OVERHEAD + window * num_workers * PULL_OVERHEAD
+    workers), a waiting pull per worker each, and for an fp16/bf16 SUM key an fp32 accumulator (twice nbytes) each."""
+    accumulators = window * 2 * nbytes if mode == Mode.SUM and dtype in WIDENED_DTYPES else 0
+    return window * nbytes + accumulators + KEY_OVERHEAD + window * num_workers * PULL_OVERHEAD
 
 
 class MemoryBook:
@@ -108,9 +114,11 @@ class MemoryBook:
         self._take(job_id, JOB_OVERHEAD, f"HELLO of job {job_id:#x}")
         self._seen[job_id] = time.monotonic()
 
-    def add_key(self, job_id: int, nbytes: int, num_workers: int, window: int = 2) -> None:
+    def add_key(self, job_id: int, nbytes: int, num_workers: int, window: int = 2, dtype: int = 0,
+                mode: int = Mode.SUM) -> None:  # fmt: skip
         """Charge a new key of job_id; raise ProtocolError(OVER_QUOTA) past the job's quota or the server's bound."""
-        self._take(job_id, key_charge(nbytes, num_workers, window), f"INIT of {nbytes} bytes for job {job_id:#x}")
+        charge = key_charge(nbytes, num_workers, window, dtype, mode)
+        self._take(job_id, charge, f"INIT of {nbytes} bytes for job {job_id:#x}")
 
     def touch(self, job_id: int, now: float) -> None:
         """Record a request of job_id at time.monotonic() `now`."""

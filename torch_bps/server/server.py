@@ -339,7 +339,7 @@ class SummationServer:
         info = self._keys.get((h.job_id, h.key))
         if info is None:
             job = self._jobs[h.job_id]
-            self._charge(self._book.add_key, h.job_id, h.nbytes, job.num_workers, job.window)
+            self._charge(self._book.add_key, h.job_id, h.nbytes, job.num_workers, job.window, h.dtype, h.mode)
             self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode))
             self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode)
         else:

@@ -8,6 +8,8 @@ gradients per step against ~2 GFLOP of compute for a batch of 16, so the links, 
 the pace. `--backend byteps` needs `import torch_bps` to register a "byteps" process group (servers from
 BPS_SERVERS); until it does, the rank exits with code 3 and says so.
 
+`--hook fp16` registers torch's `fp16_compress_hook` on the DDP model (gradients summed as fp16, any backend).
+
 `--wrap fsdp` shards every Linear and the root with `fully_shard` instead of wrapping the model in DDP,
 and counts bytes over the timed steps: this host's link (both backends), and on "byteps" the servers'
 payload bytes (STATS, read by rank 0) next to a parameter server's ideal for the collectives FSDP2 issued.
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp", help="DDP, or FSDP2 fully_shard")
+    p.add_argument("--hook", choices=["", "fp16"], default="", help="DDP: torch's fp16_compress_hook")
     args = p.parse_args(argv)
 
     import torch
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         fully_shard(model)
     else:
         model = DDP(model)
+        if args.hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     # Barriers around the byte count go through gloo: a "byteps" barrier would show up in the servers' STATS.
     sync = dist.new_group(backend="gloo") if args.backend == "byteps" else dist.group.WORLD
     counts_servers = args.wrap == "fsdp" and args.backend == "byteps" and args.rank == 0
