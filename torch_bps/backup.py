@@ -109,9 +109,10 @@ class BackupWorkers:
         else:
             sums = [self._pull(runtime, b) for b in self._buckets]
             self.caught_up += 1
-        for bucket, flat in zip(self._buckets, sums, strict=True):
-            for p, start, numel in bucket.params:
-                p.grad = flat[start : start + numel].view_as(p).clone()
+        if not (self._ddp and self.compute()):  # DDP wrote its buckets' sums into the gradients itself
+            for bucket, flat in zip(self._buckets, sums, strict=True):
+                for p, start, numel in bucket.params:
+                    p.grad = flat[start : start + numel].view_as(p)  # a fresh buffer each step: views will do
         self._futures = []
         self.optimizer.step()
         self.steps += 1
