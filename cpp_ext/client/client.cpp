@@ -139,7 +139,7 @@ OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
   uint64_t keyBytes = part.keyBytes;
   bool fits = part.pushOffset <= keyBytes && src.nbytes() <= keyBytes - part.pushOffset &&
               part.pullOffset <= keyBytes && dst.nbytes() <= keyBytes - part.pullOffset;
-  bool pullOnly = src.nbytes() == 0;  // a SUM part that only pulls (Dispatcher::start)
+  bool pullOnly = src.nbytes() == 0 && keyBytes > 0;  // a SUM part that only pulls (Dispatcher::start)
   if (!fits || (part.mode == transport::kModeSum && !pullOnly && (part.pushOffset != 0 || src.nbytes() != keyBytes)) ||
       (part.mode != transport::kModeSum && part.mode != transport::kModeCopy)) {
     throw Error(ErrorKind::kValue,

@@ -143,7 +143,7 @@ void Dispatcher::start(const OpPtr& op) {
   // INIT, PUSH and PULL are pipelined: the server handles one peer's messages in order.
   if (init && !sendRequest(op, kInit, deadline)) return;
   // A SUM part with nothing to push only pulls: a worker catching up on rounds that closed without it.
-  bool pullOnly = op->mode == transport::kModeSum && op->src.nbytes() == 0;
+  bool pullOnly = op->mode == transport::kModeSum && op->src.nbytes() == 0 && op->nbytes > 0;
   if (!pullOnly && !sendRequest(op, kPush, deadline)) return;
   // Later than the server's own limit (waitMs), so that its answer, which names the workers that have not
   // pushed, arrives first.
