@@ -26,7 +26,12 @@ import torch_bps  # noqa: E402, F401  (registers "byteps" in every spawned rank,
 DEFAULT_BACKEND = os.environ.get("TORCH_SUITE_BACKEND", "gloo")
 
 # Tests that need gloo itself, not a backend with gloo's semantics: named, with the reason.
-GLOO_ONLY: dict[str, str] = {}
+_MONITORED = "calls dist.monitored_barrier, which torch runs on gloo groups alone (group.monitored_barrier works)"
+GLOO_ONLY: dict[str, str] = {
+    "test_get_backend": 'asserts dist.get_backend() == BACKEND, "gloo"',
+    "test_monitored_barrier_gloo": _MONITORED,
+    "test_monitored_barrier_gloo_subgroup": _MONITORED,
+}
 
 
 class TorchSuite(TestDistBackend, DistributedTest._DistTestBase):
