@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 EXT    := $(shell find cpp_ext -name '*.cpp' -o -name '*.h')
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
+.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
 
 test: install deploy-tools
 	$(PYTEST) -q tests -m "not slow"
@@ -52,6 +52,18 @@ $(DEPLOY_STAMP): $(STAMP)
 # Every deploy check, the slow ones too: the wheel built from scratch in a fresh venv (minutes: the whole C++ client).
 deploy-check: install deploy-tools
 	$(PYTEST) -q -rs tests/deploy
+
+# Three training frameworks on "byteps" against gloo (examples/frameworks/): installed into the venv beside torch
+# 2.13.0 (named, so pip keeps it), then tests/frameworks, which `make test` skips where they are not installed.
+frameworks: install
+	$(PIP) install -q torch==2.13.0 lightning accelerate pytorch-ignite
+	$(PYTEST) -q -rs tests/frameworks
+
+# torch's own distributed test-suite with "byteps" as the default group (tests/torch_suite/): tens of minutes, so
+# not in `make test`. expecttest is what the suite needs to import.
+torch-suite: install
+	$(PIP) install -q torch==2.13.0 expecttest
+	$(PY) tests/torch_suite/run.py
 
 zmq-dev:
 	@test -f /usr/include/zmq.h || (apt-get update -qq && apt-get install -y -qq libzmq3-dev) \

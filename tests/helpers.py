@@ -359,6 +359,9 @@ def _rank_main(fn, rank, world, port, backend, environ, env, args, results):
     if "LOCAL_WORLD_SIZE" not in env:  # every rank its own emulated machine, as torchrun would say on N nodes
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))
     os.environ.update(env)
+    # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported: here that was in the forkserver,
+    # before this rank's environment was set.
+    dist.set_debug_level_from_env()
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))  # fmt: skip

@@ -1,9 +1,11 @@
 """The "byteps" torch.distributed backend: collectives are sums on the summation servers.
 
 `import torch_bps` registers it for cpu and cuda; then `dist.init_process_group("byteps")`, and
-`dist.new_group(ranks)` for subgroups. torch makes its own ProcessGroup and registers, for both devices,
-the C++ Backend `torch_bps._C.make_backend` builds around a `BackendBPS` (cpp_ext/python/py_backend.h): so
-`group._device_types`, DCP and FSDP2's default-device lookups and the dispatcher's c10d ops all find it.
+`dist.new_group(ranks)` for subgroups. The group is a C++ ProcessGroupBPS (cpp_ext/python/py_process_group.h,
+so that torch names it "byteps" and reads its sequence numbers) holding, for both devices, the C++ Backend
+`torch_bps._C.make_backend` builds around a `BackendBPS` (cpp_ext/python/py_backend.h): so `group._device_types`,
+DCP and FSDP2's default-device lookups and the dispatcher's c10d ops all find it. Under
+TORCH_DISTRIBUTED_DEBUG=DETAIL that Backend sits inside torch's ProcessGroupWrapper, as gloo's and NCCL's do.
 Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 
 | collective | as a sum |
@@ -408,7 +410,8 @@ def _config(pg_options) -> Config:
 
 def _create(opts, pg_options):
     """torch's creator (extended API): one Runtime and one internal gloo group per group (the default group's
-    Runtime is named "default"); returns the C++ Backend torch registers for cpu and cuda."""
+    Runtime is named "default"); returns the group itself, a C++ ProcessGroupBPS holding the C++ Backend for cpu
+    and cuda (cpp_ext/python/py_process_group.h says why not the bare Backend)."""
     from torch_bps import _C  # loads the C++ client: only when a group is really created
     from torch_bps.runtime import Runtime
 
@@ -417,7 +420,17 @@ def _create(opts, pg_options):
     runtime = Runtime.create(opts.store, opts.group_rank, opts.group_size, name=name, config=_config(pg_options))
     p2p = GlooSide(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     impl = BackendBPS(runtime, opts.group_rank, opts.group_size, timeout=opts.timeout, p2p=p2p)
-    return _C.make_backend(impl, opts.group_rank, opts.group_size)
+    impl.setGroupName(opts.group_id)  # the debug wrapper below does not pass torch's group name on
+    backend = _C.make_backend(impl, opts.group_rank, opts.group_size)
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        # torch wraps a backend it registers itself in ProcessGroupWrapper, which checks every collective's
+        # fingerprint (op, shapes, dtypes, sequence number) across ranks through a gloo helper group first; a
+        # group returned whole is not wrapped, so the same wrapping happens here, on the same store prefix.
+        backend = dist.distributed_c10d._create_process_group_wrapper(
+            wrapped_pg=backend, store_prefix=opts.group_id, store=opts.store, rank=opts.group_rank,
+            world_size=opts.group_size, timeout=opts.timeout,
+        )  # fmt: skip
+    return _C.make_process_group(opts.store, opts.group_rank, opts.group_size, backend)
 
 
 def implementation(group: dist.ProcessGroup | None = None) -> BackendBPS | None:
@@ -427,7 +440,10 @@ def implementation(group: dist.ProcessGroup | None = None) -> BackendBPS | None:
         return None
     from torch_bps import _C
 
-    return _C.backend_impl(group._get_backend(torch.device("cpu")))
+    backend = group._get_backend(torch.device("cpu"))
+    while isinstance(backend, dist.distributed_c10d._ProcessGroupWrapper):  # TORCH_DISTRIBUTED_DEBUG=DETAIL
+        backend = backend.wrapped_pg
+    return _C.backend_impl(backend)
 
 
 def rebalance(group: dist.ProcessGroup | None = None) -> dict | None:

@@ -20,6 +20,7 @@
 #include "python/bindings.h"
 #include "python/future_work.h"
 #include "python/py_backend.h"
+#include "python/py_process_group.h"
 #include "transport/wire.h"
 
 namespace py = pybind11;
@@ -204,6 +205,14 @@ PYBIND11_MODULE(_C, m) {
         return ours != nullptr ? ours->impl() : py::none();
       },
       "The Python object behind a Backend made by make_backend, else None.", py::arg("backend"));
+  m.def(
+      "make_process_group",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const c10::intrusive_ptr<c10d::Backend>& backend) -> c10::intrusive_ptr<c10d::ProcessGroup> {
+        return c10::make_intrusive<bps::python::ProcessGroupBPS>(store, rank, size, backend);
+      },
+      "The ProcessGroup a creator returns: `backend` for cpu and cuda, named by it, its sequence numbers.",
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("backend"));
 
 
 

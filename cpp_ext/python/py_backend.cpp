@@ -35,6 +35,13 @@ c10::intrusive_ptr<c10d::Work> PyBackend::call(const char* method, std::chrono::
   return work;
 }
 
+template <typename... Args>
+c10::intrusive_ptr<c10d::Work> PyBackend::collective(const char* method, std::chrono::milliseconds timeout,
+                                                     Args&&... args) {
+  ++seqCollective_;
+  return call(method, timeout, std::forward<Args>(args)...);
+}
+
 void PyBackend::setGroupUid(const std::string& name) {
   c10d::Backend::setGroupUid(name);
   py::gil_scoped_acquire gil;
@@ -58,84 +65,84 @@ void PyBackend::abort() {
 
 c10::intrusive_ptr<c10d::Work> PyBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
-  return call("broadcast", opts.timeout, tensors, opts);
+  return collective("broadcast", opts.timeout, tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
-  return call("allreduce", opts.timeout, tensors, opts);
+  return collective("allreduce", opts.timeout, tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceCoalescedOptions& opts) {
-  return call("allreduce_coalesced", opts.timeout, tensors, opts);
+  return collective("allreduce_coalesced", opts.timeout, tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  return call("reduce", opts.timeout, tensors, opts);
+  return collective("reduce", opts.timeout, tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
-  return call("allgather", opts.timeout, outputs, inputs, opts);
+  return collective("allgather", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
-  return call("all_gather_single", opts.timeout, output, input, opts);
+  return collective("all_gather_single", opts.timeout, output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllgatherOptions& opts) {
-  return call("allgather_coalesced", opts.timeout, outputs, inputs, opts);
+  return collective("allgather_coalesced", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                           std::vector<at::Tensor>& inputs,
                                                                           const c10d::AllgatherOptions& opts) {
-  return call("all_gather_single_coalesced", opts.timeout, outputs, inputs, opts);
+  return collective("all_gather_single_coalesced", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  return call("gather", opts.timeout, outputs, inputs, opts);
+  return collective("gather", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::scatter(std::vector<at::Tensor>& outputs,
                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                   const c10d::ScatterOptions& opts) {
-  return call("scatter", opts.timeout, outputs, inputs, opts);
+  return collective("scatter", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ReduceScatterOptions& opts) {
-  return call("reduce_scatter", opts.timeout, outputs, inputs, opts);
+  return collective("reduce_scatter", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
-  return call("reduce_scatter_single", opts.timeout, output, input, opts);
+  return collective("reduce_scatter_single", opts.timeout, output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                           std::vector<at::Tensor>& inputs,
                                                                           const c10d::ReduceScatterOptions& opts) {
-  return call("reduce_scatter_single_coalesced", opts.timeout, outputs, inputs, opts);
+  return collective("reduce_scatter_single_coalesced", opts.timeout, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                         std::vector<int64_t>& outputSplitSizes,
                                                         std::vector<int64_t>& inputSplitSizes,
                                                         const c10d::AllToAllOptions& opts) {
-  return call("all_to_all_single", opts.timeout, output, input, outputSplitSizes, inputSplitSizes, opts);
+  return collective("all_to_all_single", opts.timeout, output, input, outputSplitSizes, inputSplitSizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts) {
-  return call("alltoall", opts.timeout, outputs, inputs, opts);
+  return collective("alltoall", opts.timeout, outputs, inputs, opts);
 }
 
 void PyBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
@@ -156,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> PyBackend::recvAnysource(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> PyBackend::barrier(const c10d::BarrierOptions& opts) {
-  return call("barrier", opts.timeout, opts);
+  return collective("barrier", opts.timeout, opts);
 }
 
 }  // namespace bps::python

@@ -7,11 +7,16 @@
 // the Python method of the same name torch's ProcessGroup uses (allreduce, all_gather_single, send...),
 // with the GIL taken. The Python method returns the Work; a per-call timeout (opts.timeout) is applied here,
 // in one place, to the Works torch_bps makes. Python exceptions pass through to the caller unchanged.
+//
+// Sequence numbers (what TORCH_DISTRIBUTED_DEBUG=DETAIL's ProcessGroupWrapper stamps on each collective's
+// fingerprint) count collectives as NCCL does: every rank starts at 0 and adds one per collective call,
+// point-to-point excluded, since ranks make different numbers of sends and receives.
 #pragma once
 
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -31,6 +36,9 @@ class PyBackend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   void abort() override;
+  // Nothing to agree on: every rank counts from 0 (NCCL's rule), and the wrapper calls this at construction.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seqCollective_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -78,8 +86,12 @@ class PyBackend : public c10d::Backend {
   // impl_.<method>(args...) with the GIL; the Work it returns, given `timeout` unless that is unset.
   template <typename... Args>
   c10::intrusive_ptr<c10d::Work> call(const char* method, std::chrono::milliseconds timeout, Args&&... args);
+  // `call` of a collective: counted in the sequence number first, as the wrapper reads it before the call.
+  template <typename... Args>
+  c10::intrusive_ptr<c10d::Work> collective(const char* method, std::chrono::milliseconds timeout, Args&&... args);
 
   pybind11::object impl_;
+  std::atomic<uint64_t> seqCollective_{0};
 };
 
 }  // namespace bps::python

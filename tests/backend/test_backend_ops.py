@@ -58,10 +58,10 @@ def _same(a, b, what):
 
 def _check_registration(rank, world, gloo):
     group = dist.group.WORLD
-    assert type(group) is dist.ProcessGroup  # torch's own group, with our Backend inside
+    assert type(group) is dist.ProcessGroup  # torch's Python type; in C++ our ProcessGroupBPS, our Backend inside
     assert {d.type for d in group._device_types} == {"cpu", "cuda"}
     assert dist.get_backend() == "byteps", dist.get_backend()
-    assert group.name() == "custom", group.name()  # torch names the type of backend it holds
+    assert group.name() == "byteps", group.name()  # torch's own would name the type it holds, "custom"
     assert group._get_backend(torch.device("cpu")).name() == "byteps"
     impl = torch_bps.implementation()
     assert isinstance(impl, torch_bps.BackendBPS) and impl.rank() == rank and impl.size() == world
