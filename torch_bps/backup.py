@@ -7,7 +7,8 @@ servers scale the sum of the c contributions by n / c, so every worker, dividing
 contributors' mean, and all apply the same bits: replicas stay identical. A worker that fell behind learns it from
 its pulls (a reply says how many later rounds already closed) and catches up by pulling the rounds it missed and
 applying them in order, without computing them. The servers keep `window` rounds per key: a worker may fall
-window - 1 rounds behind before the others wait for it.
+window - 1 rounds of each key behind before the others wait for it (the engine spreads consecutive collectives of
+one size over 4 slots of keys, so about 4 x (window - 1) steps).
 
     sync = torch_bps.BackupWorkers(model, optimizer, backups=1)    # after dist.init_process_group (any backend)
     for x, y in loader:
