@@ -8,7 +8,6 @@ and one more epoch from there.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BATCH, make_dataset, make_model, save_result  # noqa: E402
+from common import BATCH, make_dataset, make_model, parse_args, save_result  # noqa: E402
 
 import torch_bps  # noqa: E402, F401  (registers "byteps")
 
@@ -43,10 +42,7 @@ def epoch(acc: Accelerator, model, opt, loader) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["byteps", "gloo"], required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = parse_args(__doc__, argv)
     if args.backend == "byteps":
         # Accelerate picks gloo for CPU itself (any other name is ignored); a group created first is kept.
         dist.init_process_group("byteps")

@@ -1,8 +1,9 @@
 """What every framework check shares: the model, the data, and how a run leaves its result (parameters and logged
-metrics) for run.py to compare. May import: torch."""
+metrics) for run.py to compare. May import: the standard library and torch."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -30,3 +31,11 @@ def save_result(out: str, model: nn.Module, metrics: dict) -> None:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "params.pt"))
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1, sort_keys=True)
+
+
+def parse_args(doc: str, argv=None) -> argparse.Namespace:
+    """The command line every check takes: --backend (byteps or gloo) and --out (where the result goes)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--backend", choices=["byteps", "gloo"], required=True)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)

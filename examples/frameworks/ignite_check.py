@@ -7,7 +7,6 @@ int64 count, `idist.all_gather`), a `Checkpoint` saved, spoilt, loaded and train
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -20,7 +19,7 @@ from ignite.metrics import Average
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BATCH, make_dataset, make_model, save_result  # noqa: E402
+from common import BATCH, make_dataset, make_model, parse_args, save_result  # noqa: E402
 
 import torch_bps  # noqa: E402, F401  (registers "byteps")
 
@@ -63,10 +62,7 @@ def training(local_rank: int, args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["byteps", "gloo"], required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = parse_args(__doc__, argv)
     if args.backend == "byteps":
         # idist.Parallel accepts only the backends it lists; it takes an already initialized group as it is.
         dist.init_process_group("byteps")

@@ -7,7 +7,6 @@ loaded back, and training resumed from it for one more epoch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -16,7 +15,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BATCH, make_dataset, make_model, save_result  # noqa: E402
+from common import BATCH, make_dataset, make_model, parse_args, save_result  # noqa: E402
 
 import torch_bps  # noqa: E402, F401  (registers "byteps")
 
@@ -44,10 +43,7 @@ class Regression(L.LightningModule):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["byteps", "gloo"], required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = parse_args(__doc__, argv)
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=BATCH)  # Lightning adds a DistributedSampler
     # The one line "byteps" takes: the backend name of Lightning's DDP strategy.
     strategy = DDPStrategy(process_group_backend=args.backend)
