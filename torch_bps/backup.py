@@ -103,7 +103,7 @@ class BackupWorkers:
         if self.compute():
             if not self._ddp:
                 self._buckets = self._plain_buckets()
-                self._futures = [self._push(runtime, b, self._gather(b)) for b in self._buckets]
+                self._futures = [self._push(runtime, self._gather(b)) for b in self._buckets]
             if len(self._futures) != len(self._buckets):
                 raise RuntimeError("BackupWorkers.step() without a backward pass through the DDP model this step")
             sums = [f.wait() for f in self._futures]
@@ -139,7 +139,7 @@ class BackupWorkers:
                                                config=self.config)  # fmt: skip
             return self._runtime
 
-    def _push(self, runtime, bucket: _Bucket, flat: torch.Tensor) -> torch.futures.Future:
+    def _push(self, runtime, flat: torch.Tensor) -> torch.futures.Future:
         # Divided first, as DDP does: the servers sum, scale by n / contributors, and the mean comes back.
         flat.div_(self.group.size())
         return runtime.push_pull(flat, priority=0)
@@ -180,7 +180,7 @@ class BackupWorkers:
             params.append((p, start, p.numel()))
             start += p.numel()
         self._buckets.append(_Bucket(buffer.numel(), buffer.dtype, params))
-        future = self._push(self._connect(), self._buckets[-1], buffer)
+        future = self._push(self._connect(), buffer)
         self._futures.append(future)
         return future
 

@@ -66,6 +66,16 @@ def test_hello_returns_incarnation_and_checks_worker_count(server, job_id):
     assert error_of(out_of_range.request(Command.HELLO, num_workers=2))[0] == Status.JOB_MISMATCH
 
 
+@pytest.mark.parametrize("backups, rounds, words", [(2, 4, "2 backup workers of 2"), (1, 65, "65 live rounds"),
+                                                    (1, 1, "1 live rounds"), (0, 3, "3 live rounds"),
+                                                    (2**32 - 1, 2**32 - 1, "backup workers of 2")])  # fmt: skip
+def test_a_hello_asking_for_backups_or_a_window_the_job_cannot_have_is_refused(server, job_id, backups, rounds, words):
+    peer = RawPeer(server.address, job_id, 0, 2)
+    status, msg = error_of(peer.request(Command.HELLO, num_workers=2, mode=backups, rounds=rounds))
+    assert status == Status.JOB_MISMATCH and words in msg, msg
+    assert peer.hello().status == Status.OK  # the job was never made: a sound HELLO makes it
+
+
 @pytest.mark.parametrize("dtype", list(PROTOCOL_CODES), ids=lambda d: str(d).removeprefix("torch."))
 def test_sum_of_three_workers(server, job_id, dtype):
     ps = peers(server, job_id, 3)
