@@ -34,7 +34,7 @@ ALLOWED = {
     "torch_bps/timeline": {"torch_bps.errors", "torch_bps.timeline"},
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
     # Python statements of what the C++ core runs: they import what they model, nothing above it.
-    "torch_bps/_reference": {"torch_bps.errors", "torch_bps.wire", "torch_bps.server.job"},
+    "torch_bps/_reference": {"torch_bps._reference", "torch_bps.errors", "torch_bps.wire", "torch_bps.server.job"},
     "triton_kernels": {"triton_kernels"},
 }
 

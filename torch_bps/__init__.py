@@ -4,6 +4,7 @@ Front doors: `dist.init_process_group("byteps")`, `ddp.register_comm_hook(state,
 `bps-server`, and the data-plane `Client` used by both. Importing registers the "byteps" backend.
 """
 
+from torch_bps.asynchronous import AsyncTraining
 from torch_bps.backup import BackupWorkers
 from torch_bps.config import Config
 from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ProtocolError, ServerError, TransportError
@@ -13,6 +14,6 @@ from torch_bps.version import __version__
 
 register_backend()
 
-__all__ = ["BackendBPS", "BackupWorkers", "BpsError", "BpsHookState", "BpsTimeoutError", "Config", "ConfigError",
-           "ProtocolError", "ServerError", "TransportError", "bps_hook", "implementation", "rebalance",
+__all__ = ["AsyncTraining", "BackendBPS", "BackupWorkers", "BpsError", "BpsHookState", "BpsTimeoutError", "Config",
+           "ConfigError", "ProtocolError", "ServerError", "TransportError", "bps_hook", "implementation", "rebalance",
            "register_backend", "__version__"]  # fmt: skip

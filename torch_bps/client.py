@@ -134,6 +134,8 @@ class Client:
             pushed it, its sum scaled to stand for all; every worker of the job must give the same b and window.
         window: with backups, rounds alive per key (2 to 64): how far a slow worker may fall behind and still
             catch up by pulling the rounds it missed.
+        staleness: s for MODEL keys (asynchronous training, docs/protocol.md): a pull of round r waits until every
+            worker pushed round r - s; None: never waits for the others. Every worker of the job gives the same.
 
     Example:
         with Client(["10.0.0.5:9000"], job_id_from_name("demo"), worker=0, num_workers=2) as c:
@@ -164,6 +166,7 @@ class Client:
         shared_memory: bool | None = None,
         backups: int = 0,
         window: int = 2,
+        staleness: int | None = 0,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be a sequence of 'host:port' strings, not one string")
@@ -184,6 +187,8 @@ class Client:
         if not 0 <= backups < num_workers or not 2 <= window <= 64 or (window != 2 and not backups):
             raise ValueError(f"backups={backups} must be in [0, num_workers={num_workers}) and window={window} in "
                              "[2, 64] (2 without backups)")  # fmt: skip
+        if staleness is not None and not 0 <= staleness < _U64 - 1 or (staleness != 0 and backups):
+            raise ValueError(f"staleness={staleness} must be None or in [0, 2^64 - 1), and 0 with backups")
         if credit_bytes <= 0:
             raise ValueError(f"credit_bytes must be positive, got {credit_bytes}")
         if server_credit_bytes < 0 or not 0 <= socket_buffer_bytes < 1 << 31:
@@ -226,6 +231,7 @@ class Client:
                                failover=failover, on_link_down=on_link_down, stream=stream, auto_credit=auto_credit,
                                receive_buffer_bytes=receive_buffer_bytes, local_stream=local_stream,
                                shared_memory=shared_memory, backups=backups, window=window,
+                               staleness=_U64 - 1 if staleness is None else staleness,
                                **credentials)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._impl.close)
         try:
@@ -388,12 +394,13 @@ class Client:
             if out.dtype != tensor.dtype:
                 raise ValueError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
         # An empty SUM push only pulls (a worker catching up on backup rounds that closed without it).
-        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() in (0, key_numel))
+        pushed = (key_numel,) if mode == Mode.MODEL else (0, key_numel)
+        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() in pushed)
         fits = 0 <= offset <= offset + tensor.numel() <= key_numel and 0 <= out_offset <= out_offset + out.numel()
         if not (whole and fits and out_offset + out.numel() <= key_numel):
             raise ValueError(
                 f"push_pull of key {key} ({key_numel} elements, {mode.name}): tensor of {tensor.numel()} elements "
-                f"at {offset} and out of {out.numel()} at {out_offset} do not fit (a SUM key is pushed whole)"
+                f"at {offset} and out of {out.numel()} at {out_offset} do not fit (a SUM or MODEL key is pushed whole)"
             )
         if not isinstance(key, int) or not 0 <= key < _U64:
             raise ValueError(f"key {key!r} is not a u64")

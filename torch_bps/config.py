@@ -86,6 +86,12 @@ def parse_wire_dtype(value: str) -> str:
     return value
 
 
+def _parse_staleness(value: str) -> int | None:
+    if value.lower() in ("inf", "none", "async"):
+        return None
+    return int(value)
+
+
 def _parse_auth(value: str) -> str:
     if value not in ("token", "curve", "off"):
         raise ValueError("use token (the default), curve or off")
@@ -182,6 +188,9 @@ class Config:
     # the rest are dropped; a worker up to backup_window - 1 rounds behind catches up by pulling what it missed.
     backup_workers: int = field(default=0, metadata={"env": "BPS_BACKUP_WORKERS", "parse": int})
     backup_window: int = field(default=4, metadata={"env": "BPS_BACKUP_WINDOW", "parse": int})
+    # Asynchronous training (torch_bps.asynchronous.AsyncTraining): a worker's pull waits until every worker pushed
+    # the round `staleness` rounds before its own; None ("inf"): it never waits for the others.
+    staleness: int | None = field(default=0, metadata={"env": "BPS_STALENESS", "parse": _parse_staleness})
 
     def partition_floor(self) -> int:
         """Return the smallest partition: min_partition_bytes if set; else DEFAULT_MIN_PARTITION_BYTES, or the socket
@@ -279,6 +288,11 @@ class Config:
             raise ConfigError(f"backup_workers={self.backup_workers} must not be negative and backup_window="
                               f"{self.backup_window} must be in [2, 64] (BPS_BACKUP_WORKERS, "
                               "BPS_BACKUP_WINDOW)")  # fmt: skip
+        if self.staleness is not None and self.staleness < 0:
+            raise ConfigError(f"staleness={self.staleness} must not be negative (BPS_STALENESS; inf: asynchronous)")
+        if self.staleness != 0 and self.backup_workers:
+            raise ConfigError(f"backup_workers={self.backup_workers} and staleness={self.staleness}: a job has one or "
+                              "the other (BPS_BACKUP_WORKERS, BPS_STALENESS)")  # fmt: skip
 
 
 def from_environment(name: str):

@@ -13,6 +13,11 @@ part whose server is lost is held, not failed, and the workers agree through the
 
 Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
 and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
+
+A MODEL key (asynchronous training) has no rounds to finish: its total on the servers is, by definition, the sum
+of every worker's updates. So each rank keeps the sum of its own updates of the key that came back, and the key's
+first push wherever it moves (a failover or a rebalance) carries that sum: the new total holds each acknowledged
+update once, and a held update, whose reply never came, is pushed after it, also once.
 `Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary, on the servers answering then.
 
 May import: the standard library, torch, torch_bps.client, errors, wire, engine.placement.
@@ -115,6 +120,7 @@ def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, 
 
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
+_CARRIED = (0, -1)  # the order of a MODEL key's carried sum (_carry_totals)
 
 
 @dataclass(eq=False)
@@ -170,6 +176,10 @@ class Router:
         self._seen: set[str] = set()  # lost servers some part or link reported
         self._lost: set[str] = set()  # failed over
         self._recover: dict[int, tuple] = {}  # key -> recovery_part's arguments, until this rank sent it
+        # MODEL keys: key -> (the epoch its total lives on, the sum of this rank's updates that came back), and the
+        # update of its part in flight (a copy: the pull writes the total over the part's tensor).
+        self._totals: dict[int, tuple[int, torch.Tensor]] = {}
+        self._updates: dict[int, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._active = 0  # collectives in flight
@@ -233,6 +243,7 @@ class Router:
         call.pending += len(groups)
         finished = []
         for e, group in groups.items():
+            group = self._carry_totals(e, group)
             outcomes = torch.zeros(len(group), dtype=torch.uint8)
             on_done = lambda error, e=e, g=group, o=outcomes: self._batch_done(call, e, g, o, error)  # noqa: E731
             try:
@@ -243,9 +254,28 @@ class Router:
                 finished += self._end(call)
         return finished
 
+    def _carry_totals(self, epoch: int, group: list[Ordered]) -> list[Ordered]:
+        """MODEL parts: keep a copy of each update; a key's first part on another epoch goes after the sum of this
+        rank's earlier updates, its contribution to the total that moved there."""
+        out = []
+        for order, part in group:
+            if part.mode != Mode.MODEL or order == _CARRIED:
+                out.append((order, part))
+                continue
+            where, mine = self._totals.get(part.key) or (epoch, torch.zeros_like(part.tensor))
+            if where != epoch:  # every rank's first round there is its sum, so their rounds stay aligned
+                out.append((_CARRIED, part._replace(tensor=mine.clone(), out=torch.empty_like(mine))))
+            self._totals[part.key] = (epoch, mine)
+            self._updates[part.key] = part.tensor.clone()
+            out.append((order, part))
+        return out
+
     def _batch_done(self, call: _Call, epoch: int, group: list, outcomes: torch.Tensor, error) -> None:
         with self._lock:
             finished = []
+            for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
+                if outcome == OUTCOME_OK and part.mode == Mode.MODEL and order != _CARRIED:
+                    self._totals[part.key][1].add_(self._updates.pop(part.key))
             if error is not None:
                 lost = []
                 for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
@@ -277,6 +307,8 @@ class Router:
         """Send held parts to their keys' new owners; a key's part of an unfinished round becomes its recovery."""
         finished, plain = [], []
         for order, part in items:
+            if order == _CARRIED:  # made again from the sums when its key's next part is sent
+                continue
             if part.key in self._recover:
                 finished += self._send_recovery(call, part.key, part)
             else:
@@ -346,6 +378,8 @@ class Router:
         with self._lock:
             mine = {}
             for key, (server, nbytes) in own.items():
+                if key in self._totals:  # a MODEL key: its total moves with its next part (_carry_totals)
+                    continue
                 epoch, index = self._route(key, server, nbytes)
                 if self._epochs[epoch].servers[index].address in lost:
                     mine[key] = epoch

@@ -11,7 +11,7 @@ Every group (the default group, each new_group, the DDP hook) gets its own Runti
 Groups other than the default one reuse the servers of the process's default Runtime if there is one;
 subgroups treat every rank as its own machine (no local reduction).
 May import: torch, torch_bps.address, config, errors, futures, topology, registry, security, client, local, engine,
-timeline, failover.
+timeline, failover, wire.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from torch_bps.address import parse_listening
 from torch_bps.config import Config, transport_options
+from torch_bps.engine.exchange import Exchange
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
@@ -41,6 +42,7 @@ from torch_bps.registry import claim_standby, connect, registered, registered_se
 from torch_bps.security import JOB_SECRET_ENV, ClientCredentials, new_secret
 from torch_bps.timeline.recorder import Recorder, TimelineSpec
 from torch_bps.topology import Topology
+from torch_bps.wire import Mode
 
 log = logging.getLogger("torch_bps")
 
@@ -188,9 +190,12 @@ class Runtime:
         """See torch_bps.rebalance."""
         return self._engine.router.rebalance() if self._engine.router is not None else None
 
-    def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0, pull_only: bool = False) -> None:
+    def run(self, tensors: list[torch.Tensor], done, *, priority: int = 0, pull_only: bool = False,
+            mode: Mode = Mode.SUM) -> None:  # fmt: skip
         """Sum each tensor (1-D, contiguous, CPU) in place over every rank of the group as one collective, then
-        call `done(error or None)` on a completion thread (see torch_bps.engine.pipeline; `pull_only` there)."""
+        call `done(error or None)` on a completion thread (see torch_bps.engine.pipeline; `pull_only` there).
+        `mode` Mode.MODEL: add each tensor to its running total on the servers and pull the total back into it
+        (asynchronous training: docs/protocol.md)."""
 
         def finish(error: BaseException | None) -> None:
             if error is not None:
@@ -198,7 +203,8 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run(tensors, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
+        items = tensors if mode == Mode.SUM else [Exchange(t, mode) for t in tensors]
+        self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
     def take_behind(self) -> int:
         """Backup workers: how many rounds past one this worker pulled had already closed, since the last call."""
@@ -372,7 +378,7 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   socket_buffer_bytes=config.socket_buffer_bytes, **transport_options(config.transport),
                   receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
                   backups=config.backup_workers, window=config.backup_window if config.backup_workers else 2,
-                  **failover)  # fmt: skip
+                  staleness=config.staleness, **failover)  # fmt: skip
 
 
 def _attempt() -> str:

@@ -67,6 +67,7 @@ class Mode(enum.IntEnum):
 
     SUM = 0  # every worker pushes the whole key; the round's result is the sum
     COPY = 1  # each worker writes a byte range (maybe empty); the ranges must tile the key; bytes are copied
+    MODEL = 2  # each worker's pushes are added, in order and once each, into one running total (asynchronous)
 
 
 # dtype codes on the wire; the table is part of the protocol (never renumber).

@@ -1,15 +1,18 @@
-"""Training with a straggler on the emulated cluster: synchronous rounds against backup workers.
+"""Training with a straggler on the emulated cluster: synchronous rounds against backup workers, bounded staleness
+and asynchronous training.
 
     python -m benchmarks.cluster.straggler --json results/straggler.json    # root; n = 4, k = 4, 500 Mbit/s
 
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
-(benchmarks/cluster/workers/straggler_train.py) through torch_bps.BackupWorkers, in four modes: synchronous with no
-straggler (the yardstick), synchronous with one straggler machine, and backup workers (b = 1) with and without it.
+(benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
+synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
+torch_bps.AsyncTraining with staleness s = 2 and unbounded (async).
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
-of the rate (both ways) while the others keep theirs. For each: rounds per second (the job's steps; each round
-applies the mean of at least n - b machines' batches) and its ratio to the yardstick, the time to `--target`
-held-out accuracy and its ratio, the final accuracy, how many rounds the straggler caught up on without computing, and
-whether every replica ended bit-identical. Dedicated servers on the k server hosts, BPS_FAILOVER=0.
+of the rate (both ways) while the others keep theirs. For each: samples per second (each rank's computed samples
+over its own wall time, summed) and its ratio to the yardstick, the time to `--target` held-out accuracy (rank
+0's model) and its ratio, the accuracy once every rank did its steps, how many rounds the straggler caught up on
+without computing, and whether every replica ended bit-identical. Dedicated servers on the k server hosts,
+BPS_FAILOVER=0.
 May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
 """
 
@@ -25,15 +28,20 @@ from benchmarks.cluster import byteps, procs
 from benchmarks.cluster.topology import IFNAME, Cluster
 
 WORKER = "benchmarks.cluster.workers.straggler_train"
-MODES = {  # name: (backups, straggler)
-    "sync": (0, False),
-    "sync+straggler": (0, True),
-    "backup": (1, False),
-    "backup+straggler": (1, True),
+MODES = {  # name: (backups, staleness: "" for BackupWorkers, straggler)
+    "sync": (0, "", False),
+    "sync+straggler": (0, "", True),
+    "backup": (1, "", False),
+    "backup+straggler": (1, "", True),
+    "stale2": (0, "2", False),
+    "stale2+straggler": (0, "2", True),
+    "async": (0, "inf", False),
+    "async+straggler": (0, "inf", True),
 }
 
 
-def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, straggler: bool, port: int) -> dict:
+def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, staleness: str, straggler: bool,
+             port: int) -> dict:  # fmt: skip
     n = len(cluster.workers)
     slow = n - 1 if straggler else -1
     by_link = straggler and args.straggler == "link"
@@ -43,7 +51,8 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, straggl
         cluster.spawn(
             f"straggler rank {r}", h,
             [sys.executable, "-m", WORKER, "--rank", str(r), "--world", str(n), "--store",
-             f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--slow-rank", str(slow),
+             f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--staleness", staleness,
+             "--slow-rank", str(slow),
              "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch)],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
@@ -55,9 +64,9 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, straggl
     curve = results[0]["curve"]
     reached = next((t for t, _, acc in curve if acc >= args.target), None)
     return {
-        "rounds_per_s": args.steps / results[0]["seconds"],
+        "samples_per_s": sum(r["computed"] * args.batch / r["seconds"] for r in results),
         "seconds_to_target": reached,
-        "final_accuracy": curve[-1][2] if curve else None,
+        "final_accuracy": results[0]["final"],
         "caught_up": results[slow]["caught_up"] if straggler else 0,
         "identical": len({r["params"] for r in results}) == 1,
         "curve": curve,
@@ -93,24 +102,24 @@ def main(argv: list[str] | None = None) -> int:
                     port += 1
                     out = run_mode(cluster, addresses, args, *MODES[mode], port)
                     runs[mode].append(out)
-                    print(f"{mode} run {r}: {out['rounds_per_s']:.2f} rounds/s, target at {out['seconds_to_target']} "
+                    print(f"{mode} run {r}: {out['samples_per_s']:.0f} samples/s, target at {out['seconds_to_target']} "
                           f"s, final accuracy {out['final_accuracy']:.3f}, caught up {out['caught_up']}, "
                           f"replicas {'identical' if out['identical'] else 'DIFFER'}", flush=True)  # fmt: skip
         finally:
             for proc in server_procs:
                 proc.kill()
     base = runs.get("sync")
-    base_rate = statistics.median(o["rounds_per_s"] for o in base) if base else None
+    base_rate = statistics.median(o["samples_per_s"] for o in base) if base else None
     base_time = statistics.median(o["seconds_to_target"] or float("inf") for o in base) if base else None
     slow = (f"{args.slow_factor:g}x slower in compute" if args.straggler == "compute" else
             f"its link at {args.link_share:g} of the rate")  # fmt: skip
     print(f"\nn = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, straggler {slow}, target accuracy "
           f"{args.target}")  # fmt: skip
     for mode, outs in runs.items():
-        rate = statistics.median(o["rounds_per_s"] for o in outs)
+        rate = statistics.median(o["samples_per_s"] for o in outs)
         time_ = statistics.median(o["seconds_to_target"] or float("inf") for o in outs)
-        ratios = f" ({rate / base_rate:.2f}x sync's rounds/s, {time_ / base_time:.2f}x its time)" if base else ""
-        print(f"{mode:18s} {rate:6.2f} rounds/s, target in {time_:6.1f} s{ratios}, final accuracy "
+        ratios = f" ({rate / base_rate:.2f}x sync's samples/s, {time_ / base_time:.2f}x its time)" if base else ""
+        print(f"{mode:18s} {rate:6.0f} samples/s, target in {time_:6.1f} s{ratios}, final accuracy "
               f"{statistics.median(o['final_accuracy'] for o in outs):.3f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -140,11 +140,12 @@ OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
   bool fits = part.pushOffset <= keyBytes && src.nbytes() <= keyBytes - part.pushOffset &&
               part.pullOffset <= keyBytes && dst.nbytes() <= keyBytes - part.pullOffset;
   bool pullOnly = src.nbytes() == 0 && keyBytes > 0;  // a SUM part that only pulls (Dispatcher::start)
-  if (!fits || (part.mode == transport::kModeSum && !pullOnly && (part.pushOffset != 0 || src.nbytes() != keyBytes)) ||
-      (part.mode != transport::kModeSum && part.mode != transport::kModeCopy)) {
+  bool whole = part.pushOffset == 0 && src.nbytes() == keyBytes;
+  if (!fits || (part.mode == transport::kModeSum && !pullOnly && !whole) ||
+      (part.mode == transport::kModeModel && !whole) || part.mode > transport::kModeModel) {
     throw Error(ErrorKind::kValue,
                 formatText("push_pull of key %" PRIu64 " (%" PRIu64 " bytes, mode %u): push of %zu bytes at %" PRIu64
-                           ", pull of %zu bytes at %" PRIu64 " do not fit (a SUM key takes whole-key pushes)",
+                           ", pull of %zu bytes at %" PRIu64 " do not fit (a SUM or MODEL key takes whole-key pushes)",
                            part.key, keyBytes, static_cast<unsigned>(part.mode), src.nbytes(), part.pushOffset,
                            dst.nbytes(), part.pullOffset));
   }

@@ -163,7 +163,7 @@ bool Dispatcher::sendRequest(const OpPtr& op, uint16_t command, Clock::time_poin
   h.incarnation = command == kHello ? 0 : links_.incarnation(op->server);
   h.jobId = options_.jobId;
   h.key = op->key;
-  h.round = op->round;
+  h.round = command == kHello ? options_.staleness : op->round;
   h.requestId = requests_.nextId();
   h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
   h.mode = command == kHello ? options_.backups : op->mode;
@@ -211,7 +211,8 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
   op->requests.erase(std::find(op->requests.begin(), op->requests.end(), h.requestId));
   const char* asked = transport::commandName(command);
 
-  if (h.command != (command | kReplyFlag) || h.jobId != options_.jobId || h.key != op->key || h.round != op->round) {
+  uint64_t round = command == kHello ? options_.staleness : op->round;  // as sendRequest wrote it
+  if (h.command != (command | kReplyFlag) || h.jobId != options_.jobId || h.key != op->key || h.round != round) {
     failOp(op, {ErrorKind::kProtocol, transport::kBadFrame,
                 formatText("server %s answered %s with a reply that does not match it (command 0x%x, job 0x%016" PRIx64
                            ", key %" PRIu64 ", round %" PRIu64 "; %s)",

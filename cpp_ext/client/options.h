@@ -61,6 +61,9 @@ struct ClientOptions {
   // `window` rounds may be alive per key. Sent in HELLO: every worker of the job must say the same.
   uint32_t backups = 0;
   uint32_t window = 2;
+  // MODEL keys (asynchronous training): a pull of round r waits until every worker pushed round r - staleness
+  // (transport::kUnbounded: never waits for others). Sent in HELLO.
+  uint64_t staleness = 0;
 };
 
 // A batch part's outcome (pushPullBatch's `outcomes`).

@@ -47,13 +47,16 @@ bool ServerLinks::openStream(size_t server, uint64_t offer, Requests& requests, 
   if (port > 0xffff) {
     why = formatText("the server offered port %" PRIu64, port);
   } else {
-    // The same HELLO as on ZeroMQ (job, worker, num_workers; incarnation 0): on the stream it registers this
+    // The same HELLO as on ZeroMQ (Dispatcher::sendRequest; incarnation 0): on the stream it registers this
     // worker's connection, so that the stream dropping loses the worker at the server as ZeroMQ's would.
     Header h;
     h.command = transport::kHello;
     h.worker = options_.worker;
     h.numWorkers = options_.numWorkers;
     h.jobId = options_.jobId;
+    h.mode = options_.backups;
+    h.rounds = options_.window;
+    h.round = options_.staleness;
     h.requestId = requests.nextId();
     uint8_t packed[kHeaderSize];
     packHeader(h, packed);

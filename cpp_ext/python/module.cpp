@@ -92,7 +92,7 @@ class PyClient {
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
            py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false,
            std::vector<int> receiveBufferBytes = {}, bool localStream = true, bool sharedMemory = true,
-           uint32_t backups = 0, uint32_t window = 2) {
+           uint32_t backups = 0, uint32_t window = 2, uint64_t staleness = 0) {
     // The handler outlives no GIL-holding scope safely on its own: drop the Python callable only with the
     // GIL held, whichever thread lets go of it last.
     std::shared_ptr<py::object> handler(new py::object(std::move(onComplete)), [](py::object* p) {
@@ -134,6 +134,7 @@ class PyClient {
     options.autoCredit = autoCredit;
     options.backups = backups;
     options.window = window;
+    options.staleness = staleness;
     py::gil_scoped_release release;
     client_ = std::make_unique<Client>(std::move(options), std::move(complete), std::move(linkDown));
   }
@@ -223,14 +224,14 @@ PYBIND11_MODULE(_C, m) {
                        std::vector<std::string> tokens, int64_t creditBytes, int64_t serverCreditBytes,
                        int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit,
                        std::vector<int> receiveBufferBytes, bool localStream, bool sharedMemory, uint32_t backups,
-                       uint32_t window) {
+                       uint32_t window, uint64_t staleness) {
              bps::python::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
                                   std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
                                  heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
                                  serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
                                  autoCredit, std::move(receiveBufferBytes), localStream, sharedMemory, backups,
-                                 window);
+                                 window, staleness);
            }),
            py::arg("servers"), py::arg("job_id"), py::arg("worker"), py::arg("num_workers"), py::arg("timeout"),
            py::arg("heartbeat_interval"), py::arg("heartbeat_timeout"), py::arg("on_complete"),
@@ -240,7 +241,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("socket_buffer_bytes") = 0, py::arg("failover") = false, py::arg("on_link_down") = py::none(),
            py::arg("stream") = false, py::arg("auto_credit") = false,
            py::arg("receive_buffer_bytes") = std::vector<int>{}, py::arg("local_stream") = true,
-           py::arg("shared_memory") = true, py::arg("backups") = 0, py::arg("window") = 2)
+           py::arg("shared_memory") = true, py::arg("backups") = 0, py::arg("window") = 2,
+           py::arg("staleness") = 0)
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",

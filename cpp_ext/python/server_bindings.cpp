@@ -96,7 +96,7 @@ void bindServerCore(py::module_& m) {
           py::arg("on_request"), py::arg("on_disconnect"), py::arg("on_zap"), py::arg("tick"),
           py::arg("tick_seconds"))
       .def("hello", &ServerCore::hello, py::arg("job_id"), py::arg("worker"), py::arg("num_workers"),
-           py::arg("backups"), py::arg("window"), py::arg("peer"), py::arg("identity"))
+           py::arg("backups"), py::arg("window"), py::arg("staleness"), py::arg("peer"), py::arg("identity"))
       .def("touch", &ServerCore::touch, py::arg("job_id"), py::arg("worker"))
       .def("declare", &ServerCore::declare, py::arg("job_id"), py::arg("key"), py::arg("nbytes"), py::arg("dtype"),
            py::arg("mode"))

@@ -78,8 +78,8 @@ py::list answerList(std::vector<Answer>& answers) {
 class KeyRoundsProbe {
  public:
   KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name,
-                 uint32_t backups, uint32_t window)
-      : job_(makeJob(numWorkers, backups, window)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
+                 uint32_t backups, uint32_t window, uint64_t staleness)
+      : job_(makeJob(numWorkers, backups, window, staleness)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
 
   py::tuple push(uint32_t worker, uint64_t rnd, const std::string& data, uint64_t offset) {
     return call([&] { return rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset); });
@@ -114,6 +114,7 @@ class KeyRoundsProbe {
   void setLost(uint32_t worker, const std::string& how) { job_.setLost(worker, how); }
   uint64_t floor() const { return rounds_.floor(); }
   bool hasWaiting() const { return rounds_.hasWaiting(); }
+  uint64_t applied(uint32_t worker) const { return rounds_.applied(worker); }
   uint64_t latePushes() const { return counters_.latePushes; }
 
  private:
@@ -131,8 +132,9 @@ class KeyRoundsProbe {
     for (auto& a : rounds_.takeReleased()) answers.push_back(std::move(a));
     return py::make_tuple(status, message, answerList(answers));
   }
-  static Job makeJob(uint32_t numWorkers, uint32_t backups, uint32_t window) {
+  static Job makeJob(uint32_t numWorkers, uint32_t backups, uint32_t window, uint64_t staleness) {
     Job job;
+    job.staleness = staleness;
     job.numWorkers = numWorkers;
     job.backups = backups;
     job.window = window;
@@ -187,9 +189,9 @@ void bindTesting(py::module_& m) {
            py::arg("backlogged"), "the new credit when a measured window closed, else 0");
 
   py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")
-      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&, uint32_t, uint32_t>(),
+      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&, uint32_t, uint32_t, uint64_t>(),
            py::arg("num_workers"), py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"),
-           py::arg("backups") = 0, py::arg("window") = 2)
+           py::arg("backups") = 0, py::arg("window") = 2, py::arg("staleness") = 0)
       .def("push", &KeyRoundsProbe::push, py::arg("worker"), py::arg("round"), py::arg("data"), py::arg("offset"))
       .def("pull", &KeyRoundsProbe::pull, py::arg("worker"), py::arg("round"), py::arg("token"), py::arg("offset"),
            py::arg("length"), py::arg("deadline") = std::numeric_limits<double>::infinity())
@@ -198,6 +200,7 @@ void bindTesting(py::module_& m) {
       .def("expire", &KeyRoundsProbe::expire, py::arg("now"))
       .def("set_lost", &KeyRoundsProbe::setLost, py::arg("worker"), py::arg("how"))
       .def_property_readonly("floor", &KeyRoundsProbe::floor)
+      .def("applied", &KeyRoundsProbe::applied, py::arg("worker"))
       .def_property_readonly("has_waiting", &KeyRoundsProbe::hasWaiting)
       .def_property_readonly("late_pushes", &KeyRoundsProbe::latePushes);
 }

@@ -88,9 +88,9 @@ class ServerCore {
   // The control plane's updates.
   // Register (or refresh) worker `worker` of job `jobId` said HELLO from `peer`; the job is bound to `identity`
   // if it has no owner yet.
-  void hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window,
+  void hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window, uint64_t staleness,
              const std::string& peer, const std::string& identity) {
-    jobs_.hello(jobId, worker, numWorkers, backups, window, peer, identity);
+    jobs_.hello(jobId, worker, numWorkers, backups, window, staleness, peer, identity);
   }
   void touch(uint64_t jobId, uint32_t worker) { jobs_.touch(jobId, worker); }  // a request the control plane handled
   void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode) {

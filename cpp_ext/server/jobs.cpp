@@ -3,17 +3,18 @@
 
 namespace bps::server {
 
-using transport::kModeSum;
+using transport::kModeCopy;
 using transport::kPush;
 
 void JobTable::hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window,
-                     const std::string& peer, const std::string& identity) {
+                     uint64_t staleness, const std::string& peer, const std::string& identity) {
   auto& job = jobs_[jobId];
   if (!job) {
     job = std::make_unique<Job>();
     job->numWorkers = numWorkers;
     job->backups = backups;
     job->window = window;
+    job->staleness = staleness;
     job->owner = identity;  // the job belongs to the identity of its first HELLO
   }
   job->peers[worker] = peer;
@@ -102,9 +103,9 @@ bool JobTable::admit(const transport::Header& h, const std::string& userId, size
   KeyState& k = *found->second;
   if (h.nbytes != k.nbytes || h.dtype != k.dtype || h.mode != k.mode) return false;
   if (h.length > k.nbytes || h.offset > k.nbytes - h.length) return false;
-  // A SUM key's PUSH carries the whole key.
+  // A SUM or MODEL key's PUSH carries the whole key.
   if (h.command == kPush &&
-      (payloadBytes != h.length || (k.mode == kModeSum && (h.offset != 0 || h.length != k.nbytes)))) {
+      (payloadBytes != h.length || (k.mode != kModeCopy && (h.offset != 0 || h.length != k.nbytes)))) {
     return false;
   }
   *job = foundJob->second.get();

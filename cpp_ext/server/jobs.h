@@ -33,9 +33,10 @@ class JobTable {
 
   // Register (or refresh) worker `worker` of job `jobId` said HELLO from `peer`; the job is bound to `identity`
   // if it has no owner yet.
-  // `backups` and `window` (Job's) are fixed by the job's first HELLO (the control plane checks the others agree).
+  // `backups`, `window` and `staleness` (Job's) are fixed by the job's first HELLO (the control plane checks the
+  // others agree).
   void hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window,
-             const std::string& peer, const std::string& identity);
+             uint64_t staleness, const std::string& peer, const std::string& identity);
   void touch(uint64_t jobId, uint32_t worker);  // a request of that worker, handled by the control plane
   void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode);
   // The worker's connection dropped: fail the waiting pulls of every round it has not pushed.

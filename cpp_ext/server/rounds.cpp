@@ -63,7 +63,9 @@ KeyRounds::KeyRounds(std::string name, const Job& job, SumCounters& counters, ui
       mode_(mode),
       nbytes_(nbytes),
       dtype_(dtype),
-      widened_(mode == kModeSum && sumsWidened(dtype)) {}
+      widened_(mode == kModeSum && sumsWidened(dtype)) {
+  if (mode == kModeModel) applied_.assign(job.numWorkers, 0);
+}
 
 std::string KeyRounds::what(const char* verb, uint64_t rnd, uint32_t worker) const {
   return formatText("%s of %s round %llu by worker %u", verb, name_.c_str(), static_cast<unsigned long long>(rnd),
@@ -149,6 +151,7 @@ Answer KeyRounds::release(Waiting& w, Round& r) {
 }
 
 std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& data, uint64_t offset) {
+  if (mode_ == kModeModel) return pushModel(worker, rnd, std::move(data));
   Round& r = live(rnd, worker, "push");
   if (r.failed) {
     markPushed(r, worker);
@@ -181,6 +184,7 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
 }
 
 bool KeyRounds::pull(Pull&& pull, double deadline, Answer* answer) {
+  if (mode_ == kModeModel) return pullModel(std::move(pull), deadline, answer);
   uint32_t worker = pull.header.worker;
   uint64_t rnd = pull.header.round;
   Round& r = live(rnd, worker, "pull");
@@ -208,6 +212,7 @@ bool KeyRounds::pull(Pull&& pull, double deadline, Answer* answer) {
 }
 
 std::vector<Answer> KeyRounds::refuse(uint32_t worker, uint64_t rnd, const std::string& reason) {
+  if (mode_ == kModeModel) return refuseModel(worker, rnd, reason);
   Round& r = live(rnd, worker, "push");
   if (!r.failed) {
     r.failed = true;
@@ -227,6 +232,10 @@ std::vector<Answer> KeyRounds::refuse(uint32_t worker, uint64_t rnd, const std::
 
 std::vector<Answer> KeyRounds::failLost() {
   std::vector<Answer> failed;
+  if (mode_ == kModeModel) {  // a lost worker no longer holds the others back
+    releaseModel();
+    return failed;
+  }
   if (job_.backups) freeDone();  // a lost worker's pulls are no longer awaited
   for (auto& [rnd, r] : rounds_) {
     if (r.waiting.empty() || r.closed) continue;
@@ -242,6 +251,7 @@ std::vector<Answer> KeyRounds::failLost() {
 }
 
 std::vector<Answer> KeyRounds::expire(double now) {
+  if (mode_ == kModeModel) return expireModel(now);
   std::vector<Answer> expired;
   for (auto& [rnd, r] : rounds_) {
     bool due = std::any_of(r.waiting.begin(), r.waiting.end(), [&](const Waiting& w) { return w.deadline <= now; });
@@ -289,11 +299,13 @@ std::vector<Answer> KeyRounds::failAll(uint16_t status, const std::string& messa
     for (auto& w : r.waiting) failed.push_back(Answer{std::move(w.pull), status, message, Message()});
     r.waiting.clear();
   }
+  for (auto& w : waiting_) failed.push_back(Answer{std::move(w.pull), status, message, Message()});
+  waiting_.clear();
   return failed;
 }
 
 bool KeyRounds::hasWaiting() const {
-  return std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
+  return !waiting_.empty() || std::any_of(rounds_.begin(), rounds_.end(), [](const auto& item) { return !item.second.waiting.empty(); });
 }
 
 void KeyRounds::add(Round& r, Message&& data, uint32_t contributors) {

@@ -15,6 +15,10 @@
 // round). Once the round closed it is never written again, so answers share it by reference count
 // (zmq_msg_copy): a reply may still be in libzmq's queue after the round is freed.
 //
+// A MODEL key (model.cpp) has no rounds to close: every worker's pushes are added, in its round order and once
+// each, into one running total, and a pull of round r answers a copy of the total as soon as the worker's own push
+// of r and every other (not lost) worker's push of r - s are in it (s: the job's staleness bound).
+//
 // Used by one thread only (the server's loop thread): nothing here locks.
 #pragma once
 
@@ -66,6 +70,7 @@ struct Job {
   uint32_t numWorkers = 0;
   uint32_t backups = 0;  // b: a floating SUM round closes once n - b workers pushed it
   uint32_t window = 2;  // rounds alive per key
+  uint64_t staleness = 0;  // s: a MODEL key's pull of round r waits until every worker pushed round r - s
   std::string owner;  // the identity (ZAP user id) of the job's first HELLO
   std::unordered_map<uint32_t, std::string> peers;  // worker -> address of its last HELLO
   std::unordered_map<uint32_t, double> lastSeen;  // worker -> monotonic seconds of its last request
@@ -111,6 +116,8 @@ class KeyRounds {
   std::vector<Answer> failAll(uint16_t status, const std::string& message);
   bool hasWaiting() const;
   uint64_t floor() const { return floor_; }
+  // A MODEL key: the rounds of `worker` in the total (its next round to push).
+  uint64_t applied(uint32_t worker) const { return worker < applied_.size() ? applied_[worker] : 0; }
 
  private:
   struct Waiting {
@@ -159,6 +166,16 @@ class KeyRounds {
   void freeDone();
   std::string behind(uint64_t rnd) const;  // why a closed round's pull waits: who has not pulled the floor
 
+  // A MODEL key's rules (model.cpp).
+  std::vector<Answer> pushModel(uint32_t worker, uint64_t rnd, Message&& data);
+  bool pullModel(Pull&& pull, double deadline, Answer* answer);
+  std::vector<Answer> refuseModel(uint32_t worker, uint64_t rnd, const std::string& reason);
+  std::vector<Answer> expireModel(double now);
+  void releaseModel();  // answer the waiting pulls whose rounds the total now holds
+  bool modelReady(uint64_t rnd, uint32_t worker) const;
+  uint64_t slowest() const;  // the fewest rounds a worker that is not lost has in the total
+  Answer snapshot(Pull&& pull) const;
+
   std::string name_;
   const Job& job_;
   SumCounters& counters_;
@@ -170,6 +187,12 @@ class KeyRounds {
   std::vector<std::vector<float>> spare_;
   std::map<uint64_t, Round> rounds_;
   std::vector<Answer> released_;
+  // MODEL: the running total (zeros until the first push), each worker's rounds in it, the waiting pulls, and each
+  // worker's refused push (round, why) that its pull of that round reports.
+  Message total_;
+  std::vector<uint64_t> applied_;
+  std::vector<Waiting> waiting_;
+  std::unordered_map<uint32_t, std::pair<uint64_t, std::string>> refused_;
 };
 
 // "job 0x.. key K": how error messages name a key.

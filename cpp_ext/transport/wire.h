@@ -29,8 +29,9 @@ enum Command : uint16_t { kHello = 1, kInit = 2, kPush = 3, kPull = 4, kStats = 
 // stream (stream_conn.h). torch_bps.wire.STREAM_LOCAL.
 constexpr uint64_t kStreamLocal = uint64_t{1} << 32;
 
-// What a key's rounds do with pushes, fixed by its INIT: sum whole-key pushes, or copy byte ranges.
-enum Mode : uint32_t { kModeSum = 0, kModeCopy = 1 };
+// What a key's rounds do with pushes, fixed by its INIT: sum whole-key pushes, copy byte ranges, or add every
+// worker's pushes, in order and once each, into one running total (a model trained asynchronously).
+enum Mode : uint32_t { kModeSum = 0, kModeCopy = 1, kModeModel = 2 };
 
 enum Status : uint16_t {
   kOk = 0,
@@ -49,6 +50,9 @@ enum Status : uint16_t {
   kOverQuota = 16,
 };
 
+// A HELLO's staleness bound that bounds nothing: fully asynchronous MODEL keys.
+constexpr uint64_t kUnbounded = ~uint64_t{0};
+
 struct Header {
   uint16_t command = 0;
   uint16_t status = 0;
@@ -63,7 +67,7 @@ struct Header {
   uint64_t incarnation = 0;
   uint64_t jobId = 0;
   uint64_t key = 0;
-  uint64_t round = 0;
+  uint64_t round = 0;  // HELLO: the job's staleness bound s for MODEL keys (kUnbounded: none)
   uint64_t requestId = 0;
   uint64_t nbytes = 0;  // INIT/PUSH/PULL: the key's size in bytes
   uint64_t offset = 0;  // PUSH: where the payload goes in the key; PULL: first byte wanted

@@ -153,6 +153,6 @@ def test_settings_a_job_cannot_have_are_refused_by_name(server):
         Client([server.address], 7, 0, 2, backups=2, auth=False)
     # Every worker of a job must say the same: mixing modes within one job is refused, naming both.
     with Client([server.address], 7, 0, 3, backups=1, window=3, auth=False):
-        with pytest.raises(ServerError, match="3 workers, 0 backup workers and 2 live rounds, but the job was "
-                                              "declared with 3, 1 and 3"):  # fmt: skip
+        with pytest.raises(ServerError, match="3 workers, 0 backup workers, 2 live rounds and staleness 0, but the "
+                                              "job was declared with 3, 1, 3 and 0"):  # fmt: skip
             Client([server.address], 7, 1, 3, auth=False)

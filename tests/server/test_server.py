@@ -76,6 +76,52 @@ def test_a_hello_asking_for_backups_or_a_window_the_job_cannot_have_is_refused(s
     assert peer.hello().status == Status.OK  # the job was never made: a sound HELLO makes it
 
 
+UNBOUNDED = 2**64 - 1  # a HELLO's staleness that bounds nothing
+MODEL = 2  # a key's mode: a running total, each worker's pushes added in order and once
+
+
+def _hello(p, **fields) -> tuple[int, str]:
+    h, rest = p.request(Command.HELLO, num_workers=p.num_workers, **fields)
+    p.incarnation = h.incarnation
+    return error_of((h, rest))
+
+
+def _model_request(p, command, rnd, t=None, nbytes=16):
+    data = [t.view(torch.uint8).numpy().tobytes()] if t is not None else []
+    return p.request(command, *data, key=3, round=rnd, nbytes=nbytes, dtype=1, mode=MODEL)
+
+
+def test_a_model_key_adds_every_workers_updates_once_and_in_order(server, job_id):
+    a, b = (RawPeer(server.address, job_id, w, 2) for w in range(2))
+    for p in (a, b):
+        assert _hello(p, round=UNBOUNDED)[0] == Status.OK
+        assert _model_request(p, Command.INIT, 0)[0].status == Status.OK
+    one = torch.ones(4)
+    assert _model_request(a, Command.PUSH, 0, one)[0].status == Status.OK
+    assert _model_request(a, Command.PUSH, 0, one)[0].status == Status.OK  # resent: never added twice
+    status, msg = error_of(_model_request(a, Command.PUSH, 2, one))  # skips round 1: an update would be lost
+    assert status == Status.BAD_ROUND and "its round 1 was never pushed" in msg
+    assert _model_request(b, Command.PUSH, 0, 2 * one)[0].status == Status.OK
+    assert _model_request(a, Command.PUSH, 1, 4 * one)[0].status == Status.OK
+    h, rest = _model_request(b, Command.PULL, 0)
+    assert h.status == Status.OK and torch.equal(torch.frombuffer(bytearray(rest[0]), dtype=torch.float32), 7 * one)
+
+
+def test_model_keys_and_staleness_a_job_cannot_have_are_refused(server, job_id):
+    peer = RawPeer(server.address, job_id, 0, 2)
+    status, msg = _hello(peer, mode=1, round=2)
+    assert status == Status.JOB_MISMATCH and "1 backup workers and staleness 2" in msg, msg
+    assert _hello(peer, round=2)[0] == Status.OK
+    other = RawPeer(server.address, job_id, 1, 2)  # mixing modes within one job: refused, naming both
+    status, msg = _hello(other, round=UNBOUNDED)
+    assert status == Status.JOB_MISMATCH and f"staleness {UNBOUNDED}, but" in msg and "and 2" in msg, msg
+    status, msg = error_of(peer.request(Command.INIT, key=3, nbytes=8, dtype=5, mode=MODEL))  # int32
+    assert status == Status.KEY_MISMATCH and "a MODEL key is float32 or float64, not int32" in msg, msg
+    assert _model_request(peer, Command.INIT, 0)[0].status == Status.OK
+    status, msg = error_of(peer.request(Command.PUSH, b"\0" * 8, key=3, nbytes=16, dtype=1, mode=MODEL, length=8))
+    assert status == Status.KEY_MISMATCH and "a MODEL key is pushed whole" in msg, msg
+
+
 @pytest.mark.parametrize("dtype", list(PROTOCOL_CODES), ids=lambda d: str(d).removeprefix("torch."))
 def test_sum_of_three_workers(server, job_id, dtype):
     ps = peers(server, job_id, 3)

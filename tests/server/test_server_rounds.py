@@ -1,4 +1,4 @@
-"""The server's native rounds (cpp_ext/server/rounds.h) against their reference, torch_bps/_reference/rounds.py.
+"""The server's native rounds (cpp_ext/server/rounds.h, model.cpp) against their references in torch_bps/_reference/.
 
 Both are driven with the same random sequences of push, pull, refused push, lost worker and expiry, and must
 give the same answers (token, status, result bytes or error text), refuse the same calls with the same words,
@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from torch_bps import _C
+from torch_bps._reference.model import ModelRounds
 from torch_bps._reference.rounds import KeyRounds, Round, SumCounters
 from torch_bps.errors import ProtocolError
-from torch_bps.server.job import Job
+from torch_bps.server.job import UNBOUNDED, Job
 from torch_bps.wire import DTYPES, Mode, Status
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,13 +28,18 @@ SUM_DTYPES = [1, 3, 4, 8, 6]  # float32, float16, bfloat16, int8 (wraps), int64
 
 
 class Reference:
-    """_reference/rounds.py's KeyRounds, with its answers put in the shape KeyRoundsProbe returns."""
+    """_reference's KeyRounds (ModelRounds for a MODEL key), with its answers put in the shape KeyRoundsProbe
+    returns."""
 
-    def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int, backups: int = 0, window: int = 2):
-        self.job = Job(num_workers, backups, window)
+    def __init__(self, num_workers: int, mode: int, nbytes: int, dtype: int, backups: int = 0, window: int = 2,
+                 staleness: int = 0):  # fmt: skip
+        self.job = Job(num_workers, backups, window, staleness)
         self.mode, self.dtype = mode, dtype
         self.counters = SumCounters()
-        self.rounds = KeyRounds(NAME, self.job, self.counters, Mode(mode), nbytes, DTYPES[dtype])
+        if mode == Mode.MODEL:
+            self.rounds = ModelRounds(NAME, self.job, self.counters, nbytes, DTYPES[dtype])
+        else:
+            self.rounds = KeyRounds(NAME, self.job, self.counters, Mode(mode), nbytes, DTYPES[dtype])
         self.pulls: dict[int, tuple[int, int, int, int]] = {}  # token -> (worker, round, offset, length)
 
     def _answer(self, token: int, result) -> tuple:
@@ -86,20 +92,21 @@ def _normalize(outcome) -> tuple:
 @st.composite
 def scenarios(draw):
     num_workers = draw(st.integers(1, 4))
-    backups = draw(st.integers(0, num_workers - 1))
+    mode = draw(st.sampled_from([Mode.SUM, Mode.COPY, Mode.MODEL]))
+    backups = draw(st.integers(0, num_workers - 1)) if mode != Mode.MODEL else 0
     window = draw(st.integers(2, 4)) if backups else 2
-    mode = draw(st.sampled_from([Mode.SUM, Mode.COPY]))
-    if mode == Mode.SUM:
-        dtype = draw(st.sampled_from(SUM_DTYPES))
+    staleness = draw(st.sampled_from([0, 1, 2, UNBOUNDED])) if mode == Mode.MODEL else 0
+    if mode != Mode.COPY:
+        dtype = draw(st.sampled_from(SUM_DTYPES if mode == Mode.SUM else [1, 2]))  # MODEL: float32, float64
         nbytes = DTYPES[dtype].itemsize * draw(st.integers(1, 4))
     else:
         dtype, nbytes = 7, draw(st.integers(0, 8))
     ops = []
     for _ in range(draw(st.integers(1, 30))):
         kind = draw(st.sampled_from(["push"] * 4 + ["pull"] * 4 + ["refuse", "lose", "expire"]))
-        worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 5))
+        worker, rnd = draw(st.integers(0, num_workers - 1)), draw(st.integers(0, 3 if mode == Mode.MODEL else 5))
         if kind == "push":
-            if mode == Mode.SUM:
+            if mode != Mode.COPY:
                 offset, data = 0, _sum_data(draw, dtype, nbytes)
             else:
                 offset = draw(st.integers(0, nbytes))
@@ -118,7 +125,7 @@ def scenarios(draw):
             ops.append((kind, worker))
         else:
             ops.append((kind, draw(st.sampled_from([1.5, 2.5]))))
-    return num_workers, int(mode), nbytes, dtype, backups, window, ops
+    return num_workers, int(mode), nbytes, dtype, backups, window, staleness, ops
 
 
 # Besides hypothesis's floats (which favour simple values whose sums are exact), 11-bit significands at magnitudes
@@ -143,9 +150,9 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
 @given(scenario=scenarios())
 def test_the_native_rounds_answer_as_the_reference_does(scenario):
-    num_workers, mode, nbytes, dtype, backups, window, ops = scenario
-    ref = Reference(num_workers, mode, nbytes, dtype, backups, window)
-    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME, backups, window)
+    num_workers, mode, nbytes, dtype, backups, window, staleness, ops = scenario
+    ref = Reference(num_workers, mode, nbytes, dtype, backups, window, staleness)
+    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME, backups, window, staleness)
     token = 0
     for op in ops:
         kind = op[0]
@@ -174,6 +181,8 @@ def test_the_native_rounds_answer_as_the_reference_does(scenario):
         assert native.floor == ref.rounds.floor, op
         assert native.has_waiting == ref.rounds.has_waiting, op
         assert native.late_pushes == ref.counters.late_pushes, op
+        if mode == Mode.MODEL:
+            assert [native.applied(w) for w in range(num_workers)] == ref.rounds.applied, op
 
 
 def test_a_sum_round_adds_in_the_keys_dtype_and_frees_after_every_pull():
@@ -279,3 +288,36 @@ def test_integer_and_copy_rounds_of_a_backup_job_still_need_every_worker():
     probe.push(0, 0, bytes(8), 0)
     assert probe.pull(0, 0, 1, 0, 8) == (0, "", [])
     assert probe.push(1, 0, bytes(8), 0)[2] == [(1, Status.OK, bytes(8), 0)]
+
+
+def test_a_model_key_adds_each_update_once_and_in_order():
+    probe = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, 0, 2, UNBOUNDED)
+    assert probe.pull(0, 1, 1, 0, 4)[0] == Status.BAD_ROUND  # past its own next push (round 0)
+    assert probe.push(0, 0, f32(1.0), 0) == (0, "", [])
+    assert probe.push(0, 0, f32(1.0), 0) == (0, "", [])  # resent: acknowledged, not added again
+    status, message, _ = probe.push(0, 2, f32(4.0), 0)  # skips round 1: that update would be lost
+    assert status == Status.BAD_ROUND and "its round 1 was never pushed" in message
+    assert probe.pull(0, 0, 2, 0, 4) == (0, "", [(2, Status.OK, f32(1.0), 0)])  # unbounded: no wait for worker 1
+    assert probe.push(1, 0, f32(2.0), 0) == (0, "", [])
+    assert probe.push(0, 1, f32(4.0), 0) == (0, "", [])
+    assert probe.pull(1, 0, 3, 0, 4)[2] == [(3, Status.OK, f32(7.0), 0)]  # everything pushed so far, once
+    assert [probe.applied(0), probe.applied(1)] == [2, 1]
+
+
+def test_a_model_keys_pull_waits_for_the_slowest_worker_s_rounds_behind():
+    probe = _C._testing.KeyRoundsProbe(3, int(Mode.MODEL), 4, 1, NAME, 0, 2, 1)  # s = 1
+    for rnd in range(3):
+        probe.push(0, rnd, f32(1.0), 0)
+    probe.push(1, 0, f32(10.0), 0)
+    probe.push(2, 0, f32(100.0), 0)
+    assert probe.pull(0, 1, 1, 0, 4)[2] == [(1, Status.OK, f32(113.0), 0)]  # every worker pushed round 0
+    assert probe.pull(0, 2, 2, 0, 4) == (0, "", [])  # waits: workers 1 and 2 have not pushed round 1
+    assert probe.push(1, 1, f32(10.0), 0) == (0, "", [])
+    probe.set_lost(2, "worker 2 (at 10.0.0.2) disconnected")  # a lost worker holds nobody back
+    assert probe.fail_lost() == [(2, Status.OK, f32(123.0), 0)]
+    probe2 = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, 0, 2, 0)  # s = 0: lockstep
+    probe2.push(0, 0, f32(1.0), 0)
+    assert probe2.pull(0, 0, 1, 0, 4, 1.0) == (0, "", [])
+    ((token, status, message, _),) = probe2.expire(2.0)
+    assert status == Status.ROUND_TIMEOUT and "every worker pushed round 0 (staleness 0): 1 have not" in message
+    assert "worker 1" in message

@@ -288,6 +288,19 @@ def test_zmq_transport_opens_no_stream():
         assert srv.streams_accepted == 0 and srv.requests["stream"] == {}
 
 
+@pytest.mark.parametrize("settings", [{"backups": 1, "window": 3}, {"staleness": 2}, {"staleness": None}],
+                         ids=["backups", "staleness", "async"])  # fmt: skip
+def test_a_job_with_backup_workers_or_staleness_gets_its_stream(settings):
+    """The stream's HELLO says what the ZeroMQ one said: else the server refuses it (JOB_MISMATCH) and the job stays
+    on ZeroMQ."""
+    server = ServerProcess(auth=False)
+    try:
+        with Client([server.address], 9, 0, 2, auth=False, stream=True, **settings) as c:
+            assert c.stream_ready(0)
+    finally:
+        server.stop()
+
+
 def test_a_server_offering_no_stream_is_used_over_zmq():
     with FakeServer(offer=False) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True) as c:
         sums(c, 2)

@@ -7,10 +7,11 @@ learns a key from the INIT the client pipelines in front of its first push.
 
 Up to `slots` collectives of one (numel, dtype) may be in flight at once on distinct keys; the next
 reuses the first slot's keys, and the client sends a key's next round only after the previous one came
-back, so rounds of one key never overlap.
+back, so rounds of one key never overlap. A MODEL tensor always gets the same keys: they hold its running
+total on the servers.
 
 Key layout (u64): tensor id << 24 | local slice << 16 | partition index.
-May import: the standard library, torch, torch_bps.config and torch_bps.engine.placement.
+May import: the standard library, torch, torch_bps.config, torch_bps.wire and torch_bps.engine.placement.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from torch_bps.config import DEFAULT_MIN_PARTITION_BYTES
 from torch_bps.engine.placement import Placement
+from torch_bps.wire import Mode
 
 MAX_PARTS = 1 << 16
 PARTS_PER_SERVER = 64
@@ -100,7 +102,7 @@ class KeyBook:
         shape = (numel, dtype, int(mode))
         calls = self._calls.get(shape, 0)
         self._calls[shape] = calls + 1
-        slot = calls % self.slots
+        slot = 0 if mode == Mode.MODEL else calls % self.slots
         plan = self._plans.get((*shape, slot))
         if plan is None:
             plan = self._plans[(*shape, slot)] = self._new_plan(len(self._plans), numel, dtype)

@@ -1,7 +1,7 @@
 """The keys a server knows, and the checks INIT, PUSH and PULL pass against a key's declaration.
 
-The first INIT of a key fixes its size, dtype and mode (SUM or COPY); every later INIT, PUSH and PULL must
-agree, and a PUSH or PULL must name a byte range inside the key (a SUM key's PUSH: the whole key). These run
+The first INIT of a key fixes its size, dtype and mode (SUM, COPY or MODEL); every later INIT, PUSH and PULL must
+agree, and a PUSH or PULL must name a byte range inside the key (a SUM or MODEL key's PUSH: the whole key). These run
 on metadata alone, before any payload is looked at, so a worker whose plan disagrees with the others' gets
 KEY_MISMATCH naming both sides instead of a wrong result. The server's native core makes the same checks on
 PUSH and PULL and hands every request that fails one to the control plane, so the words a peer reads are
@@ -33,7 +33,11 @@ def check_init(h: Header) -> None:
     if h.dtype not in DTYPES:
         raise ProtocolError(Status.KEY_MISMATCH, f"{what}: unknown dtype code {h.dtype}")
     if h.mode not in _MODES:
-        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: unknown mode {h.mode} (0: SUM, 1: COPY)")
+        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: unknown mode {h.mode} (0: SUM, 1: COPY, 2: MODEL)")
+    if h.mode == Mode.MODEL and not (DTYPES[h.dtype].is_floating_point and DTYPES[h.dtype].itemsize >= 4):
+        # A running total of many small updates in 16 bits would drop them.
+        raise ProtocolError(Status.KEY_MISMATCH, f"{what}: a MODEL key is float32 or float64, not "
+                            f"{dtype_name(h.dtype)}")  # fmt: skip
     if h.nbytes % DTYPES[h.dtype].itemsize:
         raise ProtocolError(
             Status.KEY_MISMATCH, f"{what}: {h.nbytes} bytes is not a whole number of {dtype_name(h.dtype)}"
@@ -56,7 +60,7 @@ def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> Ke
         )
     if h.command == Command.PUSH and payload_bytes != h.length:
         raise ProtocolError(Status.KEY_MISMATCH, f"{what}: header says {h.length} bytes, payload has {payload_bytes}")
-    whole = " (a SUM key is pushed whole)" if info.mode == Mode.SUM and h.command == Command.PUSH else ""
+    whole = f" (a {info.mode.name} key is pushed whole)" if info.mode != Mode.COPY and h.command == Command.PUSH else ""
     raise ProtocolError(
         Status.KEY_MISMATCH, f"{what}: bytes [{h.offset}, {h.offset + h.length}) of a {info.nbytes}-byte key{whole}"
     )
@@ -64,7 +68,7 @@ def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> Ke
 
 def _range_ok(info: KeyInfo, h: Header, payload_bytes: int) -> bool:
     if h.command == Command.PUSH:
-        if payload_bytes != h.length or (info.mode == Mode.SUM and (h.offset, h.length) != (0, info.nbytes)):
+        if payload_bytes != h.length or (info.mode != Mode.COPY and (h.offset, h.length) != (0, info.nbytes)):
             return False
     return h.offset + h.length <= info.nbytes
 

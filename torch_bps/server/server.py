@@ -40,7 +40,7 @@ import torch_bps._C as _C
 from torch_bps.errors import ProtocolError
 from torch_bps.server.auth import JobGuard, ServerSecurity
 from torch_bps.server.drain import JobActivity, quiet
-from torch_bps.server.job import Job, check_backups
+from torch_bps.server.job import Job, job_settings
 from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
 from torch_bps.server.metrics import resident_bytes
@@ -309,18 +309,18 @@ class SummationServer:
         if job is None and not self.accepting:
             raise ProtocolError(Status.UNKNOWN_JOB, f"HELLO of job {h.job_id:#x}: server {self.address} is draining "
                                 "(it was sent SIGTERM) and takes no new job; give the job another server")  # fmt: skip
-        backups, window = check_backups(h)
+        backups, window, staleness = job_settings(h)
         if job is None:
             self._charge(self._book.add_job, h.job_id)
-            job = self._jobs[h.job_id] = Job(h.num_workers, backups, window)
+            job = self._jobs[h.job_id] = Job(h.num_workers, backups, window, staleness)
             log.info("job %#x: %d workers%s", h.job_id, h.num_workers,
                      f", {backups} backup workers, {window} live rounds per key" if backups else "")  # fmt: skip
-        elif (job.num_workers, job.backups, job.window) != (h.num_workers, backups, window):
+        elif (job.num_workers, job.backups, job.window, job.staleness) != (h.num_workers, backups, window, staleness):
             raise ProtocolError(
                 Status.JOB_MISMATCH,
                 f"HELLO of job {h.job_id:#x} from worker {h.worker} says {h.num_workers} workers, {backups} backup "
-                f"workers and {window} live rounds, but the job was declared with {job.num_workers}, {job.backups} "
-                f"and {job.window}",
+                f"workers, {window} live rounds and staleness {staleness}, but the job was declared with "
+                f"{job.num_workers}, {job.backups}, {job.window} and {job.staleness}",
             )
         job.workers.add(h.worker)
         # Which connection this worker is on, to know it lost when that connection drops. A worker that
@@ -331,7 +331,8 @@ class SummationServer:
         job.peers[h.worker] = peer or "an unknown address"
         job.lost.pop(h.worker, None)
         self._book.touch(h.job_id, time.monotonic())
-        self._core.hello(h.job_id, h.worker, h.num_workers, backups, window, job.peers[h.worker], identity)
+        self._core.hello(h.job_id, h.worker, h.num_workers, backups, window, staleness, job.peers[h.worker],
+                         identity)  # fmt: skip
         return [ident, h.reply(incarnation=self.incarnation, length=self._stream_offer).pack()]
 
     def _init(self, ident: bytes, h: Header) -> list:

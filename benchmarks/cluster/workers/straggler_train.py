@@ -1,4 +1,5 @@
-"""One rank of the straggler measurement: a student MLP learns a fixed teacher's labels through BackupWorkers.
+"""One rank of the straggler measurement: a student MLP learns a fixed teacher's labels through BackupWorkers, or
+through AsyncTraining with `--staleness` (an integer, or inf).
 
     python -m benchmarks.cluster.workers.straggler_train --rank 0 --world 4 --store 10.77.0.1:29600 \
         --backups 1 --slow-rank 3 --slow-factor 3 --steps 150
@@ -8,7 +9,8 @@ its own training samples, rank 0 scores a fixed held-out set of 2,000 every `--e
 takes `--slow-factor` times as long to compute each step it computes (it sleeps the extra time, measured on the
 step itself), so the machine's CPU stays the others'. Servers: BPS_SERVERS (dedicated hosts), BPS_FAILOVER=0.
 Prints one RESULT line: wall seconds, steps computed and caught up, rank 0's accuracy curve, a hash of the
-parameters (replicas must agree).
+parameters (replicas must agree: with backup workers), and the held-out accuracy once every rank finished (with
+AsyncTraining: of the model with every update in, pulled after a barrier).
 May import: the standard library, torch, torch_bps and benchmarks.cluster.workers.common.
 """
 
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store", required=True)
     p.add_argument("--backups", type=int, default=0)
+    p.add_argument("--staleness", default="", help="AsyncTraining with s rounds, or inf (default: BackupWorkers)")
     p.add_argument("--slow-rank", type=int, default=-1, help="-1: no straggler")
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=150)
@@ -64,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, CLASSES))  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sync = torch_bps.BackupWorkers(model, opt, backups=args.backups)
+    stale = args.staleness != ""
+    if stale:
+        sync = torch_bps.AsyncTraining(model, opt, staleness=None if args.staleness == "inf" else int(args.staleness))
+    else:
+        sync = torch_bps.BackupWorkers(model, opt, backups=args.backups)
     data = torch.Generator().manual_seed(100 + args.rank)
     test_x = torch.randn(TEST, INPUTS, generator=torch.Generator().manual_seed(7))
     test_y = teacher_labels(test_x)
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     computed = 0
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
-        if sync.compute():
+        if stale or sync.compute():
             began = time.perf_counter()
             x = torch.randn(args.batch, INPUTS, generator=data)
             F.cross_entropy(model(x), teacher_labels(x)).backward()
@@ -91,9 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0 and (step + 1) % args.eval_every == 0:
             evaluate(step + 1, start)
     seconds = time.perf_counter() - start
+    dist.barrier()
+    if stale:  # every update is in: one more pull, of none, reads the model they make
+        opt.zero_grad(set_to_none=True)
+        sync.step()
+    with torch.no_grad():
+        final = (model(test_x).argmax(1) == test_y).float().mean().item()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
     emit({"rank": args.rank, "seconds": seconds, "steps": args.steps, "computed": computed,
-          "caught_up": sync.caught_up, "curve": curve, "params": params})  # fmt: skip
+          "caught_up": 0 if stale else sync.caught_up, "curve": curve, "params": params,
+          "final": final})  # fmt: skip
     sync.close()
     dist.barrier()
     dist.destroy_process_group()

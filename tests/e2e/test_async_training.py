@@ -1,0 +1,182 @@
+"""Asynchronous and bounded-staleness training (torch_bps.AsyncTraining) with real ranks and a real server: every
+acknowledged update is in the servers' model exactly once, a pull respects the staleness bound (and with none, a
+fast rank runs ahead), a killed or stopped rank holds nobody back, and settings that cannot be are refused by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import ServerProcess, _free_port, rank_context, run_ranks, start_servers, stop_servers
+from torch_bps import AsyncTraining, Config
+from torch_bps.client import Client
+from torch_bps.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(240)
+
+WORLD = 4  # a power of two: every update (r + 1) / WORLD and every sum of them is exact in fp32
+STEPS = 10
+SLOW = 3  # the straggler's rank
+DELAY = 0.15  # its extra seconds per step
+
+
+@pytest.fixture
+def server():
+    s = ServerProcess(auth=False)
+    yield s
+    s.stop()
+
+
+def _config(address: str) -> Config:
+    return Config.resolve(servers=(address,), placement="dedicated", failover=False, auth="off", timeout=30)
+
+
+def _counts(model: torch.Tensor) -> list[int]:
+    """How many updates of each rank a model holds: rank r's each subtract (r + 1) / WORLD from element r only."""
+    return [round(-model[r].item() * WORLD / (r + 1)) for r in range(WORLD)]
+
+
+def _train(rank, world, gloo, address, staleness):
+    """p starts at 0; rank r's gradient is r + 1 on element r only; SGD with lr 1. Returns, per step, how many
+    updates of each rank the pulled model held, then the model after every rank finished."""
+    p = torch.nn.Parameter(torch.zeros(WORLD))
+    opt = torch.optim.SGD([p], lr=1.0)
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config(address))
+    seen = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        if rank == SLOW:
+            time.sleep(DELAY)
+        ((rank + 1) * p[rank]).backward()
+        trainer.step()
+        seen.append(_counts(p.detach()))
+    dist.barrier(group=gloo)  # every update acknowledged: one more pull, of no update, reads them all
+    opt.zero_grad()
+    trainer.step()
+    trainer.close()
+    return seen, p.detach().numpy().tobytes()
+
+
+@pytest.mark.parametrize("staleness", [0, 1, None], ids=["s0", "s1", "async"])
+def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, staleness):
+    results = run_ranks(_train, WORLD, server.address, staleness, backend="gloo")
+    final = torch.tensor([-(r + 1) * STEPS / WORLD for r in range(WORLD)], dtype=torch.float32)
+    for _, params in results:
+        assert params == final.numpy().tobytes(), _counts(torch.frombuffer(bytearray(params), dtype=torch.float32))
+    for rank, (seen, _) in enumerate(results):
+        for t, counts in enumerate(seen):
+            assert counts[rank] == t + 1, (rank, t, counts)  # its own update is in, once
+            if staleness is not None:  # the pull of round t waited for every rank's round t - s
+                assert min(counts) >= t + 1 - staleness, (rank, t, counts)
+    if staleness is None:  # no waiting: a fast rank finished before the slow one had pushed most of its rounds
+        assert min(seen[-1][SLOW] for seen, _ in results[:SLOW]) < STEPS - 2, [s[-1] for s, _ in results]
+
+
+def _until_lost(rank, world, port, address, how, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))  # fmt: skip
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        p = torch.nn.Parameter(torch.zeros(world))
+        opt = torch.optim.SGD([p], lr=1.0)
+        trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=_config(address))
+        for step in range(3 * STEPS):
+            if rank == world - 1 and step == 4:
+                os.kill(os.getpid(), how)
+            opt.zero_grad()
+            (world * (rank + 1) * p[rank]).backward()  # each update is -(rank + 1) on element rank: exact
+            trainer.step()
+        results.put((rank, "ok", p.detach().tolist()))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", repr(e)))
+    time.sleep(3)  # rank 0 hosts the store: leave it up while the others finish
+    os._exit(0)
+
+
+@pytest.fixture
+def quick_server():
+    """A server that counts a worker silent for 2 s after a heartbeat as lost (a SIGSTOPped one)."""
+    s = ServerProcess(auth=False, extra_args=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_lost_rank_holds_nobody_back_and_its_acknowledged_updates_stay_once(quick_server, how):
+    world = 3
+    ctx = rank_context()
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_until_lost, args=(r, world, port, quick_server.address, how, results))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (s, out)) for r, s, out in (results.get(timeout=120) for _ in range(world - 1)))
+    finally:
+        for p in procs:
+            if p.is_alive() and p.pid == procs[-1].pid:
+                p.kill()
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert [got[r][0] for r in range(world - 1)] == ["ok", "ok"], got
+    for r in range(world - 1):
+        model = got[r][1]
+        # Its own updates, once each; the lost rank's 4 acknowledged ones (steps 0-3), once each, and no more.
+        assert model[r] == -(r + 1) * 3 * STEPS, (r, model)
+        assert model[world - 1] == -world * 4, (r, model)
+
+
+BLOCK = 4096  # elements per rank: several partitions of 4 KiB, on both servers
+
+
+def _through_failover(rank, world, gloo, addresses, victim):
+    """As _train, on a parameter of a block per rank, while rank 0 SIGKILLs server `victim` at step 4."""
+    p = torch.nn.Parameter(torch.zeros(world * BLOCK))
+    opt = torch.optim.SGD([p], lr=1.0)
+    config = Config.resolve(servers=tuple(addresses), placement="dedicated", failover=True, auth="off", timeout=30,
+                            failover_timeout=30, min_partition_bytes=4096)  # fmt: skip
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=config)
+    for step in range(STEPS):
+        if rank == 0 and step == 4:
+            os.kill(victim, signal.SIGKILL)
+        opt.zero_grad()
+        (world * (rank + 1) * p[rank * BLOCK : (rank + 1) * BLOCK].sum()).backward()  # updates of -(rank + 1)
+        trainer.step()
+    dist.barrier(group=gloo)
+    opt.zero_grad()
+    trainer.step()
+    failovers = len(trainer._runtime._engine.router.failovers)
+    trainer.close()
+    return p.detach().numpy().tobytes(), failovers  # bytes: a tensor would go by a file descriptor, gone at exit
+
+
+def test_a_killed_server_loses_no_update_and_adds_none_twice():
+    servers = start_servers(2, auth=False)
+    try:
+        results = run_ranks(_through_failover, 3, [s.address for s in servers], servers[0].proc.pid, backend="gloo")
+    finally:
+        stop_servers(servers)
+    want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(3)], dtype=torch.float32)
+    for model, failovers in results:
+        model = torch.frombuffer(bytearray(model), dtype=torch.float32).view(3, BLOCK)
+        assert failovers == 1
+        assert torch.equal(model, want), [sorted(set(row.tolist())) for row in model]
+
+
+def test_settings_that_cannot_be_are_refused_by_name(server, monkeypatch):
+    with pytest.raises(ConfigError, match="staleness=-1"):
+        Config.resolve(staleness=-1)
+    with pytest.raises(ConfigError, match="a job has one or the other"):
+        Config.resolve(staleness=2, backup_workers=1)
+    with pytest.raises(ConfigError, match="BPS_STALENESS"):
+        Config.resolve(staleness=-2)
+    monkeypatch.setenv("BPS_STALENESS", "inf")
+    assert Config.resolve().staleness is None
+    with pytest.raises(ValueError, match="staleness=-1 must be None"):
+        Client([server.address], 7, 0, 2, staleness=-1, auth=False)
