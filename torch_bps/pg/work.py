@@ -9,8 +9,8 @@ The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join cal
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
 the C++ future, so C++ consumers see an error rather than an exception object posing as a tensor.
 
-May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange; torch_bps._C when a
-collective is launched (`import torch_bps` must not load the C++ client).
+May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device;
+torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
+from torch_bps.pg.device import completion_context
 from torch_bps.wire import Mode
 
 
@@ -56,19 +57,22 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
     future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
 
     def done(error: BaseException | None) -> None:
-        if error is None:
-            try:
-                for t in transfers:
-                    if t.finish is not None:
-                        t.finish()
-            except BaseException as e:  # noqa: BLE001 - the collective fails with it
-                error = e
-        if error is None:
-            future.set_result(result)
-            return
-        if hasattr(error, "add_note"):
-            error.add_note(f"torch_bps: while running {op} {where}")
-        fail(future, error)
+        # On a completion thread: device set and the side stream current, so copies back and the Future's event
+        # are ordered on that stream and never dropped into the training stream (pg/device.py).
+        with completion_context(device if on_device else None):
+            if error is None:
+                try:
+                    for t in transfers:
+                        if t.finish is not None:
+                            t.finish()
+                except BaseException as e:  # noqa: BLE001 - the collective fails with it
+                    error = e
+            if error is None:
+                future.set_result(result)
+                return
+            if hasattr(error, "add_note"):
+                error.add_note(f"torch_bps: while running {op} {where}")
+            fail(future, error)
 
     runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
