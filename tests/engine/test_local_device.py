@@ -50,10 +50,28 @@ def _scenarios(comm, rank: int, size: int) -> None:
         comm.all_gather(x[lo:hi], x)
         want_all = sum(contribution(r, numel, torch.float32, step) for r in range(size))
         assert torch.equal(x, want_all), f"reduce_scatter + all_gather in place numel={numel}"
-    y = contribution(rank, 777, torch.int64, 9)
+    _expect_input_error(lambda: comm.reduce_scatter(torch.ones(10 + (rank == 0))), "local ranks disagree")
+    out = torch.ones(8)  # rank 1 alone passes it as 2-D: every rank raises, rank 1 saying why
+    lo, hi = comm.slice_range(8)
+    bad, why = (out.view(4, 2), "must be a 1-D") if rank == 1 else (out, r"local rank\(s\) \[1\] passed invalid input")
+    _expect_input_error(lambda: comm.all_gather(out[lo:hi], bad), why)
+    y = contribution(rank, 777, torch.int64, 9)  # and the comm is usable after both
     got = comm.reduce_scatter(y)
     lo, hi = comm.slice_range(777)
     assert torch.equal(got, sum(contribution(r, 777, torch.int64, 9) for r in range(size))[lo:hi]), "int64 (torch sum)"
+
+
+def _expect_input_error(call, pattern: str) -> None:
+    import re
+
+    from torch_bps.local import LocalInputError
+
+    try:
+        call()
+    except LocalInputError as e:
+        assert re.search(pattern, str(e)), f"LocalInputError without {pattern!r}: {e}"
+        return
+    raise AssertionError(f"no LocalInputError ({pattern!r})")
 
 
 def _child(rank, size, port, node, results):

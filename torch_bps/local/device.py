@@ -20,7 +20,8 @@ CPU-assisted path (pinned staging and `LocalComm` in host shared memory). Either
 
 CPU tensors share through a /dev/shm file instead of IPC and run with no stream: a stand-in with which the CPU
 tests run the exchange between real processes, the kernel under TRITON_INTERPRET=1. Never used in training.
-May import: torch, torch.distributed (the Store), torch_bps.errors, torch_bps.local, triton_kernels.
+May import: torch, torch.distributed (the Store), torch_bps.errors, torch_bps.wire (dtype codes), torch_bps.local,
+triton_kernels.
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.errors import BpsTimeoutError, ConfigError
-from torch_bps.local.comm import LocalComm, split_range
+from torch_bps.local.comm import LocalComm, LocalInputError, split_range
+from torch_bps.wire import DTYPE_CODES
 
 log = logging.getLogger("torch_bps.local")
 
 _ALIGN = 256  # bytes: every region starts on a boundary vector loads like
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_MAX_INPUTS = 8
+_REDUCE_SCATTER, _ALL_GATHER = 1, 2
+_OP_NAMES = {_REDUCE_SCATTER: "reduce_scatter", _ALL_GATHER: "all_gather"}
+_DTYPE_OF = {code: dt for dt, code in DTYPE_CODES.items()}
 
 
 class DeviceLocalComm:
@@ -84,7 +89,7 @@ class DeviceLocalComm:
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._barrier_comm = LocalComm(store, local_rank, L, f"{node_id}/device-stage", timeout=timeout,
                                        capacity_bytes=2 * L * L * 64)  # fmt: skip
-        self._flags = torch.zeros(L, dtype=torch.int32)
+        self._flags = torch.zeros(L, dtype=torch.int64)  # each rank's call descriptor, exchanged at barriers
         prefix = f"torch_bps/device-local/{node_id}"
         key = f"{prefix}/{store.add(f'{prefix}/instances/{local_rank}', 1)}"
         self._buf = self._allocate()
@@ -112,15 +117,19 @@ class DeviceLocalComm:
         Returns: `out`.
         """
         self._calls += 1
-        _check(tensor, self.device, "tensor")
-        L, me, es = self.local_size, self.local_rank, tensor.element_size()
-        bounds = [self.slice_range(tensor.numel(), p) for p in range(L)]
+        L, me = self.local_size, self.local_rank
+        problem = _problem(lambda: _check(tensor, self.device, "tensor"))
+        bounds = [self.slice_range(tensor.numel() if problem is None else 0, p) for p in range(L)]
         lo_me, hi_me = bounds[me]
-        if out is None:
+        if problem is None and out is None:
             out = torch.empty(hi_me - lo_me, dtype=out_dtype or tensor.dtype, device=self.device)
-        _check(out, self.device, "out")
-        if out.numel() != hi_me - lo_me:
-            raise ValueError(f"out has {out.numel()} elements; local rank {me}'s slice has {hi_me - lo_me}")
+        problem = problem or _problem(lambda: _check(out, self.device, "out"))
+        if problem is None and out.numel() != hi_me - lo_me:
+            problem = f"out has {out.numel()} elements; local rank {me}'s slice has {hi_me - lo_me}"
+        what = f"reduce_scatter call #{self._calls}"
+        if problem is not None:
+            self._barrier(what, -1, problem)  # every rank raises the same call's LocalInputError
+        es, desc = tensor.element_size(), _descriptor(_REDUCE_SCATTER, tensor)
         chunk = self._region // es
         rounds = max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))
         with self._on_stage_stream():
@@ -131,7 +140,7 @@ class DeviceLocalComm:
                     a = lo + j * chunk
                     if a < hi:
                         mine[d, : min(hi - a, chunk)].copy_(tensor[a : a + min(hi - a, chunk)])
-                self._barrier(f"reduce_scatter call #{self._calls} round {j + 1}/{rounds}")
+                self._barrier(f"{what} round {j + 1}/{rounds}", desc if j == 0 else None)
                 a = lo_me + j * chunk
                 if a < hi_me:
                     n = min(hi_me - a, chunk)
@@ -143,13 +152,16 @@ class DeviceLocalComm:
         """Write every local rank's slice into `out` (1-D contiguous on `device`, same numel everywhere): device
         copies from the peers' buffers. `slice_` may be this rank's slice of `out` itself."""
         self._calls += 1
-        _check(out, self.device, "out")
-        _check(slice_, self.device, "slice_")
-        L, me, es = self.local_size, self.local_rank, out.element_size()
-        bounds = [self.slice_range(out.numel(), p) for p in range(L)]
-        if slice_.numel() != bounds[me][1] - bounds[me][0] or slice_.dtype != out.dtype:
-            raise ValueError(f"slice_ ({slice_.numel()} x {slice_.dtype}) is not local rank {me}'s slice of "
-                             f"out ({bounds[me]} of {out.numel()} x {out.dtype})")  # fmt: skip
+        L, me = self.local_size, self.local_rank
+        problem = _problem(lambda: (_check(out, self.device, "out"), _check(slice_, self.device, "slice_")))
+        bounds = [self.slice_range(out.numel() if problem is None else 0, p) for p in range(L)]
+        if problem is None and (slice_.numel() != bounds[me][1] - bounds[me][0] or slice_.dtype != out.dtype):
+            problem = (f"slice_ ({slice_.numel()} x {slice_.dtype}) is not local rank {me}'s slice of "
+                       f"out ({bounds[me]} of {out.numel()} x {out.dtype})")  # fmt: skip
+        what = f"all_gather call #{self._calls}"
+        if problem is not None:
+            self._barrier(what, -1, problem)
+        es, desc = out.element_size(), _descriptor(_ALL_GATHER, out)
         chunk = self._half // es
         rounds = max(1, -(-(bounds[0][1] - bounds[0][0]) // chunk))
         with self._on_stage_stream():
@@ -162,7 +174,7 @@ class DeviceLocalComm:
                 if a < slice_.numel():
                     n = min(slice_.numel() - a, chunk)
                     self._block(self._buf, h, out.dtype, chunk)[:n].copy_(slice_[a : a + n])
-                self._barrier(f"all_gather call #{self._calls} round {j + 1}/{rounds}")
+                self._barrier(f"{what} round {j + 1}/{rounds}", desc if j == 0 else None)
                 for p, (lo, hi) in enumerate(bounds):
                     a = lo + j * chunk
                     if p != me and a < hi:
@@ -196,19 +208,34 @@ class DeviceLocalComm:
         total = torch.stack(parts).sum(0, dtype=parts[0].dtype if not parts[0].dtype.is_floating_point else None)
         out.copy_(total * scale if scale != 1.0 else total)
 
-    def _barrier(self, what: str) -> None:
-        """Every rank's queued work on its buffer is done, then every rank is here."""
+    def _barrier(self, what: str, descriptor: int | None = None, problem: str | None = None) -> None:
+        """Every rank's queued work on its buffer is done, then every rank is here. With descriptors (a call's first
+        round), every rank checks that all passed the same call, and raises the same LocalInputError if not."""
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
             _wait_event(event, self.timeout, f"local rank {self.local_rank}'s device work before {what}")
         me = self.local_rank
+        self._flags.fill_(0)
+        self._flags[me] = 0 if descriptor is None else descriptor
         try:
             self._barrier_comm.all_gather(self._flags[me : me + 1], self._flags)
         except Exception as e:
             e.add_note(f"torch_bps: node {self.node_id!r} local rank {me}: device local stage, {what}")
             raise
         self._round += 1
+        if descriptor is None:
+            return
+        where = f"node {self.node_id!r} local rank {me}: device local stage, {what}"
+        if problem is not None:
+            raise LocalInputError(f"{where}: {problem}")
+        flags = self._flags.tolist()
+        if -1 in flags:
+            raise LocalInputError(f"{where}: local rank(s) {[p for p, f in enumerate(flags) if f == -1]} passed "
+                                  "invalid input (their errors say why)")  # fmt: skip
+        if len(set(flags)) > 1:
+            seen = "; ".join(f"rank {p}: {_describe(f)}" for p, f in enumerate(flags))
+            raise LocalInputError(f"{where}: local ranks disagree ({seen})")
 
     @contextlib.contextmanager
     def _on_stage_stream(self):
@@ -252,6 +279,24 @@ class DeviceLocalComm:
             os.close(fd)
         self._peer_maps = [*getattr(self, "_peer_maps", []), mapped]
         return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def _descriptor(op: int, t: torch.Tensor) -> int:
+    """A call as one int64 every rank compares: numel, dtype, op."""
+    return (t.numel() << 16) | (DTYPE_CODES.get(t.dtype, 255) << 8) | op
+
+
+def _describe(descriptor: int) -> str:
+    op, code, numel = descriptor & 0xFF, (descriptor >> 8) & 0xFF, descriptor >> 16
+    return f"{_OP_NAMES.get(op, op)} {_DTYPE_OF.get(code, code)} numel={numel}"
+
+
+def _problem(check) -> str | None:
+    try:
+        check()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _check(t: torch.Tensor, device: torch.device, name: str) -> None:
