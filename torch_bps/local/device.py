@@ -201,8 +201,10 @@ class DeviceLocalComm:
         if parts[0].dtype in _KERNEL_DTYPES and out.dtype in _KERNEL_DTYPES and len(parts) <= _KERNEL_MAX_INPUTS:
             from triton_kernels import sum_scale_cast  # imports triton: only where a device local stage runs
 
-            sum_scale_cast(parts, out, scale=scale, backend=self._backend)
+            peers = any(p.device != out.device for p in parts)  # ranks on other GPUs, with peer access
+            sum_scale_cast(parts, out, scale=scale, backend=self._backend, peers=peers)
             return
+        parts = [p.to(out.device) for p in parts]  # (a no-op on one device)
         if scale != 1.0 and not parts[0].dtype.is_floating_point:
             raise ValueError(f"scale={scale} on {parts[0].dtype}: integers are summed, never scaled")
         total = torch.stack(parts).sum(0, dtype=parts[0].dtype if not parts[0].dtype.is_floating_point else None)
