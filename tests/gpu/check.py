@@ -28,6 +28,8 @@ import xml.etree.ElementTree as ET
 # Seconds per step: build is the long one (18 C++ files; ~1-2 min with ninja on 16 cores).
 LIMITS = {"preflight": 20, "build": 170, "test": 170, "bench": 100}
 NO_GPU = 3
+# The DDP model at the size: 4096 x 4096 x 6 linear layers, ~100 M parameters.
+BENCH_ARGS = "--quick --ddp-width 4096 --ddp-depth 6"
 
 
 def run_step(name: str, command: list[str], limit: float, out: str) -> dict:
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, command in (
             ("build", [*make, "gpu-build"]),
             ("test", [*make, "gpu-test", f"GPU_TEST_ARGS=--junitxml={junit}"]),
-            ("bench", [*make, "gpu-bench", f"GPU_BENCH_JSON={bench_json}", "GPU_BENCH_ARGS=--quick --ddp-width 4096"]),
+            ("bench", [*make, "gpu-bench", f"GPU_BENCH_JSON={bench_json}", f"GPU_BENCH_ARGS={BENCH_ARGS}"]),
         ):
             steps.append(run_step(name, command, LIMITS[name], out))
             if name == "build" and steps[-1]["rc"] != 0:
