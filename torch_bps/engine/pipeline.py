@@ -141,6 +141,7 @@ class PushPullEngine:
         self._gathering = False
         self._handed = 0  # collectives gathered off the stage thread (counted by the one gatherer)
         self._stage_thread: threading.Thread | None = None
+        self._stager = None  # the PartitionPipeline of run_staged, once used
         if local_channels is not None:
             self._rs_queue: queue.Queue = queue.Queue()
             self._stage_thread = threading.Thread(target=self._reduce_scatter_loop, name="bps-local-rs", daemon=True)
@@ -178,6 +179,40 @@ class PushPullEngine:
                 self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
                 self._rs_queue.put(_Op(items, plans, priority, done))
+
+    def run_staged(self, tensor: torch.Tensor, stager, done: Done, *, priority: int = 0) -> None:
+        """Sum a device tensor in place, one partition at a time through `stager` (a pg.device.PartitionPipeline):
+        each partition is copied to a pinned slot, pushed and pulled on its own, and copied back, the copy of the
+        next one overlapping its push; then `done(error or None)`. Returns at once.
+
+        One local rank per machine, a tensor that travels as its own dtype (no wire cast); every rank calls it for
+        the same collective. Collectives launched while partitions are still to be handed over wait behind them
+        (`_schedule`), so every key's rounds reach the client in one order on every rank.
+        """
+        if self.local_channels is not None or self.alone:
+            raise ValueError("run_staged takes one local rank per machine, with servers to reach")
+        as_itself = travels_as(tensor, Mode.SUM, self.wire_dtype) == tensor.dtype
+        if tensor.dim() != 1 or not tensor.is_contiguous() or not as_itself:
+            raise ValueError(f"run_staged takes a 1-D contiguous tensor that travels as itself, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype} (wire dtype {self.wire_dtype})")  # fmt: skip
+        done = span(lambda: _span_name("collective (staged sum)", [Exchange(tensor)]), done)
+        with self._lock:
+            if self._stager is not None and self._stager is not stager:
+                raise ValueError("one PushPullEngine stages through one PartitionPipeline")
+            self._stager = stager
+            plan = self.keys.plan(tensor.numel(), tensor.dtype, Mode.SUM)[0]
+            op = _Op([Exchange(tensor)], [plan], priority, done)
+            with self._state:
+                op.sent_at = time.monotonic()
+                self._in_network[id(op)] = op
+                self._start_stall_check()
+
+            def push(i: int, host: torch.Tensor, pulled: Done) -> None:
+                p = plan[i]
+                self._submit([Partition(host, p.key, p.server, host, Mode.SUM, p.numel, 0, 0)], priority, pulled)
+
+            stager.start(tensor, [(p.start, p.start + p.numel) for p in plan], push,
+                         lambda error: self._network_done(op, error))  # fmt: skip
 
     def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
@@ -275,16 +310,25 @@ class PushPullEngine:
         with self._state:
             op.sent_at = time.monotonic()
             self._in_network[id(op)] = op
-            if self._stall_check is None:
-                self._stall_check = threading.Thread(target=self._check_stalls, name="bps-stall-check", daemon=True)
-                self._stall_check.start()
+            self._start_stall_check()
+        if self._stager is not None and self._stager.pending():  # behind the staged partitions not yet handed over
+            self._stager.after(lambda: self._submit(parts, op.priority, done))
+        else:
+            self._submit(parts, op.priority, done)
+
+    def _submit(self, parts: list[Partition], priority: int, done: Done) -> None:
         try:
             if self.router is not None:
-                self.router.submit(parts, op.priority, done)
+                self.router.submit(parts, priority, done)
             else:
-                self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
+                self.client.push_pull_batch(parts, priority=priority, on_done=done)
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
-            self._network_done(op, e)
+            done(e)
+
+    def _start_stall_check(self) -> None:  # under _state
+        if self._stall_check is None:
+            self._stall_check = threading.Thread(target=self._check_stalls, name="bps-stall-check", daemon=True)
+            self._stall_check.start()
 
     def _network_name(self, parts: list[Partition]) -> str:
         keys = [p.key for p in parts]

@@ -138,7 +138,8 @@ class PartitionPipeline:
         self.pool = PinnedPool(self._ops, slot_bytes, slots)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[_Job | Callable[[], None] | None] = queue.Queue()
+        self._pending = 0  # tensors (and `after` calls) queued whose partitions are not all handed over yet
         self._thread = threading.Thread(target=self._loop, name="bps-stage-out", daemon=True)
         self._thread.start()
 
@@ -152,7 +153,21 @@ class PartitionPipeline:
         ready = self._ops.new_event()
         self._ops.record(ready, self._ops.current_stream(self.device))
         self._ops.record_stream(tensor, self._stream)  # the caller may drop it while copies are queued
+        with self._lock:
+            self._pending += 1
         self._jobs.put(_Job(tensor, list(bounds), push, done, ready))
+
+    def pending(self) -> int:
+        """Tensors started (and `after` calls) whose partitions have not all been handed to `push` yet."""
+        with self._lock:
+            return self._pending
+
+    def after(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the staging thread once every tensor started before has handed all its partitions to `push`:
+        what a caller submitting other work to the same service needs to keep one submission order."""
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(fn)
 
     def close(self, timeout: float = 5.0) -> None:
         self._jobs.put(None)
@@ -161,9 +176,18 @@ class PartitionPipeline:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self._stage_out(job)
+                if isinstance(job, _Job):
+                    self._stage_out(job)
+                else:
+                    job()
             except BaseException as e:  # noqa: BLE001 - the job fails with it; the loop serves the next one
-                self._end(job, e)
+                if isinstance(job, _Job):
+                    self._end(job, e)
+                else:
+                    log.exception("torch_bps: a call queued behind the staging failed")
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
     def _stage_out(self, job: _Job) -> None:
         self._ops.wait_event(self._stream, job.ready)  # the copies see everything the caller's stream wrote
