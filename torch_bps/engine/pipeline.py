@@ -189,12 +189,8 @@ class PushPullEngine:
         the same collective. Collectives launched while partitions are still to be handed over wait behind them
         (`_schedule`), so every key's rounds reach the client in one order on every rank.
         """
-        if self.local_channels is not None or self.alone:
-            raise ValueError("run_staged takes one local rank per machine, with servers to reach")
-        as_itself = travels_as(tensor, Mode.SUM, self.wire_dtype) == tensor.dtype
-        if tensor.dim() != 1 or not tensor.is_contiguous() or not as_itself:
-            raise ValueError(f"run_staged takes a 1-D contiguous tensor that travels as itself, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype} (wire dtype {self.wire_dtype})")  # fmt: skip
+        if (why := self.cannot_stage(tensor)) is not None:
+            raise ValueError(f"run_staged: {why}")
         done = span(lambda: _span_name("collective (staged sum)", [Exchange(tensor)]), done)
         with self._lock:
             if self._stager is not None and self._stager is not stager:
@@ -213,6 +209,16 @@ class PushPullEngine:
 
             stager.start(tensor, [(p.start, p.start + p.numel) for p in plan], push,
                          lambda error: self._network_done(op, error))  # fmt: skip
+
+    def cannot_stage(self, tensor: torch.Tensor) -> str | None:
+        """Why `run_staged` cannot take `tensor`, or None if it can."""
+        if self.local_channels is not None or self.alone:
+            return "it takes one local rank per machine, with servers to reach"
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            return f"it takes a 1-D contiguous tensor, got shape {tuple(tensor.shape)}, stride {tensor.stride()}"
+        if travels_as(tensor, Mode.SUM, self.wire_dtype) != tensor.dtype:
+            return f"{tensor.dtype} travels as {self.wire_dtype} (the wire dtype): it is cast on the host"
+        return None
 
     def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ log = logging.getLogger("torch_bps.pg.device")
 _ops: CudaOps | None = None
 _ops_lock = threading.Lock()
 STAGING_TIMEOUT = 300.0  # seconds a host wait on one copy may take: longer means the device is hung
+# Pinned slots per device and runtime: two keep a copy under every push; more ride out uneven pull times.
+PIPELINE_SLOTS = 4
+_pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: PartitionPipeline}
 
 Done = Callable[[BaseException | None], None]
 # push(index, host view of the partition, pulled): send it; call pulled(error or None) once its sum is in the view
@@ -50,6 +54,17 @@ def cuda_ops() -> CudaOps:
         if _ops is None:
             _ops = TorchCudaOps()
         return _ops
+
+
+def pipeline_for(runtime, device: torch.device) -> PartitionPipeline:
+    """The runtime's `PartitionPipeline` for `device`, made on first use: slots of its largest partition, closed when
+    the runtime goes."""
+    with _ops_lock:
+        pipes = _pipelines.setdefault(runtime, {})
+        if device not in pipes:
+            pipe = pipes[device] = PartitionPipeline(device, runtime.config.partition_bytes, PIPELINE_SLOTS)
+            weakref.finalize(runtime, pipe.close)
+        return pipes[device]
 
 
 def staging_kind(device: torch.device, contiguous: bool) -> str:

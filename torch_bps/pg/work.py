@@ -78,6 +78,31 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
     return make_work(future, timeout, f"{op} {where}")
 
 
+def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, where: str, timeout: float,
+                  priority: int = 0, device: torch.device | None = None) -> dist.Work:  # fmt: skip
+    """Sum `tensor` (1-D, contiguous, on `device`) in place over the group, one partition at a time through `stager`
+    (pg.device.PartitionPipeline: copied to the host, pushed, pulled and copied back, overlapped), and complete the
+    Work's future with `result`. The caller holds the group's launch lock; `runtime.cannot_stage(tensor)` is None.
+
+    Example: `launch_staged(rt, "allreduce", grad.view(-1), pipe, [grad], where="on group 0", timeout=60,
+    device=grad.device)`.
+    """
+    on_device = device is not None and device.type != "cpu"
+    future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
+
+    def done(error: BaseException | None) -> None:
+        with completion_context(device if on_device else None):  # the stager calls it with its side stream current
+            if error is None:
+                future.set_result(result)
+                return
+            if hasattr(error, "add_note"):
+                error.add_note(f"torch_bps: while running {op} {where}")
+            fail(future, error)
+
+    runtime.run_staged(tensor, stager, done, priority=priority)
+    return make_work(future, timeout, f"{op} {where}")
+
+
 def make_work(future: torch.futures.Future, timeout: float, what: str) -> dist.Work:
     """The C++ Work over `future` that torch gets: wait() rethrows its error and honours `timeout` (seconds)."""
     from torch_bps import _C
