@@ -265,3 +265,25 @@ def test_whole_tensor_staging_always_orders_its_side_stream_after_the_callers_st
     staging.write_back()
     assert ops.log[-2][:3] == ("copy", "side", "h2d") and torch.equal(t, torch.full((6,), 7.0))
     assert not any(e[0] == "wait" and e[1] == "caller" for e in ops.log), "never wait inside the caller's stream"
+
+
+def test_a_runtime_gets_one_pipeline_per_device_closed_when_the_runtime_goes(monkeypatch):
+    import gc
+    import types
+
+    from torch_bps.pg import device
+
+    monkeypatch.setattr(device, "_ops", RecordingOps())
+
+    class Runtime:  # what pipeline_for reads of a Runtime
+        config = types.SimpleNamespace(partition_bytes=4096)
+
+    runtime = Runtime()
+    first = device.pipeline_for(runtime, DEVICE)
+    assert device.pipeline_for(runtime, DEVICE) is first
+    assert device.pipeline_for(runtime, torch.device("cuda", 1)) is not first
+    assert first.pool.slot_bytes == 4096 and first.pool.slots == device.PIPELINE_SLOTS
+    del runtime
+    gc.collect()
+    first._thread.join(5)
+    assert not first._thread.is_alive(), "the pipeline's thread outlived its runtime"

@@ -41,6 +41,7 @@ STAGING_TIMEOUT = 300.0  # seconds a host wait on one copy may take: longer mean
 # Pinned slots per device and runtime: two keep a copy under every push; more ride out uneven pull times.
 PIPELINE_SLOTS = 4
 _pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: PartitionPipeline}
+_pipelines_lock = threading.Lock()
 
 Done = Callable[[BaseException | None], None]
 # push(index, host view of the partition, pulled): send it; call pulled(error or None) once its sum is in the view
@@ -59,10 +60,11 @@ def cuda_ops() -> CudaOps:
 def pipeline_for(runtime, device: torch.device) -> PartitionPipeline:
     """The runtime's `PartitionPipeline` for `device`, made on first use: slots of its largest partition, closed when
     the runtime goes."""
-    with _ops_lock:
+    ops = cuda_ops()
+    with _pipelines_lock:
         pipes = _pipelines.setdefault(runtime, {})
         if device not in pipes:
-            pipe = pipes[device] = PartitionPipeline(device, runtime.config.partition_bytes, PIPELINE_SLOTS)
+            pipe = pipes[device] = PartitionPipeline(device, runtime.config.partition_bytes, PIPELINE_SLOTS, ops=ops)
             weakref.finalize(runtime, pipe.close)
         return pipes[device]
 
