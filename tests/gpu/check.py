@@ -74,7 +74,8 @@ def targets(bench: dict) -> list[dict]:
 
     rows = bench.get("partition_staging")
     add("per-partition staging round trip vs raw pinned copy >= 0.9", rows and rows.get("staged_vs_raw"), 0.9)
-    reduce_rows = [r for r in bench.get("local_reduce", []) if r.get("size_mb_each", 0) >= 1]
+    rows_or_error = bench.get("local_reduce")  # a section that failed is {"error": ...}
+    reduce_rows = [r for r in rows_or_error if r.get("size_mb_each", 0) >= 1] if isinstance(rows_or_error, list) else []
     worst = min((r["triton_vs_copy_traffic"] for r in reduce_rows), default=None)
     add("Triton local reduce traffic vs device copy_ >= 0.8 (worst row)", worst, 0.8)
     slowest = min((r["triton_vs_reference"] for r in reduce_rows), default=None)

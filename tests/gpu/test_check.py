@@ -57,6 +57,8 @@ def test_targets_are_judged_on_the_worst_row_and_the_ddp_ratio():
     met = {t["target"].split(" ")[0] + str(i): t["met"] for i, t in enumerate(check.targets(bench))}
     assert list(met.values()) == [True, False, True, False], check.targets(bench)
     assert all(t["met"] is None for t in check.targets({}))
+    failed = {name: {"error": "RuntimeError: x"} for name in ("partition_staging", "local_reduce", "ddp")}
+    assert all(t["met"] is None for t in check.targets(failed)), "a failed section is no figure, not a crash"
 
 
 def test_no_gpu_is_reported_as_no_gpu_and_fails(tmp_path):
