@@ -205,7 +205,9 @@ class PushPullEngine:
 
             def push(i: int, host: torch.Tensor, pulled: Done) -> None:
                 p = plan[i]
-                self._submit([Partition(host, p.key, p.server, host, Mode.SUM, p.numel, 0, 0)], priority, pulled)
+                self._submit(
+                    [Partition(host, p.key, p.server, host, Mode.SUM, p.numel, 0, 0)], priority, pulled, pulled
+                )
 
             stager.start(tensor, [(p.start, p.start + p.numel) for p in plan], push,
                          lambda error: self._network_done(op, error))  # fmt: skip
@@ -317,19 +319,21 @@ class PushPullEngine:
             op.sent_at = time.monotonic()
             self._in_network[id(op)] = op
             self._start_stall_check()
+        failed = functools.partial(self._network_done, op)
         if self._stager is not None and self._stager.pending():  # behind the staged partitions not yet handed over
-            self._stager.after(lambda: self._submit(parts, op.priority, done))
+            self._stager.after(lambda: self._submit(parts, op.priority, done, failed))
         else:
-            self._submit(parts, op.priority, done)
+            self._submit(parts, op.priority, done, failed)
 
-    def _submit(self, parts: list[Partition], priority: int, done: Done) -> None:
+    def _submit(self, parts: list[Partition], priority: int, done: Done, failed: Done) -> None:
+        """Hand `parts` to the client (or the router), `done` once they end; `failed` if they could not be handed."""
         try:
             if self.router is not None:
                 self.router.submit(parts, priority, done)
             else:
                 self.client.push_pull_batch(parts, priority=priority, on_done=done)
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
-            done(e)
+            failed(e)
 
     def _start_stall_check(self) -> None:  # under _state
         if self._stall_check is None:
