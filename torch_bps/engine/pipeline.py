@@ -27,6 +27,10 @@ no thread of their own: the completion thread that ends a collective's network s
 `done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
 a fresh completion task before `done` runs, because `done` may block on a later collective.
 
+`run_staged` sums a device tensor instead through a stager (pg.device.PartitionPipeline) that copies each partition
+to the host, hands it to the client as one batch, and copies its sum back; collectives scheduled while it still has
+partitions to hand over go to the client behind them (one local rank per machine).
+
 With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-bit staging buffers right before
 their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
 gather them. When the machine is
