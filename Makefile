@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 EXT    := $(shell find cpp_ext -name '*.cpp' -o -name '*.h')
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench
+.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check
 
 test: install deploy-tools
 	$(PYTEST) -q tests -m "not slow"
@@ -89,7 +89,11 @@ WHEELHOUSE  ?= wheelhouse
 GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
 GPU_ARCH    ?= x86_64
 WHEELS_PIP  ?= python3 -m pip
-GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)"
+GPU_TEST_ARGS  ?=
+GPU_BENCH_ARGS ?=
+GPU_BENCH_JSON ?= results/gpu.json
+# deps/bin: ninja from the wheelhouse, so torch's BuildExtension compiles the C++ files in parallel.
+GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)" PATH="$(CURDIR)/$(GPU_DIR)/deps/bin:$$PATH"
 
 # Online, anywhere: the wheels an offline GPU machine may lack, for every Python in GPU_PYTHONS (pyzmq has one
 # wheel per version up to 3.11 and one abi3 wheel for 3.12 on; the others are pure Python). exceptiongroup and tomli
@@ -97,7 +101,7 @@ GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)"
 gpu-wheels:
 	for v in $(GPU_PYTHONS); do \
 	  $(WHEELS_PIP) download --quiet --only-binary=:all: --python-version $$v --platform manylinux_2_28_$(GPU_ARCH) \
-	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" numpy pytest pytest-timeout setuptools exceptiongroup tomli \
+	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" numpy pytest pytest-timeout setuptools ninja exceptiongroup tomli \
 	  || exit 1; done
 	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
 
@@ -112,11 +116,17 @@ gpu-build: gpu-deps
 # Fails where no GPU is found too, after the suite ran (every test skipped, with its reason), its last line saying
 # so: a CPU box never passes. A failing suite fails first.
 gpu-test: gpu-build
-	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu -m cuda; status=$$?; \
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu -m cuda $(GPU_TEST_ARGS); status=$$?; \
 	  $(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda; gpu=$$?; \
 	  if [ $$status -ne 0 ]; then exit $$status; fi; exit $$gpu
 
 gpu-bench: gpu-build
 	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py cuda
-	mkdir -p results
-	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py --json results/gpu.json
+	mkdir -p $(dir $(GPU_BENCH_JSON))
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py $(GPU_BENCH_ARGS) --json $(GPU_BENCH_JSON)
+
+# One command for a lent GPU machine (one GPU, no network): gpu-build, gpu-test and gpu-bench, each under its own
+# time limit (8 minutes in all), and one report: OUT/gpu-check.json and OUT/gpu-check.txt (tests/gpu/check.py).
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=dir [GPU_PY=python]"; exit 2; }
+	$(GPU_ENV) $(GPU_PY) tests/gpu/check.py --out "$(OUT)" --make "$(MAKE)" --python "$(GPU_PY)"

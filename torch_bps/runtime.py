@@ -206,6 +206,22 @@ class Runtime:
         items = tensors if mode == Mode.SUM else [Exchange(t, mode) for t in tensors]
         self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
+    def run_staged(self, tensor: torch.Tensor, stager, done, *, priority: int = 0) -> None:
+        """Sum a device tensor in place one partition at a time through `stager` (pg.device.PartitionPipeline), then
+        `done(error or None)`; see PushPullEngine.run_staged, and `cannot_stage` for what it takes."""
+
+        def finish(error: BaseException | None) -> None:
+            if error is not None:
+                self._failed = True
+                self._explain(error)
+            done(error)
+
+        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), priority=priority)
+
+    def cannot_stage(self, tensor: torch.Tensor) -> str | None:
+        """Why `run_staged` cannot take `tensor` (None: it can)."""
+        return self._engine.cannot_stage(tensor)
+
     def take_behind(self) -> int:
         """Backup workers: how many rounds past one this worker pulled had already closed, since the last call."""
         return self._client.take_behind()

@@ -23,8 +23,9 @@ CPU_CHUNK_ELEMENTS = 1 << 18
 BACKENDS = ("auto", "torch", "triton")
 
 
-def check_tensors(name: str, tensors: Sequence[torch.Tensor]) -> None:
-    """Raise unless `tensors` are 1..MAX_TENSORS contiguous 1-D tensors sharing numel, dtype and device."""
+def check_tensors(name: str, tensors: Sequence[torch.Tensor], same_device: bool = True) -> None:
+    """Raise unless `tensors` are 1..MAX_TENSORS contiguous 1-D tensors sharing numel, dtype and (unless
+    `same_device` is False) device."""
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     if not 1 <= len(tensors) <= MAX_TENSORS:
@@ -32,7 +33,7 @@ def check_tensors(name: str, tensors: Sequence[torch.Tensor]) -> None:
     first = tensors[0]
     for i, t in enumerate(tensors):
         check_tensor(f"{name}[{i}]", t)
-        if t.device != first.device:
+        if same_device and t.device != first.device:
             raise ValueError(f"{name}[{i}] is on {t.device}, {name}[0] on {first.device}: all must share a device")
         if t.dtype != first.dtype:
             raise ValueError(f"{name}[{i}] is {t.dtype}, {name}[0] is {first.dtype}: all must share a dtype")

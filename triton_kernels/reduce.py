@@ -40,6 +40,7 @@ def sum_scale_cast(
     scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    peers: bool = False,
 ) -> torch.Tensor:
     """Sum `inputs` in fp32, multiply by `scale` and cast into `out`: the local reduce of one partition.
 
@@ -51,6 +52,8 @@ def sum_scale_cast(
         out_dtype: dtype of an allocated `out` (default: the inputs' dtype); must match `out` if both given.
         backend: "auto" (Triton on CUDA, torch ops elsewhere), "torch", or "triton" (on CPU tensors only
             when TRITON_INTERPRET=1 was set before triton_kernels was imported: for tests).
+        peers: inputs may lie on other GPUs than `out` (buffers of other processes mapped through CUDA IPC, which
+            enables peer access): the kernel runs on `out`'s GPU and reads them over the peer link. Triton only.
 
     Returns:
         `out`.
@@ -60,7 +63,7 @@ def sum_scale_cast(
         >>> sum_scale_cast(grads, scale=0.25, out_dtype=torch.float32)
         tensor([1., 1., 1., 1.])
     """
-    _common.check_tensors("inputs", inputs)
+    _common.check_tensors("inputs", inputs, same_device=not peers)
     first = inputs[0]
     if out is None:
         dtype = first.dtype if out_dtype is None else out_dtype
@@ -69,13 +72,18 @@ def sum_scale_cast(
         out = torch.empty(first.numel(), dtype=dtype, device=first.device)
     else:
         _common.check_tensor("out", out)
-        _common.check_same_device_and_numel("out", out, "inputs[0]", first)
+        if peers and first.numel() != out.numel():
+            raise ValueError(f"out has {out.numel()} elements, inputs[0] has {first.numel()}")
+        if not peers:
+            _common.check_same_device_and_numel("out", out, "inputs[0]", first)
         if out_dtype is not None and out_dtype != out.dtype:
             raise ValueError(f"out_dtype is {out_dtype} but out is {out.dtype}")
         named = [(f"inputs[{i}]", t) for i, t in enumerate(inputs)]
         _common.check_no_overlap(("out", out), named, may_alias=("inputs[0]",))
     scale = _common.check_scale(scale)
     backend = _common.resolve_backend(backend, out.device, _sum_scale_cast_kernel)
+    if peers and any(t.device != out.device for t in inputs) and backend != "triton":
+        raise ValueError(f"inputs on other devices than out ({out.device}) are read by the Triton kernel only")
     if out.numel() == 0:
         return out
     if backend == "triton":

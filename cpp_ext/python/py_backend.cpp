@@ -9,13 +9,20 @@
 
 namespace py = pybind11;
 
+// Python 3.13 made Py_IsFinalizing public and removed the private _Py_IsFinalizing.
+#if PY_VERSION_HEX >= 0x030D0000
+#define BPS_PY_IS_FINALIZING() Py_IsFinalizing()
+#else
+#define BPS_PY_IS_FINALIZING() _Py_IsFinalizing()
+#endif
+
 namespace bps::python {
 
 PyBackend::PyBackend(py::object impl, int rank, int size) : c10d::Backend(rank, size), impl_(std::move(impl)) {}
 
 PyBackend::~PyBackend() {
   // torch may drop its last reference without the GIL; while Python shuts down, leak rather than take it.
-  if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+  if (!Py_IsInitialized() || BPS_PY_IS_FINALIZING()) {
     impl_.release();
     return;
   }

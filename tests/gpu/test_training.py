@@ -172,7 +172,9 @@ def test_killed_server_fails_every_rank_on_device(door):
     server = ServerProcess()
     try:
         # Two machines of one rank (LOCAL_WORLD_SIZE=1): a job of one machine would never reach the server.
-        env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": str(REQUEST_TIMEOUT), "BPS_HEARTBEAT_TIMEOUT": "3"}
+        # Failover off: with it (the default) the job would go on without the server, as tests/faults checks.
+        env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": str(REQUEST_TIMEOUT), "BPS_HEARTBEAT_TIMEOUT": "3",
+               "BPS_FAILOVER": "0"}  # fmt: skip
         env["LOCAL_WORLD_SIZE"] = "1"
         results = run_ranks(_train_until_it_fails, 2, DEVICE, door, server.proc.pid, env=env, timeout=200)
     finally:

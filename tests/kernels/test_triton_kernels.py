@@ -277,6 +277,16 @@ BAD_SUM_CALLS = {
         "all must share a device",
     ),
     "out device": (lambda: sum_scale_cast([_f32()], torch.zeros(8, device="meta")), ValueError, "out is on meta"),
+    "peers on the torch path": (
+        lambda: sum_scale_cast([_f32(), torch.zeros(8, device="meta")], _f32(), peers=True, backend="torch"),
+        ValueError,
+        "read by the Triton kernel only",
+    ),
+    "peers, numel mismatch": (
+        lambda: sum_scale_cast([_f32(), torch.zeros(8, device="meta")], _f32(9), peers=True),
+        ValueError,
+        "out has 9 elements, inputs",
+    ),
     "out is a later input": (
         lambda: sum_scale_cast([_buffer[:8], _buffer[8:]], _buffer[8:]),
         ValueError,

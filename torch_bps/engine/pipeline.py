@@ -27,6 +27,10 @@ no thread of their own: the completion thread that ends a collective's network s
 `done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
 a fresh completion task before `done` runs, because `done` may block on a later collective.
 
+`run_staged` sums a device tensor instead through a stager (pg.device.PartitionPipeline) that copies each partition
+to the host, hands it to the client as one batch, and copies its sum back; collectives scheduled while it still has
+partitions to hand over go to the client behind them (one local rank per machine).
+
 With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-bit staging buffers right before
 their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
 gather them. When the machine is
@@ -141,6 +145,7 @@ class PushPullEngine:
         self._gathering = False
         self._handed = 0  # collectives gathered off the stage thread (counted by the one gatherer)
         self._stage_thread: threading.Thread | None = None
+        self._stager = None  # the PartitionPipeline of run_staged, once used
         if local_channels is not None:
             self._rs_queue: queue.Queue = queue.Queue()
             self._stage_thread = threading.Thread(target=self._reduce_scatter_loop, name="bps-local-rs", daemon=True)
@@ -178,6 +183,48 @@ class PushPullEngine:
                 self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
                 self._rs_queue.put(_Op(items, plans, priority, done))
+
+    def run_staged(self, tensor: torch.Tensor, stager, done: Done, *, priority: int = 0) -> None:
+        """Sum a device tensor in place, one partition at a time through `stager` (a pg.device.PartitionPipeline):
+        each partition is copied to a pinned slot, pushed and pulled on its own, and copied back, the copy of the
+        next one overlapping its push; then `done(error or None)`. Returns at once.
+
+        One local rank per machine, a tensor that travels as its own dtype (no wire cast); every rank calls it for
+        the same collective. Collectives launched while partitions are still to be handed over wait behind them
+        (`_schedule`), so every key's rounds reach the client in one order on every rank.
+        """
+        if (why := self.cannot_stage(tensor)) is not None:
+            raise ValueError(f"run_staged: {why}")
+        done = span(lambda: _span_name("collective (staged sum)", [Exchange(tensor)]), done)
+        with self._lock:
+            if self._stager is not None and self._stager is not stager:
+                raise ValueError("one PushPullEngine stages through one PartitionPipeline")
+            self._stager = stager
+            plan = self.keys.plan(tensor.numel(), tensor.dtype, Mode.SUM)[0]
+            op = _Op([Exchange(tensor)], [plan], priority, done)
+            with self._state:
+                op.sent_at = time.monotonic()
+                self._in_network[id(op)] = op
+                self._start_stall_check()
+
+            def push(i: int, host: torch.Tensor, pulled: Done) -> None:
+                p = plan[i]
+                self._submit(
+                    [Partition(host, p.key, p.server, host, Mode.SUM, p.numel, 0, 0)], priority, pulled, pulled
+                )
+
+            stager.start(tensor, [(p.start, p.start + p.numel) for p in plan], push,
+                         lambda error: self._network_done(op, error))  # fmt: skip
+
+    def cannot_stage(self, tensor: torch.Tensor) -> str | None:
+        """Why `run_staged` cannot take `tensor`, or None if it can."""
+        if self.local_channels is not None or self.alone:
+            return "it takes one local rank per machine, with servers to reach"
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            return f"it takes a 1-D contiguous tensor, got shape {tuple(tensor.shape)}, stride {tensor.stride()}"
+        if travels_as(tensor, Mode.SUM, self.wire_dtype) != tensor.dtype:
+            return f"{tensor.dtype} travels as {self.wire_dtype} (the wire dtype): it is cast on the host"
+        return None
 
     def own_keys(self, every_slice: bool = False) -> dict[int, tuple[int, int]]:
         """Every key this rank has pushed or may push so far (with `every_slice`, its machine's) -> (its server as
@@ -275,16 +322,27 @@ class PushPullEngine:
         with self._state:
             op.sent_at = time.monotonic()
             self._in_network[id(op)] = op
-            if self._stall_check is None:
-                self._stall_check = threading.Thread(target=self._check_stalls, name="bps-stall-check", daemon=True)
-                self._stall_check.start()
+            self._start_stall_check()
+        failed = functools.partial(self._network_done, op)
+        if self._stager is not None and self._stager.pending():  # behind the staged partitions not yet handed over
+            self._stager.after(lambda: self._submit(parts, op.priority, done, failed))
+        else:
+            self._submit(parts, op.priority, done, failed)
+
+    def _submit(self, parts: list[Partition], priority: int, done: Done, failed: Done) -> None:
+        """Hand `parts` to the client (or the router), `done` once they end; `failed` if they could not be handed."""
         try:
             if self.router is not None:
-                self.router.submit(parts, op.priority, done)
+                self.router.submit(parts, priority, done)
             else:
-                self.client.push_pull_batch(parts, priority=op.priority, on_done=done)
+                self.client.push_pull_batch(parts, priority=priority, on_done=done)
         except BaseException as e:  # noqa: BLE001 - the collective fails, as a failed partition would
-            self._network_done(op, e)
+            failed(e)
+
+    def _start_stall_check(self) -> None:  # under _state
+        if self._stall_check is None:
+            self._stall_check = threading.Thread(target=self._check_stalls, name="bps-stall-check", daemon=True)
+            self._stall_check.start()
 
     def _network_name(self, parts: list[Partition]) -> str:
         keys = [p.key for p in parts]

@@ -1,23 +1,72 @@
-"""CUDA tensors through host memory: pinned staging, a side copy stream, events, a copy back.
+"""CUDA tensors through host memory: a side copy stream, events, and pinned staging.
 
-The summation service works on host memory, so a GPU tensor makes a round trip: device -> pinned host
-buffer (on a copy stream that first waits for the producer's stream) -> push_pull -> copied straight from
-the pinned buffer into the caller's tensor on the copy stream. The caller's stream is then made to wait for
-the copy stream, so the Future (created with `devices=[...]`) records its completion event after the data is
-in place.
+The summation service works on host memory, so a GPU tensor makes a round trip. Two ways:
 
-Runs on a GPU only under `make gpu-test` (tests/gpu/); the CPU suite unit-tests `staging_kind` (the dispatch).
-May import: torch.
+- `DeviceStaging`, the whole tensor at once (what `Staged` uses for the "byteps" collectives and bps_hook): a
+  pinned copy made on the side stream after the caller's stream (always, even for a tensor the collective
+  only writes: a queued write of the caller's must not land after the result), and the copy back on that
+  stream. The caller's thread waits for its own copy's event only, never for the stream or the device.
+- `PartitionPipeline`, one partition at a time through a bounded pool of pinned slots (pinned.py): the copy of
+  partition i + 1 is queued before partition i is pushed, so the DMA runs under the push; each pulled sum is
+  copied back on the same stream, which orders the slot's next use after it. Nothing waits on the caller's
+  thread. `done` runs with the side stream current, so a device Future records its event after the last copy
+  back and the stream the caller reads on waits for it.
+
+Every stream, event and copy goes through `CudaOps` (cuda_ops.py), which a test replaces by a recorder.
+May import: torch, torch_bps.errors, torch_bps.pg.cuda_ops, torch_bps.pg.pinned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import queue
 import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
+from torch_bps.errors import BpsError
+from torch_bps.pg.cuda_ops import CudaOps, TorchCudaOps
+from torch_bps.pg.pinned import PinnedPool
+
+log = logging.getLogger("torch_bps.pg.device")
+
+_ops: CudaOps | None = None
+_ops_lock = threading.Lock()
+STAGING_TIMEOUT = 300.0  # seconds a host wait on one copy may take: longer means the device is hung
+# Pinned slots per device and runtime: two keep a copy under every push; more ride out uneven pull times.
+PIPELINE_SLOTS = 4
+_pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: PartitionPipeline}
+_pipelines_lock = threading.Lock()
+
+Done = Callable[[BaseException | None], None]
+# push(index, host view of the partition, pulled): send it; call pulled(error or None) once its sum is in the view
+Push = Callable[[int, torch.Tensor, Done], None]
+
+
+def cuda_ops() -> CudaOps:
+    """The process's `CudaOps` (torch.cuda), made on first use."""
+    global _ops
+    with _ops_lock:
+        if _ops is None:
+            _ops = TorchCudaOps()
+        return _ops
+
+
+def pipeline_for(runtime, device: torch.device) -> PartitionPipeline:
+    """The runtime's `PartitionPipeline` for `device`, made on first use: slots of its largest partition, closed when
+    the runtime goes."""
+    ops = cuda_ops()
+    with _pipelines_lock:
+        pipes = _pipelines.setdefault(runtime, {})
+        if device not in pipes:
+            pipe = pipes[device] = PartitionPipeline(device, runtime.config.partition_bytes, PIPELINE_SLOTS, ops=ops)
+            weakref.finalize(runtime, pipe.close)
+        return pipes[device]
 
 
 def staging_kind(device: torch.device, contiguous: bool) -> str:
@@ -30,34 +79,189 @@ def staging_kind(device: torch.device, contiguous: bool) -> str:
     return "in_place" if contiguous else "host_copy"
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    with _streams_lock:
-        if device not in _streams:
-            _streams[device] = torch.cuda.Stream(device=device)
-        return _streams[device]
+def completion_context(device: torch.device | None) -> contextlib.AbstractContextManager:
+    """What a completion thread runs a device collective's finishes and `set_result` under: the device set
+    (else torch makes a context on cuda:0) and the side stream current (else the event lands on the legacy
+    default stream, i.e. the training stream, at an arbitrary point)."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    ops = cuda_ops()
+    return ops.on_stream(device, ops.side_stream(device))
 
 
 class DeviceStaging:
     """One CUDA tensor's flat pinned host copy (`flat`) and the way back (`write_back`)."""
 
-    def __init__(self, real: torch.Tensor, load: bool):
+    def __init__(self, real: torch.Tensor, load: bool, ops: CudaOps | None = None):
+        self._ops = ops or cuda_ops()
         self._real = real
         self._device = real.device
-        self._stream = _copy_stream(real.device)
-        self.flat = torch.empty(real.numel(), dtype=real.dtype, pin_memory=True)
+        self._stream = self._ops.side_stream(self._device)
+        src = real.reshape(-1) if load else None  # a strided tensor's copy is made on the caller's stream: first
+        ready = self._ops.new_event()
+        self._ops.record(ready, self._ops.current_stream(self._device))
+        # Always, not only when loading: write_back must land after every write the caller queued before this.
+        self._ops.wait_event(self._stream, ready)
+        self.flat = self._ops.pinned(real.numel() * real.element_size()).view(real.dtype)
         if load:
-            # The copy must see everything the caller's stream wrote (e.g. the backward pass's gradients).
-            self._stream.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(self._stream):
-                self.flat.copy_(real.reshape(-1), non_blocking=True)
-            real.record_stream(self._stream)  # the caller may free it before the copy ran
-            self._stream.synchronize()  # push_pull reads the host buffer next: wait for this copy only
+            self._ops.copy(self.flat, src, self._stream)
+            self._ops.record_stream(src, self._stream)  # the caller may free it before the copy ran
+            copied = self._ops.new_event()
+            self._ops.record(copied, self._stream)
+            # The push reads the host buffer next: wait for this copy, not the stream nor the device.
+            self._ops.wait_host(copied, STAGING_TIMEOUT, f"the copy of {real.numel()} elements to the host")
 
     def write_back(self) -> None:
         # A plain copy, not a kernel: the result has the tensor's own dtype and needs no scale, and a DMA
-        # moves every dtype (int64 buffers, bools as bytes, float64) and every bit pattern (a broadcast's
-        # NaN payloads) unchanged, straight from the pinned buffer into the tensor (any strides).
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            self._real.copy_(self.flat.view(self._real.shape), non_blocking=True)  # pinned: truly asynchronous
-        # The thread completing the Future records its event on its current stream: order it after the copy.
-        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        # moves every dtype and every bit pattern (a broadcast's NaN payloads) unchanged. Run under
+        # `completion_context`, the Future's event follows it on the same stream.
+        self._ops.copy(self._real, self.flat.view(self._real.shape), self._stream)
+        self._ops.record_stream(self._real, self._stream)
+
+
+@dataclass
+class _Job:
+    tensor: torch.Tensor
+    bounds: Sequence[tuple[int, int]]
+    push: Push
+    done: Done
+    ready: object  # the event recorded on the caller's stream at start
+    error: BaseException | None = None
+    returned: int = 0  # partitions whose sums were queued for the copy back
+    pushed: int = 0
+    ended: bool = False
+    slots: dict[int, int] = field(default_factory=dict)  # partition -> pool slot, while in flight
+
+
+class PartitionPipeline:
+    """Stage CUDA tensors to the host and back one partition at a time, overlapped, in submission order.
+
+    Args:
+        device: the CUDA device of the tensors.
+        slot_bytes: the largest partition, in bytes (a pool slot's size).
+        slots: pinned slots (>= 2): bounds pinned memory to slots x slot_bytes and partitions in flight.
+        ops: stream/event/copy operations (default torch.cuda).
+        timeout: the longest a host wait (a copy's event, a free slot) may take, in seconds.
+
+    Example: `pipe.start(grad.view(-1), [(0, n // 2), (n // 2, n)], push, done)`; `done` runs once, on the
+    thread that queued the last copy back (or the one that met the error), with the side stream current.
+    """
+
+    def __init__(self, device: torch.device, slot_bytes: int, slots: int = 4, ops: CudaOps | None = None,
+                 timeout: float = STAGING_TIMEOUT):  # fmt: skip
+        self.device = torch.device(device)
+        self._ops = ops or cuda_ops()
+        self._stream = self._ops.side_stream(self.device)
+        self.pool = PinnedPool(self._ops, slot_bytes, slots)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_Job | Callable[[], None] | None] = queue.Queue()
+        self._pending = 0  # tensors (and `after` calls) queued whose partitions are not all handed over yet
+        self._thread = threading.Thread(target=self._loop, name="bps-stage-out", daemon=True)
+        self._thread.start()
+
+    def start(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], push: Push, done: Done) -> None:
+        """Queue `tensor` (1-D, contiguous, on `device`): each [lo, hi) of `bounds` is copied to a pinned slot,
+        pushed, and its pulled sum copied back into the tensor; then `done(error or None)`. Returns at once."""
+        for lo, hi in bounds:
+            if (hi - lo) * tensor.element_size() > self.pool.slot_bytes:
+                raise ValueError(f"partition [{lo}, {hi}) of {hi - lo} x {tensor.element_size()} bytes exceeds the "
+                                 f"staging slot of {self.pool.slot_bytes} bytes")  # fmt: skip
+        ready = self._ops.new_event()
+        self._ops.record(ready, self._ops.current_stream(self.device))
+        self._ops.record_stream(tensor, self._stream)  # the caller may drop it while copies are queued
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(_Job(tensor, list(bounds), push, done, ready))
+
+    def pending(self) -> int:
+        """Tensors started (and `after` calls) whose partitions have not all been handed to `push` yet."""
+        with self._lock:
+            return self._pending
+
+    def after(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the staging thread once every tensor started before has handed all its partitions to `push`:
+        what a caller submitting other work to the same service needs to keep one submission order."""
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(fn)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if isinstance(job, _Job):
+                    self._stage_out(job)
+                else:
+                    job()
+            except BaseException as e:  # noqa: BLE001 - the job fails with it; the loop serves the next one
+                if isinstance(job, _Job):
+                    self._end(job, e)
+                else:
+                    log.exception("torch_bps: a call queued behind the staging failed")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _stage_out(self, job: _Job) -> None:
+        self._ops.wait_event(self._stream, job.ready)  # the copies see everything the caller's stream wrote
+        if not job.bounds:
+            self._end(job, None)
+            return
+        copies: deque[tuple[int, torch.Tensor, object]] = deque([self._copy_out(job, 0)])
+        for i in range(len(job.bounds)):
+            if job.error is not None:
+                return
+            if i + 1 < len(job.bounds):  # queued before partition i is pushed: its DMA runs under that push
+                copies.append(self._copy_out(job, i + 1))
+            index, host, copied = copies.popleft()
+            self._ops.wait_host(copied, self.timeout, f"the copy of partition {index} to the host")
+            with self._lock:
+                if job.error is not None:
+                    return
+                job.pushed += 1
+            job.push(index, host, lambda error, index=index, host=host: self._pulled(job, index, host, error))
+
+    def _copy_out(self, job: _Job, index: int) -> tuple[int, torch.Tensor, object]:
+        lo, hi = job.bounds[index]
+        slot, buf = self.pool.acquire(self.timeout, f"partition {index} [{lo}, {hi})")
+        with self._lock:
+            job.slots[index] = slot
+        host = buf[: (hi - lo) * job.tensor.element_size()].view(job.tensor.dtype)
+        self._ops.copy(host, job.tensor[lo:hi], self._stream)
+        copied = self._ops.new_event()
+        self._ops.record(copied, self._stream)
+        return index, host, copied
+
+    def _pulled(self, job: _Job, index: int, host: torch.Tensor, error: BaseException | None) -> None:
+        if error is not None:
+            self._end(job, error)
+            return
+        lo, hi = job.bounds[index]
+        with self._lock:
+            if job.error is not None:
+                return
+            self._ops.copy(job.tensor[lo:hi], host, self._stream)
+            # The slot's next copy is queued on the same stream, so it waits for this one: reusable now.
+            self.pool.release(job.slots.pop(index))
+            job.returned += 1
+            last = job.returned == len(job.bounds)
+        if last:
+            self._end(job, None)
+
+    def _end(self, job: _Job, error: BaseException | None) -> None:
+        with self._lock:
+            if job.ended:
+                return
+            job.ended = True
+            job.error = error
+            for slot in job.slots.values():  # a late reply may still land in these: never reuse them
+                self.pool.drop(slot)
+            job.slots.clear()
+        if error is not None and not isinstance(error, BpsError):
+            log.debug("torch_bps: staging of a %s tensor failed: %r", self.device, error)
+        with self._ops.on_stream(self.device, self._stream):
+            job.done(error)

@@ -9,8 +9,8 @@ The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join cal
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
 the C++ future, so C++ consumers see an error rather than an exception object posing as a tensor.
 
-May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange; torch_bps._C when a
-collective is launched (`import torch_bps` must not load the C++ client).
+May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device;
+torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
+from torch_bps.pg.device import completion_context
 from torch_bps.wire import Mode
 
 
@@ -56,21 +57,49 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
     future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
 
     def done(error: BaseException | None) -> None:
-        if error is None:
-            try:
-                for t in transfers:
-                    if t.finish is not None:
-                        t.finish()
-            except BaseException as e:  # noqa: BLE001 - the collective fails with it
-                error = e
-        if error is None:
-            future.set_result(result)
-            return
-        if hasattr(error, "add_note"):
-            error.add_note(f"torch_bps: while running {op} {where}")
-        fail(future, error)
+        # On a completion thread: device set and the side stream current, so copies back and the Future's event
+        # are ordered on that stream and never dropped into the training stream (pg/device.py).
+        with completion_context(device if on_device else None):
+            if error is None:
+                try:
+                    for t in transfers:
+                        if t.finish is not None:
+                            t.finish()
+                except BaseException as e:  # noqa: BLE001 - the collective fails with it
+                    error = e
+            if error is None:
+                future.set_result(result)
+                return
+            if hasattr(error, "add_note"):
+                error.add_note(f"torch_bps: while running {op} {where}")
+            fail(future, error)
 
     runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
+    return make_work(future, timeout, f"{op} {where}")
+
+
+def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, where: str, timeout: float,
+                  priority: int = 0, device: torch.device | None = None) -> dist.Work:  # fmt: skip
+    """Sum `tensor` (1-D, contiguous, on `device`) in place over the group, one partition at a time through `stager`
+    (pg.device.PartitionPipeline: copied to the host, pushed, pulled and copied back, overlapped), and complete the
+    Work's future with `result`. The caller holds the group's launch lock; `runtime.cannot_stage(tensor)` is None.
+
+    Example: `launch_staged(rt, "allreduce", grad.view(-1), pipe, [grad], where="on group 0", timeout=60,
+    device=grad.device)`.
+    """
+    on_device = device is not None and device.type != "cpu"
+    future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
+
+    def done(error: BaseException | None) -> None:
+        with completion_context(device if on_device else None):  # the stager calls it with its side stream current
+            if error is None:
+                future.set_result(result)
+                return
+            if hasattr(error, "add_note"):
+                error.add_note(f"torch_bps: while running {op} {where}")
+            fail(future, error)
+
+    runtime.run_staged(tensor, stager, done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
 
 

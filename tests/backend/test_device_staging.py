@@ -1,0 +1,289 @@
+"""CUDA staging's order of copies, events and waits, checked against a recording stand-in for torch.cuda (no GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_bps.errors import BpsTimeoutError
+from torch_bps.pg.device import DeviceStaging, PartitionPipeline
+from torch_bps.pg.pinned import PinnedPool
+
+DEVICE = torch.device("cuda", 0)  # a label only: the recorder never touches a GPU
+
+
+class _Event:
+    def __init__(self, n: int):
+        self.n, self.stream = n, None
+
+
+class RecordingOps:
+    """CudaOps that performs copies at once on CPU tensors and logs every operation, in order, as tuples."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self._lock = threading.Lock()
+        self._events = 0
+        self._pinned: list[torch.Tensor] = []
+        self._current = threading.local()
+
+    def _add(self, *entry) -> None:
+        with self._lock:
+            self.log.append(entry)
+
+    def current_stream(self, device):
+        return getattr(self._current, "stream", "caller")
+
+    def side_stream(self, device):
+        return "side"
+
+    def new_event(self):
+        with self._lock:
+            self._events += 1
+            return _Event(self._events)
+
+    def record(self, event, stream):
+        event.stream = stream
+        self._add("record", stream, event.n)
+
+    def wait_event(self, stream, event):
+        assert event.stream is not None, "waited for an event never recorded"
+        self._add("wait", stream, event.n)
+
+    def wait_host(self, event, timeout, what):
+        assert event.stream is not None, "host-waited for an event never recorded"
+        self._add("host_wait", event.n)
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        p = t.data_ptr()
+        return any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in self._pinned)
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        kind = "d2h" if self._is_host(dst) else "h2d" if self._is_host(src) else "d2d"
+        self._add("copy", stream, kind, src.numel())
+
+    def record_stream(self, tensor, stream):
+        self._add("record_stream", stream)
+
+    def pinned(self, nbytes):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self._pinned.append(buf)
+        return buf
+
+    @contextlib.contextmanager
+    def on_stream(self, device, stream):
+        before = self.current_stream(device)
+        self._current.stream = stream
+        self._add("enter", stream)
+        try:
+            yield
+        finally:
+            self._current.stream = before
+
+    def index(self, entry: tuple) -> int:
+        return self.log.index(entry)
+
+    def pushes(self) -> list[int]:
+        return [e[1] for e in self.log if e[0] == "push"]
+
+
+class FakeService:
+    """Pushes are 'summed' (+1) and answered on another thread once released (all at once by default)."""
+
+    def __init__(self, ops: RecordingOps, hold: bool = False, fail_at: int | None = None):
+        self.ops, self.hold, self.fail_at = ops, hold, fail_at
+        self.pending: list[tuple[int, torch.Tensor, object]] = []
+        self._lock = threading.Lock()
+
+    def push(self, index, host, pulled):
+        self.ops._add("push", index)
+        with self._lock:
+            self.pending.append((index, host, pulled))
+        if not self.hold:
+            self.answer()
+
+    def answer(self, count: int | None = None) -> None:
+        with self._lock:
+            take, self.pending = self.pending[:count], self.pending[len(self.pending[:count]) :]
+        for index, host, pulled in take:
+            error = RuntimeError(f"partition {index} lost") if index == self.fail_at else None
+            if error is None:
+                host.add_(1)
+            threading.Thread(target=pulled, args=(error,)).start()
+
+
+def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-n // parts)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _run(pipe, tensor, bounds, service, timeout=10.0):
+    result = {}
+    finished = threading.Event()
+
+    def done(error):
+        result["error"] = error
+        result["stream"] = pipe._ops.current_stream(DEVICE)
+        result["calls"] = result.get("calls", 0) + 1
+        finished.set()
+
+    pipe.start(tensor, bounds, service.push, done)
+    return result, finished
+
+
+def test_every_partition_goes_out_and_its_sum_comes_back_into_the_tensor():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=ops)
+    t = torch.arange(10, dtype=torch.float32)
+    result, finished = _run(pipe, t, _bounds(10, 3), FakeService(ops))
+    assert finished.wait(10), "the staging never called done"
+    assert result["error"] is None
+    assert torch.equal(t, torch.arange(10, dtype=torch.float32) + 1)
+    assert ops.pushes() == [0, 1, 2]
+    pipe.close()
+
+
+def test_the_copy_of_partition_i_plus_1_is_queued_before_partition_i_is_pushed():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=64, slots=4, ops=ops)
+    t = torch.zeros(64)
+    bounds = _bounds(64, 4)
+    result, finished = _run(pipe, t, bounds, FakeService(ops))
+    assert finished.wait(10)
+    d2h = [i for i, e in enumerate(ops.log) if e[:3] == ("copy", "side", "d2h")]
+    assert len(d2h) == 4
+    for i in range(3):
+        assert d2h[i + 1] < ops.index(("push", i)), f"copy of partition {i + 1} not queued before push {i}: {ops.log}"
+    # and each push waits for its own copy's event, recorded right after that copy
+    for i in range(4):
+        event = ops.log[d2h[i] + 1]
+        assert event[:2] == ("record", "side")
+        assert ops.index(("host_wait", event[2])) < ops.index(("push", i))
+    pipe.close()
+
+
+def test_the_side_stream_waits_for_the_callers_stream_before_any_copy():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=64, slots=2, ops=ops)
+    result, finished = _run(pipe, torch.zeros(16), _bounds(16, 2), FakeService(ops))
+    assert finished.wait(10)
+    ready = next(e for e in ops.log if e[:2] == ("record", "caller"))
+    first_copy = next(i for i, e in enumerate(ops.log) if e[0] == "copy")
+    assert ops.index(("wait", "side", ready[2])) < first_copy
+    pipe.close()
+
+
+def test_pinned_memory_is_bounded_a_copy_waits_for_a_slot_given_back_by_a_pull():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=ops)
+    service = FakeService(ops, hold=True)
+    t = torch.zeros(24)
+    result, finished = _run(pipe, t, _bounds(24, 6), service)
+    deadline = time.monotonic() + 5
+    while ops.pushes() != [0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    # Two slots: partitions 0 and 1 are on the host, 0 pushed; 2 cannot be copied until 0's sum came back.
+    assert ops.pushes() == [0]
+    assert sum(e[:3] == ("copy", "side", "d2h") for e in ops.log) == 2
+    for _ in range(6):
+        deadline = time.monotonic() + 5
+        while not service.pending and not finished.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        service.answer(1)
+    assert finished.wait(10), "the staging never called done"
+    assert result["error"] is None and torch.equal(t, torch.ones(24))
+    assert pipe.pool.made == 2
+    d2h = [i for i, e in enumerate(ops.log) if e[:3] == ("copy", "side", "d2h")]
+    h2d = [i for i, e in enumerate(ops.log) if e[:3] == ("copy", "side", "h2d")]
+    for i in range(2, 6):  # partition i reuses the slot partition i - 2's copy back gave up, after that copy
+        assert h2d[i - 2] < d2h[i]
+        assert ops.index(("push", i - 2)) < d2h[i]
+    pipe.close()
+
+
+def test_done_runs_with_the_side_stream_current_after_the_last_copy_back():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=64, slots=2, ops=ops)
+    result, finished = _run(pipe, torch.zeros(16), _bounds(16, 4), FakeService(ops))
+    assert finished.wait(10)
+    assert result["stream"] == "side", "done must run with the side stream current (the Future records there)"
+    last_h2d = max(i for i, e in enumerate(ops.log) if e[:3] == ("copy", "side", "h2d"))
+    assert last_h2d < max(i for i, e in enumerate(ops.log) if e == ("enter", "side"))
+    assert result["calls"] == 1
+    pipe.close()
+
+
+def test_a_failed_partition_fails_the_tensor_once_drops_its_slots_and_the_next_tensor_still_runs():
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=ops)
+    result, finished = _run(pipe, torch.zeros(16), _bounds(16, 4), FakeService(ops, fail_at=1))
+    assert finished.wait(10)
+    time.sleep(0.1)  # late answers must not call done again
+    assert isinstance(result["error"], RuntimeError) and "partition 1" in str(result["error"])
+    assert result["calls"] == 1
+    t = torch.zeros(8)
+    result2, finished2 = _run(pipe, t, _bounds(8, 2), FakeService(ops))
+    assert finished2.wait(10) and result2["error"] is None and torch.equal(t, torch.ones(8))
+    pipe.close()
+
+
+def test_a_partition_larger_than_a_slot_is_refused_up_front():
+    pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=RecordingOps())
+    with pytest.raises(ValueError, match="exceeds the staging slot of 16 bytes"):
+        pipe.start(torch.zeros(8), [(0, 8)], lambda *a: None, lambda e: None)
+    pipe.close()
+
+
+def test_a_pool_with_every_slot_in_flight_times_out_naming_what_waited():
+    pool = PinnedPool(RecordingOps(), slot_bytes=8, slots=2)
+    pool.acquire(1, "a")
+    pool.acquire(1, "b")
+    with pytest.raises(BpsTimeoutError, match="free pinned staging slot .* for partition 7"):
+        pool.acquire(0.05, "partition 7")
+
+
+@pytest.mark.parametrize("load", [True, False])
+def test_whole_tensor_staging_always_orders_its_side_stream_after_the_callers_stream(load):
+    # A collective that only writes (broadcast on a non-root rank) must not copy back before a queued write.
+    ops = RecordingOps()
+    t = torch.arange(6, dtype=torch.float32)
+    staging = DeviceStaging(t, load=load, ops=ops)
+    ready = next(e for e in ops.log if e[:2] == ("record", "caller"))
+    assert ("wait", "side", ready[2]) in ops.log
+    if load:
+        assert torch.equal(staging.flat, t)
+        copied = ops.log[ops.index(("copy", "side", "d2h", 6)) + 2]  # after record_stream
+        assert copied[:2] == ("record", "side") and ("host_wait", copied[2]) in ops.log
+    staging.flat.fill_(7)
+    staging.write_back()
+    assert ops.log[-2][:3] == ("copy", "side", "h2d") and torch.equal(t, torch.full((6,), 7.0))
+    assert not any(e[0] == "wait" and e[1] == "caller" for e in ops.log), "never wait inside the caller's stream"
+
+
+def test_a_runtime_gets_one_pipeline_per_device_closed_when_the_runtime_goes(monkeypatch):
+    import gc
+    import types
+
+    from torch_bps.pg import device
+
+    monkeypatch.setattr(device, "_ops", RecordingOps())
+
+    class Runtime:  # what pipeline_for reads of a Runtime
+        config = types.SimpleNamespace(partition_bytes=4096)
+
+    runtime = Runtime()
+    first = device.pipeline_for(runtime, DEVICE)
+    assert device.pipeline_for(runtime, DEVICE) is first
+    assert device.pipeline_for(runtime, torch.device("cuda", 1)) is not first
+    assert first.pool.slot_bytes == 4096 and first.pool.slots == device.PIPELINE_SLOTS
+    del runtime
+    gc.collect()
+    first._thread.join(5)
+    assert not first._thread.is_alive(), "the pipeline's thread outlived its runtime"

@@ -1,0 +1,48 @@
+"""launch_staged between real processes: a tensor summed one partition at a time through a PartitionPipeline (CPU
+tensors, a recording stand-in for torch.cuda) and the Runtime, beside ordinary collectives, against the plain sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data(rank: int, n: int, salt: int) -> torch.Tensor:
+    return (torch.arange(n) % 11 * (rank + 1) + salt).float()
+
+
+def _staged_sums(rank, world, gloo):
+    import torch_bps
+    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.pg.work import launch_staged
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, rt.config.partition_bytes, 2, ops=ops, timeout=60)
+    n = 3 * rt.config.partition_bytes // 4 + 5  # several partitions, the last a few elements
+    failures = []
+    for step in range(3):
+        staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
+        assert rt.cannot_stage(staged) is None, rt.cannot_stage(staged)
+        work = launch_staged(rt, "allreduce", staged, pipe, [staged], where="in a test", timeout=60, priority=step)
+        dist.all_reduce(plain)  # launched behind it, on the same runtime
+        work.wait()
+        for t, salt in ((staged, step), (plain, step + 10)):
+            if not torch.equal(t, sum(_data(r, n, salt) for r in range(world))):
+                failures.append(f"step {step} salt {salt}")
+    copies = sum(e[:3] == ("copy", "side", "d2h") for e in ops.log)
+    pipe.close()
+    return failures, copies, pipe.pool.made
+
+
+def test_launch_staged_sums_through_the_runtime_beside_ordinary_collectives():
+    results = run_ranks(_staged_sums, 2, timeout=100)
+    for failures, copies, made in results:
+        assert failures == [] and made == 2
+        assert copies >= 3 * 2, f"a copy to the host per partition: {copies}"
