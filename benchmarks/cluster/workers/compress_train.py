@@ -5,8 +5,9 @@
 Modes: gloo (fp32), gloo-fp16 (torch's fp16_compress_hook), gloo-powersgd (torch's PowerSGD hook, rank 2), and on
 the "byteps" backend: byteps (fp32), byteps-bf16, byteps-onebit, byteps-topk (bps_hook; the orchestrator sets
 BPS_WIRE_DTYPE / BPS_COMPRESSOR), byteps-powersgd (torch's PowerSGD hook on the "byteps" group). Rank 0 scores the
-held-out set every `--eval-every` steps (its time is left out of the clock). Prints one RESULT line: wall seconds,
-the accuracy curve, bytes on this host's link per step, a hash of the parameters (replicas must agree).
+held-out set every `--eval-every` steps (its time is left out of the clock); PowerSGD runs with one bucket (see
+below). Prints one RESULT line: wall seconds, the accuracy curve, bytes on this host's link per step, a hash of the
+parameters (replicas must agree).
 May import: the standard library, torch, torch_bps and benchmarks.cluster.workers.{common,ddp_train,straggler_train}.
 """
 
@@ -56,11 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(INPUTS, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, CLASSES))  # fmt: skip
-    ddp = DDP(model)
+    if args.mode.endswith("powersgd"):
+        # One bucket: PowerSGD's hook issues its own all-reduces from each bucket's callbacks, which with several
+        # buckets run in an order that differs across ranks (gloo then fails on mismatched sizes, "byteps" on keys).
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+    ddp = DDP(model, bucket_cap_mb=1024 if args.mode.endswith("powersgd") else 25)
     if args.mode == "gloo-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif args.mode.endswith("powersgd"):
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif backend == "byteps":
         ddp.register_comm_hook(torch_bps.BpsHookState(module=model), torch_bps.bps_hook)
