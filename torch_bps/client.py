@@ -206,7 +206,7 @@ class Client:
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
-        self._keys: dict[int, tuple[int, torch.dtype, int, Mode]] = {}  # key -> (numel, dtype, server, mode)
+        self._keys: dict[int, tuple[int, torch.dtype, int, Mode, int]] = {}  # key -> its signature
         self._pending = _Pending()
         credentials = {}  # the C++ client's keywords
         if auth is None:
