@@ -36,7 +36,7 @@ from torch_bps.config import DEFAULT_CREDIT_BYTES, from_environment, transport_o
 from torch_bps.errors import TransportError
 from torch_bps.futures import completer
 from torch_bps.security import ClientCredentials
-from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode, Partition
+from torch_bps.wire import DTYPE_CODES, STATS_FIELDS, Mode, Partition, codec_name
 
 _U64 = 1 << 64
 # A batch part's outcome (push_pull_batch's `outcomes`; cpp_ext/client/options.h PartOutcome).
@@ -211,7 +211,7 @@ class Client:
         self.job_id, self.worker, self.num_workers = job_id, worker, num_workers
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
-        self._keys: dict[int, tuple[int, torch.dtype, int, Mode]] = {}  # key -> (numel, dtype, server, mode)
+        self._keys: dict[int, tuple[int, torch.dtype, int, Mode, int]] = {}  # key -> its signature
         self._pending = _Pending()
         credentials = {}  # the C++ client's keywords
         if auth is None:
@@ -305,7 +305,7 @@ class Client:
         token = self._register(on_done)
         pushed_token = self._register(on_pushed) if on_pushed is not None else 0
         try:
-            self._impl.push_pull(token, *args, pushed_token)
+            self._impl.push_pull(token, *args[:9], pushed_token)  # never compressed
         except BaseException:
             self._pending.callbacks.pop(token, None)
             self._pending.callbacks.pop(pushed_token, None)
@@ -379,9 +379,11 @@ class Client:
         the last call (0: this worker is not behind the others)."""
         return self._impl.take_behind()
 
-    def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0):
+    def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0,
+                   codec=0, dense_numel=0):  # fmt: skip
         """Check one push_pull's arguments; return them as the C++ client takes them:
-        (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset), offsets in bytes."""
+        (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset, codec, dense_bytes), offsets in
+        bytes."""
         _check_tensor(tensor, "tensor")
         mode = mode if type(mode) is Mode else Mode(mode)
         key_numel = tensor.numel() if key_numel is None else key_numel
@@ -408,18 +410,21 @@ class Client:
             server = key % len(self._servers)
         elif not 0 <= server < len(self._servers):
             raise ValueError(f"server index {server} is out of range: {len(self._servers)} servers")
-        signature = (key_numel, tensor.dtype, server, mode)
+        if codec and (mode != Mode.SUM or tensor.dtype != torch.float32 or dense_numel <= 0):
+            raise ValueError(f"key {key}: a compressed key ({codec_name(codec)}) is an fp32 SUM key of dense elements")
+        signature = (key_numel, tensor.dtype, server, mode, codec)
         with self._lock:
             known = self._keys.setdefault(key, signature)
         if known != signature:
             raise ValueError(
                 f"key {key} was first used with {known[0]} elements of {known[1]} on server {known[2]} "
-                f"({known[3].name}), now {signature[0]} elements of {signature[1]} on server {signature[2]} "
-                f"({mode.name}): a key's size, dtype, server and mode never change"
+                f"({known[3].name}, {codec_name(known[4])}), now {signature[0]} elements of {signature[1]} on server "
+                f"{signature[2]} ({mode.name}, {codec_name(codec)}): a key's size, dtype, server, mode and codec never "
+                "change"
             )
         size = tensor.element_size()
         return (server, key, DTYPE_CODES[tensor.dtype], int(mode), key_numel * size, tensor, offset * size, out,
-                out_offset * size)  # fmt: skip
+                out_offset * size, codec, dense_numel * 4 if codec else 0)  # fmt: skip
 
     def server_stats(self, server: int) -> dict[str, int]:
         """Return the counters of server `server` (names: torch_bps.wire.STATS_FIELDS). Blocks."""

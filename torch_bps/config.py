@@ -92,6 +92,22 @@ def _parse_staleness(value: str) -> int | None:
     return int(value)
 
 
+def parse_compressor(value: str) -> str:
+    """Return a compressor spec (BPS_COMPRESSOR), checked: "", "onebit", "topk:RATIO" or "randomk:RATIO"."""
+    name, _, ratio = value.partition(":")
+    try:
+        ok = value == "" or (name == "onebit" and not ratio) or (name in ("topk", "randomk") and 0 < float(ratio) <= 1)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"compressor {value!r} is unknown: use onebit, topk:RATIO or randomk:RATIO, 0 < RATIO <= 1")
+    return value
+
+
+def _parse_names(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 def _parse_auth(value: str) -> str:
     if value not in ("token", "curve", "off"):
         raise ValueError("use token (the default), curve or off")
@@ -156,6 +172,16 @@ class Config:
     # the servers add 16-bit pushes in fp32 and round once, and every worker applies the same rounded sum
     # (torch_bps/engine/precision.py). "fp32": every tensor as its own dtype. Gathers and integers are never cast.
     wire_dtype: str = field(default="fp32", metadata={"env": "BPS_WIRE_DTYPE", "parse": parse_wire_dtype})
+    # Gradient compression with error feedback on both sides (torch_bps/engine/compress.py, docs/protocol.md
+    # "Compressed keys"): "onebit", "topk:RATIO" or "randomk:RATIO"; "" none. Lossy, so it applies only to the DDP
+    # buckets bps_hook sends (any group, "byteps" included), never to a plain collective.
+    compressor: str = field(default="", metadata={"env": "BPS_COMPRESSOR", "parse": parse_compressor})
+    # Gradients smaller than this (biases, norms) stay uncompressed: a codec's fixed costs outweigh its savings there.
+    compress_min_bytes: int = field(default=65536, metadata={"env": "BPS_COMPRESS_MIN_BYTES", "parse": int})
+    # Parameters whose name contains one of these (comma-separated) stay uncompressed (names known to
+    # BpsHookState(module=...)).
+    compress_exclude: tuple[str, ...] = field(default=(), metadata={"env": "BPS_COMPRESS_EXCLUDE",
+                                                                    "parse": _parse_names})  # fmt: skip
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
     # The address other machines reach this one's embedded server at; default: the interface that
@@ -236,6 +262,8 @@ class Config:
         for f in dataclasses.fields(cls):
             value = keywords.get(f.name)
             if value is not None:
+                if f.name == "compress_exclude" and isinstance(value, str):
+                    value = _parse_names(value)
                 if f.name in ("servers", "standby_servers"):
                     value = _parse_servers(value) if isinstance(value, str) else _parse_servers(",".join(value))
                 values[f.name] = value
@@ -274,6 +302,13 @@ class Config:
         if self.placement not in ("optimal", "dedicated", "colocated"):
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         parse_transport(self.transport)
+        parse_compressor(self.compressor)
+        if self.compressor.startswith("randomk") and self.failover and (self.servers or self.num_servers):
+            raise ConfigError("compressor randomk and failover do not go together yet: a failed-over key restarts its "
+                              "rounds, and random-k's indices follow them (set BPS_FAILOVER=0)")  # fmt: skip
+        if self.compressor and self.backup_workers:
+            raise ConfigError("compressor and backup_workers do not go together yet: a worker catching up pulls rounds "
+                              "whose encodings it did not make")  # fmt: skip
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r}: use fp32 (the default), bf16 or fp16")
         if self.auth not in ("token", "curve", "off"):

@@ -404,7 +404,7 @@ class Router:
                 if key in mine:
                     old = self._epochs[mine[key]].client
                     done, _, push_offset = kept[key]
-                    numel, dtype, _, mode = old._keys[key]
+                    numel, dtype, _, mode, _ = old._keys[key]  # the codec rides on the held part
                     data = old.kept_bytes(key) if done > lo else None
                     self._recover[key] = ((lo, source), done, data, (numel, dtype, Mode(mode)), push_offset)
             self._epochs.append(_Epoch(client, servers, frozenset(lost)))

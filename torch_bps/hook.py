@@ -6,6 +6,11 @@ the gradient buckets go through torch_bps.
     state = torch_bps.BpsHookState()              # the default group; its Runtime is made on first use
     ddp.register_comm_hook(state, torch_bps.bps_hook)
 
+Compression (Config.compressor, BPS_COMPRESSOR=onebit|topk:R|randomk:R) applies here and only here: the hook marks
+each bucket's gradients of at least Config.compress_min_bytes, whose parameter names contain none of
+Config.compress_exclude, as compressible, and the engine encodes them with error feedback (engine/compress.py).
+A "byteps" group's own all_reduce (DDP without this hook, metrics, integer tensors) always stays exact.
+
 May import: torch, torch_bps.config, torch_bps.pg, torch_bps.process_group; torch_bps.runtime on first use.
 """
 
@@ -44,18 +49,39 @@ class BpsHookState:
         config: settings of that Runtime (None: the BPS_* environment variables).
         name: the Runtime's job namespace, default "hook" ("hook-<group name>" for a subgroup). States with the
             same name share one Runtime: every rank must then run their hooks in the same order.
+        module: the model, so that Config.compress_exclude can name its parameters (None: by size alone).
 
     Example: `ddp.register_comm_hook(BpsHookState(process_group=gloo_group), bps_hook)`.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, config: Config | None = None,
-                 name: str | None = None):  # fmt: skip
+                 name: str | None = None, module: torch.nn.Module | None = None):  # fmt: skip
         self.process_group = process_group
+        self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self.config = config
         self.name = name
         self._lock = threading.Lock()
         self._runtime = None
         self._shared: str | None = None  # the _SHARED entry this state holds a reference to
+
+    def segments(self, bucket: dist.GradBucket, config: Config) -> list[tuple[int, int, bool]]:
+        """The bucket's buffer as (start, stop, compressible) runs of its gradients, in buffer order."""
+        buffer = bucket.buffer()
+        runs: list[tuple[int, int, bool]] = []
+        if not config.compressor or buffer.dtype != torch.float32:
+            return [(0, buffer.numel(), False)]
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            start = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+            name = self._names.get(id(param), "")
+            small = grad.numel() * grad.element_size() < config.compress_min_bytes
+            compress = not small and not any(pattern in name for pattern in config.compress_exclude)
+            if runs and runs[-1][1] == start and runs[-1][2] == compress:
+                runs[-1] = (runs[-1][0], start + grad.numel(), compress)
+            else:
+                runs.append((start, start + grad.numel(), compress))
+        if sum(b - a for a, b, _ in runs) != buffer.numel():  # not laid out as expected: send it whole, exact
+            return [(0, buffer.numel(), False)]
+        return runs
 
     def connect(self):
         """Return the Runtime, made on the first call: a blocking rendezvous every rank of the group must join."""
@@ -110,7 +136,10 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     staged.flat.div_(runtime.world_size)
-    work = launch(runtime, "bps_hook", [Transfer(staged.flat, staged.write_back)], buffer,
+    runs = state.segments(bucket, runtime.config)
+    transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]
+    transfers[-1].finish = staged.write_back  # once every run is summed
+    work = launch(runtime, "bps_hook", transfers, buffer,
                   where=f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})",
                   timeout=runtime.config.timeout, priority=bucket.index(), device=buffer.device)  # fmt: skip
     return work.get_future()

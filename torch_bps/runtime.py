@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from torch_bps.address import parse_listening
 from torch_bps.config import Config, transport_options
+from torch_bps.engine.compress import Compressor
 from torch_bps.engine.exchange import Exchange
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
@@ -121,7 +122,8 @@ class Runtime:
         channels = _local_comms(ns, topology, job_id, config) if hierarchical else None
         engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
                                 local_rank=topology.local_rank, timeout=config.timeout,
-                                alone=client.num_workers == 1, wire_dtype=wire_dtype(config.wire_dtype))  # fmt: skip
+                                alone=client.num_workers == 1, wire_dtype=wire_dtype(config.wire_dtype),
+                                compressor=Compressor(config.compressor) if config.compressor else None)  # fmt: skip
         rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated)
         rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:

@@ -14,6 +14,7 @@ May import: the standard library, torch (for dtype codes) and torch_bps.errors o
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +71,80 @@ class Mode(enum.IntEnum):
     MODEL = 2  # each worker's pushes are added, in order and once each, into one running total (asynchronous)
 
 
+class Codec(enum.IntEnum):
+    """How a compressed SUM key's pushes and pulls are laid out (docs/protocol.md, "Compressed keys"). A key's codec
+    word (INIT/PUSH/PULL's `num_workers`) is the codec in bits 0-7 and, for TOPK, the row width in bits 8-31."""
+
+    NONE = 0
+    ONEBIT = 1  # an fp32 scale, then a sign bit per element (1: negative), padded to 4 bytes
+    TOPK = 2  # k u32 row indices, then k rows of `width` fp32 values
+    RANDOMK = 3  # k fp32 values at random_indices(key, round, n, k)
+
+
+def codec_word(codec: Codec, width: int = 1) -> int:
+    """Return the codec word of a key (0 for an uncompressed one). Example: codec_word(Codec.TOPK) == 0x102."""
+    return int(codec) | (width << 8 if codec == Codec.TOPK else 0)
+
+
+def codec_name(word: int) -> str:
+    """Name a codec word as error messages do ("onebit", "topk (width 1)", "no codec")."""
+    codec = word & 0xFF
+    if codec == Codec.TOPK:
+        return f"topk (width {word >> 8})"
+    return {0: "no codec", 1: "onebit", 3: "randomk"}.get(codec, f"codec {codec}")
+
+
+def codec_wire_bytes(word: int, elements: int, k: int = 0) -> int:
+    """Return the bytes a push and a pull of a key of `elements` fp32 carry under `word` (k: rows or values sent)."""
+    codec, width = word & 0xFF, word >> 8 or 1
+    if codec == Codec.ONEBIT:
+        return 4 + 4 * -(-elements // 32)
+    return 4 * k * (1 + width) if codec == Codec.TOPK else 4 * k
+
+
+def check_codec(word: int, dense_bytes: int, wire_bytes: int) -> str:
+    """Return why a key of `dense_bytes` (fp32) carrying `wire_bytes` cannot have codec `word`, or ""."""
+    codec, width, n = word & 0xFF, word >> 8, dense_bytes // 4
+    if n == 0:
+        return "a compressed key holds at least one fp32 element"
+    if codec == Codec.ONEBIT:
+        want = codec_wire_bytes(word, n)
+        return "" if wire_bytes == want else f"onebit over {n} elements carries {want} bytes, not {wire_bytes}"
+    if codec == Codec.TOPK:
+        row = 4 * (1 + width)
+        if width == 0 or n % width:
+            return f"topk rows of width {width} do not divide {n} elements"
+        if wire_bytes % row or not 0 < wire_bytes // row <= n // width:
+            return f"topk carries 1 to {n // width} rows of {row} bytes, not {wire_bytes} bytes"
+        return ""
+    if codec == Codec.RANDOMK:
+        if wire_bytes % 4 or not 0 < wire_bytes // 4 <= n:
+            return f"randomk carries 1 to {n} fp32 values, not {wire_bytes} bytes"
+        return ""
+    return f"unknown codec {codec} (1: onebit, 2: topk, 3: randomk)"
+
+
+_U64_MASK = (1 << 64) - 1
+
+
+def _splitmix(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _U64_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64_MASK
+    return z ^ (z >> 31)
+
+
+def random_indices(key: int, round_: int, n: int, k: int) -> torch.Tensor:
+    """Return random-k's k distinct indices (int64) of a key's round, as both ends derive them: (a + i * s) mod n,
+    with a and s (coprime with n) drawn from (key, round) by splitmix64. No index travels."""
+    h1 = _splitmix((key * 0x9E3779B97F4A7C15 + round_) & _U64_MASK)
+    h2 = _splitmix(h1)
+    a, s = h1 % n, (h2 % n) | 1
+    while math.gcd(s, n) != 1:
+        s += 2
+    return (a + torch.arange(k, dtype=torch.int64) * (s % n)) % n
+
+
 # dtype codes on the wire; the table is part of the protocol (never renumber).
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
@@ -106,6 +181,8 @@ class Partition(NamedTuple):
     key_numel: int | None = None  # default: tensor.numel()
     offset: int = 0
     out_offset: int = 0
+    codec: int = 0  # a compressed key's codec word: `tensor` and `out` then hold its encoded bytes (as fp32)
+    dense_numel: int = 0  # a compressed key's fp32 elements, which the encoded bytes stand for
 
 
 STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum_ns", "errors", "sums", "requests",

@@ -161,6 +161,8 @@ OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
   op->dst = std::move(part.dst);
   op->pushOffset = part.pushOffset;
   op->pullOffset = part.pullOffset;
+  op->codec = part.codec;
+  op->denseBytes = part.denseBytes;
   op->timeout = timeout_;
   return op;
 }

@@ -156,7 +156,7 @@ bool Dispatcher::sendRequest(const OpPtr& op, uint16_t command, Clock::time_poin
   h.command = command;
   h.dtype = op->dtype;
   h.worker = options_.worker;
-  h.numWorkers = command == kHello ? options_.numWorkers : 0;
+  h.numWorkers = command == kHello ? options_.numWorkers : op->codec;  // a compressed key's codec word
   // The server answers a PULL still waiting after the timeout itself, naming the workers that have not pushed;
   // our own deadline (a little later) covers a server that cannot answer at all.
   if (command == kPull) h.waitMs = static_cast<uint32_t>(std::min(options_.timeoutSeconds * 1000.0, 4e9));
@@ -168,6 +168,7 @@ bool Dispatcher::sendRequest(const OpPtr& op, uint16_t command, Clock::time_poin
   h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
   h.mode = command == kHello ? options_.backups : op->mode;
   if (command == kHello) h.rounds = options_.window;
+  if (command == kInit && op->codec) h.length = op->denseBytes;
   if (command == kPush) {
     h.offset = op->pushOffset;
     h.length = op->src.nbytes();

@@ -49,6 +49,8 @@ struct Op {
   at::Tensor dst;  // pulled from pullOffset
   uint64_t pushOffset = 0;
   uint64_t pullOffset = 0;
+  uint32_t codec = 0;  // PartSpec's
+  uint64_t denseBytes = 0;
   Clock::duration timeout{};
   std::deque<uint64_t> requests;  // ids of wire requests still awaiting their reply, in send order
   bool holdsKey = false;  // this push_pull is its key's round in flight

@@ -87,6 +87,10 @@ struct PartSpec {
   uint64_t pushOffset = 0;
   at::Tensor dst;
   uint64_t pullOffset = 0;
+  // A compressed key (docs/protocol.md, "Compressed keys"): its codec word, sent in INIT/PUSH/PULL's `num_workers`,
+  // and the dense partition's bytes, sent in INIT's `length`. keyBytes is then what travels.
+  uint32_t codec = 0;
+  uint64_t denseBytes = 0;
 };
 
 // The batch scheduler's counters (see pushPullBatch), readable from any thread.

@@ -26,7 +26,8 @@
 namespace py = pybind11;
 
 // One partition of push_pull_batch, as Python passes it: the fields of client::PartSpec, in order.
-using BatchPart = std::tuple<size_t, uint64_t, uint16_t, uint32_t, uint64_t, at::Tensor, uint64_t, at::Tensor, uint64_t>;
+using BatchPart = std::tuple<size_t, uint64_t, uint16_t, uint32_t, uint64_t, at::Tensor, uint64_t, at::Tensor, uint64_t,
+                             uint32_t, uint64_t>;
 
 namespace bps::python {
 
@@ -259,7 +260,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("pushed_token") = 0, release())
       .def(
           "push_pull_batch",
-          // parts: (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset) per partition.
+          // parts: (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset, codec, dense_bytes) per
+          // partition.
           [](PyClient& c, uint64_t token, const std::vector<BatchPart>& parts, int64_t priority,
              std::optional<at::Tensor> outcomes) {
             std::vector<bps::python::PartSpec> specs;
@@ -268,7 +270,7 @@ PYBIND11_MODULE(_C, m) {
               specs.push_back(bps::python::PartSpec{std::get<0>(p), std::get<1>(p), std::get<2>(p),
                                             static_cast<bps::python::Mode>(std::get<3>(p)), std::get<4>(p),
                                             std::get<5>(p).detach(), std::get<6>(p), std::get<7>(p).detach(),
-                                            std::get<8>(p)});
+                                            std::get<8>(p), std::get<9>(p), std::get<10>(p)});
             }
             c.get().pushPullBatch(token, std::move(specs), priority, outcomes ? outcomes->detach() : at::Tensor());
           },

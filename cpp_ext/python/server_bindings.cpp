@@ -99,7 +99,7 @@ void bindServerCore(py::module_& m) {
            py::arg("backups"), py::arg("window"), py::arg("staleness"), py::arg("peer"), py::arg("identity"))
       .def("touch", &ServerCore::touch, py::arg("job_id"), py::arg("worker"))
       .def("declare", &ServerCore::declare, py::arg("job_id"), py::arg("key"), py::arg("nbytes"), py::arg("dtype"),
-           py::arg("mode"))
+           py::arg("mode"), py::arg("codec") = 0, py::arg("dense_bytes") = 0)
       .def("worker_lost", &ServerCore::workerLost, py::arg("job_id"), py::arg("worker"), py::arg("how"))
       .def("refuse", &ServerCore::refuse, py::arg("job_id"), py::arg("key"), py::arg("worker"), py::arg("round"),
            py::arg("reason"))

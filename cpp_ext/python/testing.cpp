@@ -4,7 +4,9 @@
 // rounds alone (KeyRoundsProbe) for tests/server/test_server_rounds.py to compare with the reference KeyRounds.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "client/credit_queue.h"
 #include "client/credit_sizer.h"
 #include "python/bindings.h"
+#include "server/codecs.h"
 #include "server/rounds.h"
 #include "transport/buffer_cache.h"
 #include "transport/wire.h"
@@ -78,8 +81,11 @@ py::list answerList(std::vector<Answer>& answers) {
 class KeyRoundsProbe {
  public:
   KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name,
-                 uint32_t backups, uint32_t window, uint64_t staleness)
-      : job_(makeJob(numWorkers, backups, window, staleness)), rounds_(name, job_, counters_, mode, nbytes, dtype) {}
+                 uint32_t backups, uint32_t window, uint32_t codec, uint64_t denseBytes, uint64_t key,
+                 uint64_t staleness)
+      : job_(makeJob(numWorkers, backups, window, staleness)),
+        rounds_(name, job_, counters_, mode, nbytes, dtype,
+                codec ? CodecSpec::fromWord(codec, denseBytes, nbytes, key) : CodecSpec{}) {}
 
   py::tuple push(uint32_t worker, uint64_t rnd, const std::string& data, uint64_t offset) {
     return call([&] { return rounds_.push(worker, rnd, Message::copyOf(data.data(), data.size()), offset); });
@@ -146,9 +152,39 @@ class KeyRoundsProbe {
   KeyRounds rounds_;
 };
 
+// The codec arithmetic alone (server/codecs.h), for tests/server/test_codecs.py.
+CodecSpec codecSpec(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, uint64_t key) {
+  return CodecSpec::fromWord(word, denseBytes, wireBytes, key);
+}
+
+py::tuple codecEncode(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, uint64_t key, uint64_t rnd,
+                      const std::string& x) {
+  CodecSpec spec = codecSpec(word, denseBytes, wireBytes, key);
+  std::vector<float> values(spec.elements);
+  if (x.size() != values.size() * 4) throw std::invalid_argument("x must hold the key's elements as fp32");
+  std::memcpy(values.data(), x.data(), x.size());
+  std::string out(wireBytes, '\0');
+  encode(spec, rnd, values.data(), reinterpret_cast<uint8_t*>(out.data()));
+  return py::make_tuple(py::bytes(out), py::bytes(reinterpret_cast<const char*>(values.data()), x.size()));
+}
+
+std::vector<uint64_t> randomIndicesPy(uint64_t key, uint64_t rnd, uint64_t n, uint64_t k) {
+  std::vector<uint64_t> out(k);
+  randomIndices(key, rnd, n, k, out.data());
+  return out;
+}
+
 }  // namespace
 
 void bindTesting(py::module_& m) {
+  m.def("codec_encode", &codecEncode, py::arg("codec"), py::arg("dense_bytes"), py::arg("wire_bytes"), py::arg("key"),
+        py::arg("round"), py::arg("x"), "(the encoded bytes, the residual x - decode(them) as fp32 bytes)");
+  m.def("codec_check_declaration",
+        [](uint32_t word, uint64_t denseBytes, uint64_t wireBytes) {
+          return checkDeclaration(codecSpec(word, denseBytes, wireBytes, 0));
+        },
+        py::arg("codec"), py::arg("dense_bytes"), py::arg("wire_bytes"));
+  m.def("random_indices", &randomIndicesPy, py::arg("key"), py::arg("round"), py::arg("n"), py::arg("k"));
   m.attr("HEADER_SIZE") = kHeaderSize;
 
   m.def("pack_header", &packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
@@ -189,9 +225,11 @@ void bindTesting(py::module_& m) {
            py::arg("backlogged"), "the new credit when a measured window closed, else 0");
 
   py::class_<KeyRoundsProbe>(m, "KeyRoundsProbe")
-      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&, uint32_t, uint32_t, uint64_t>(),
+      .def(py::init<uint32_t, uint32_t, uint64_t, uint16_t, const std::string&, uint32_t, uint32_t, uint32_t, uint64_t,
+                    uint64_t, uint64_t>(),
            py::arg("num_workers"), py::arg("mode"), py::arg("nbytes"), py::arg("dtype"), py::arg("name"),
-           py::arg("backups") = 0, py::arg("window") = 2, py::arg("staleness") = 0)
+           py::arg("backups") = 0, py::arg("window") = 2, py::arg("codec") = 0, py::arg("dense_bytes") = 0,
+           py::arg("key") = 0, py::arg("staleness") = 0)
       .def("push", &KeyRoundsProbe::push, py::arg("worker"), py::arg("round"), py::arg("data"), py::arg("offset"))
       .def("pull", &KeyRoundsProbe::pull, py::arg("worker"), py::arg("round"), py::arg("token"), py::arg("offset"),
            py::arg("length"), py::arg("deadline") = std::numeric_limits<double>::infinity())

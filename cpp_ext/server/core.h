@@ -93,8 +93,9 @@ class ServerCore {
     jobs_.hello(jobId, worker, numWorkers, backups, window, staleness, peer, identity);
   }
   void touch(uint64_t jobId, uint32_t worker) { jobs_.touch(jobId, worker); }  // a request the control plane handled
-  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode) {
-    jobs_.declare(jobId, key, nbytes, dtype, mode);
+  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode, uint32_t codec = 0,
+               uint64_t denseBytes = 0) {
+    jobs_.declare(jobId, key, nbytes, dtype, mode, codec, denseBytes);
   }
   // The worker's connection dropped: fail the waiting pulls of every round it has not pushed.
   void workerLost(uint64_t jobId, uint32_t worker, const std::string& how);

@@ -27,12 +27,15 @@ void JobTable::touch(uint64_t jobId, uint32_t worker) {
   if (job != jobs_.end()) job->second->lastSeen[worker] = monotonicSeconds();
 }
 
-void JobTable::declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode) {
+void JobTable::declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode, uint32_t codec,
+                       uint64_t denseBytes) {
   auto job = jobs_.find(jobId);
   if (job == jobs_.end() || keys_.count({jobId, key})) return;
-  keys_.emplace(JobKey{jobId, key},
-                std::unique_ptr<KeyState>(new KeyState{
-                    nbytes, dtype, mode, KeyRounds(jobKeyName(jobId, key), *job->second, sums_, mode, nbytes, dtype)}));
+  CodecSpec spec = codec ? CodecSpec::fromWord(codec, denseBytes, nbytes, key) : CodecSpec{};
+  keys_.emplace(JobKey{jobId, key}, std::unique_ptr<KeyState>(new KeyState{
+                                        nbytes, dtype, mode, codec,
+                                        KeyRounds(jobKeyName(jobId, key), *job->second, sums_, mode, nbytes, dtype,
+                                                  spec)}));
 }
 
 std::vector<Answer> JobTable::workerLost(uint64_t jobId, uint32_t worker, const std::string& how) {
@@ -101,7 +104,8 @@ bool JobTable::admit(const transport::Header& h, const std::string& userId, size
   auto found = keys_.find({h.jobId, h.key});
   if (found == keys_.end()) return false;
   KeyState& k = *found->second;
-  if (h.nbytes != k.nbytes || h.dtype != k.dtype || h.mode != k.mode) return false;
+  // A PUSH or PULL's `num_workers` is its codec word (0: none).
+  if (h.nbytes != k.nbytes || h.dtype != k.dtype || h.mode != k.mode || h.numWorkers != k.codec) return false;
   if (h.length > k.nbytes || h.offset > k.nbytes - h.length) return false;
   // A SUM or MODEL key's PUSH carries the whole key.
   if (h.command == kPush &&

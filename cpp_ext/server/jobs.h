@@ -23,6 +23,7 @@ struct KeyState {
   uint64_t nbytes;
   uint16_t dtype;
   uint32_t mode;
+  uint32_t codec;  // the codec word of a compressed key (codecs.h), 0 otherwise
   KeyRounds rounds;
 };
 
@@ -38,7 +39,9 @@ class JobTable {
   void hello(uint64_t jobId, uint32_t worker, uint32_t numWorkers, uint32_t backups, uint32_t window,
              uint64_t staleness, const std::string& peer, const std::string& identity);
   void touch(uint64_t jobId, uint32_t worker);  // a request of that worker, handled by the control plane
-  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode);
+  // A compressed key (codec != 0): `nbytes` is what travels, `denseBytes` the fp32 partition it stands for.
+  void declare(uint64_t jobId, uint64_t key, uint64_t nbytes, uint16_t dtype, uint32_t mode, uint32_t codec = 0,
+               uint64_t denseBytes = 0);
   // The worker's connection dropped: fail the waiting pulls of every round it has not pushed.
   std::vector<Answer> workerLost(uint64_t jobId, uint32_t worker, const std::string& how);
   // A push of the key was refused (reason: why): its round fails for every worker.

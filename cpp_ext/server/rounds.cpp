@@ -56,14 +56,15 @@ bool Job::isLost(uint32_t worker) const {
 }
 
 KeyRounds::KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes,
-                     uint16_t dtype)
+                     uint16_t dtype, CodecSpec codec)
     : name_(std::move(name)),
       job_(job),
       counters_(counters),
       mode_(mode),
       nbytes_(nbytes),
       dtype_(dtype),
-      widened_(mode == kModeSum && sumsWidened(dtype)) {
+      widened_(mode == kModeSum && sumsWidened(dtype)),
+      codec_(codec.id != kCodecNone ? std::make_unique<CodecKey>(codec) : nullptr) {
   if (mode == kModeModel) applied_.assign(job.numWorkers, 0);
 }
 
@@ -133,6 +134,10 @@ void KeyRounds::close(Round& r, uint64_t rnd) {
   if (mode_ == kModeCopy) {
     r.failure = untiled(r, rnd);
     r.failed = !r.failure.empty();
+  } else if (codec_) {  // --- compressed key: the sum (scaled for a backup round) encoded once
+    float scale = static_cast<float>(static_cast<double>(job_.numWorkers) / r.contributors);
+    r.total = codec_->close(std::move(r.wide), rnd, scale);
+    r.hasTotal = true;
   } else if (r.contributors < job_.numWorkers && r.hasTotal && !(widened_ && r.contributors > 1)) {
     // A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean). A widened
     // sum of two or more was scaled before its rounding (add).
@@ -167,6 +172,19 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
   }
   if (mode_ == kModeCopy) {
     write(r, std::move(data), offset, worker);
+  } else if (codec_) {  // --- compressed key: a malformed push fails its round for everyone, naming why
+    std::string bad = checkPayload(codec_->spec(), data.data(), data.size());
+    if (!bad.empty()) {
+      std::string message = what("push", rnd, worker) + ": " + bad;
+      for (auto& a : refuse(worker, rnd, message)) released_.push_back(std::move(a));
+      throw RoundError{kKeyMismatch, std::move(message)};
+    }
+    timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    codec_->add(r.wide, rnd, data.data());
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+    counters_.bytesSummed += data.size();
   } else {
     add(r, std::move(data), r.numPushed + 1);  // this worker has not pushed it yet
   }
@@ -347,6 +365,10 @@ std::vector<float> KeyRounds::takeAccumulator() {
 }
 
 void KeyRounds::giveAccumulator(std::vector<float>&& wide) {
+  if (codec_) {
+    codec_->giveBack(std::move(wide));
+    return;
+  }
   if (!wide.empty()) spare_.push_back(std::move(wide));
   wide = {};
 }

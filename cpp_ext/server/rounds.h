@@ -7,6 +7,8 @@
 // while its first waits is refused); r is freed once every worker pulled it (with backups: or is lost); at most
 // two rounds are alive (floor, floor + 1), with backups the job's window W, and a pull of r waits until
 // r <= floor + W - 2, so that the worker's next push lands inside the window.
+// A compressed SUM key (codec.id != kCodecNone, server/codecs.h) decodes each push into an fp32 accumulator and
+// encodes the sum once, at close, into the result.
 // A SUM round adds whole-key pushes into the first push's received message, in the key's dtype (fp16 and bf16:
 // in fp32, scaled and rounded once into that message by the round's last push; server/sums.h); a COPY round
 // writes each push's bytes at its offset and, at close, the non-empty pushes must tile the key.
@@ -26,10 +28,12 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "server/codecs.h"
 #include "transport/message.h"
 #include "transport/wire.h"
 
@@ -97,7 +101,8 @@ double monotonicSeconds();
 class KeyRounds {
  public:
   // name: "job 0x.. key K", for error messages. job and counters must outlive this.
-  KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes, uint16_t dtype);
+  KeyRounds(std::string name, const Job& job, SumCounters& counters, uint32_t mode, uint64_t nbytes, uint16_t dtype,
+            CodecSpec codec = {});
 
   // Fold a push of `worker` into round `rnd`; return the answers to pulls it completes. Throws RoundError.
   std::vector<Answer> push(uint32_t worker, uint64_t rnd, Message&& data, uint64_t offset);
@@ -142,7 +147,7 @@ class KeyRounds {
     uint32_t contributors = 0;  // how many pushes the result holds
     Message total;
     std::vector<Piece> pieces;  // COPY
-    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers: the sum so far in fp32, until the last push
+    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers, or a compressed key: the sum so far in fp32
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);
@@ -193,6 +198,7 @@ class KeyRounds {
   std::vector<uint64_t> applied_;
   std::vector<Waiting> waiting_;
   std::unordered_map<uint32_t, std::pair<uint64_t, std::string>> refused_;
+  std::unique_ptr<CodecKey> codec_;  // a compressed key's
 };
 
 // "job 0x.. key K": how error messages name a key.

@@ -23,7 +23,8 @@ def run_round(parts: list[tuple]) -> list[torch.Tensor]:
     """One round of the parts' key on a model server: each rank's pulled slice."""
     numel, mode, dtype = parts[0][5], parts[0][4], parts[0][0].dtype
     key = torch.zeros(numel, dtype=dtype)
-    for tensor, _, _, _, m, n, offset, _ in parts:
+    for tensor, _, _, _, m, n, offset, _, codec, _ in parts:
+        assert codec == 0, "recovery parts of uncompressed keys stay uncompressed"
         assert (m, n) == (mode, numel)
         if mode == Mode.SUM:
             assert offset == 0 and tensor.numel() == numel, "a SUM key is pushed whole"

@@ -152,7 +152,7 @@ def _sum_data(draw, dtype: int, nbytes: int) -> bytes:
 def test_the_native_rounds_answer_as_the_reference_does(scenario):
     num_workers, mode, nbytes, dtype, backups, window, staleness, ops = scenario
     ref = Reference(num_workers, mode, nbytes, dtype, backups, window, staleness)
-    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME, backups, window, staleness)
+    native = _C._testing.KeyRoundsProbe(num_workers, mode, nbytes, dtype, NAME, backups, window, staleness=staleness)
     token = 0
     for op in ops:
         kind = op[0]
@@ -291,7 +291,7 @@ def test_integer_and_copy_rounds_of_a_backup_job_still_need_every_worker():
 
 
 def test_a_model_key_adds_each_update_once_and_in_order():
-    probe = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, 0, 2, UNBOUNDED)
+    probe = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, staleness=UNBOUNDED)
     assert probe.pull(0, 1, 1, 0, 4)[0] == Status.BAD_ROUND  # past its own next push (round 0)
     assert probe.push(0, 0, f32(1.0), 0) == (0, "", [])
     assert probe.push(0, 0, f32(1.0), 0) == (0, "", [])  # resent: acknowledged, not added again
@@ -305,7 +305,7 @@ def test_a_model_key_adds_each_update_once_and_in_order():
 
 
 def test_a_model_keys_pull_waits_for_the_slowest_worker_s_rounds_behind():
-    probe = _C._testing.KeyRoundsProbe(3, int(Mode.MODEL), 4, 1, NAME, 0, 2, 1)  # s = 1
+    probe = _C._testing.KeyRoundsProbe(3, int(Mode.MODEL), 4, 1, NAME, staleness=1)  # s = 1
     for rnd in range(3):
         probe.push(0, rnd, f32(1.0), 0)
     probe.push(1, 0, f32(10.0), 0)
@@ -315,7 +315,7 @@ def test_a_model_keys_pull_waits_for_the_slowest_worker_s_rounds_behind():
     assert probe.push(1, 1, f32(10.0), 0) == (0, "", [])
     probe.set_lost(2, "worker 2 (at 10.0.0.2) disconnected")  # a lost worker holds nobody back
     assert probe.fail_lost() == [(2, Status.OK, f32(123.0), 0)]
-    probe2 = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, 0, 2, 0)  # s = 0: lockstep
+    probe2 = _C._testing.KeyRoundsProbe(2, int(Mode.MODEL), 4, 1, NAME, staleness=0)  # s = 0: lockstep
     probe2.push(0, 0, f32(1.0), 0)
     assert probe2.pull(0, 0, 1, 0, 4, 1.0) == (0, "", [])
     ((token, status, message, _),) = probe2.expire(2.0)

@@ -31,6 +31,8 @@ class Exchange:
         push: COPY: per rank of the group, the range it contributes (the ranges tile the tensor; they may be
             empty). SUM: None (every rank pushes everything).
         pull: per rank, the range it needs back; None: everything.
+        compress: a SUM of fp32 gradients the engine may compress (its Compressor, compress.py): lossy, so only
+            what asks for it (bps_hook's buckets), never a plain all_reduce.
 
     Example (an all-gather of 4 elements per rank among 2 ranks):
         Exchange(buf, Mode.COPY, push=((0, 4), (4, 8)))
@@ -40,6 +42,7 @@ class Exchange:
     mode: Mode = Mode.SUM
     push: Sequence[Range] | None = None
     pull: Sequence[Range] | None = None
+    compress: bool = False
 
     def __post_init__(self) -> None:
         if (self.mode == Mode.COPY) != (self.push is not None):

@@ -93,7 +93,7 @@ class KeyBook:
         self._calls: dict[tuple[int, torch.dtype, int], int] = {}
         self._plans: dict[tuple[int, torch.dtype, int, int], list[list[Part]]] = {}
 
-    def plan(self, numel: int, dtype: torch.dtype, mode: int = 0) -> list[list[Part]]:
+    def plan(self, numel: int, dtype: torch.dtype, mode: int = 0, codec: int = 0) -> list[list[Part]]:
         """Return, for each local slice, its parts (keys, offsets within the slice, servers).
 
         `mode` (torch_bps.wire.Mode) keeps summed and gathered tensors of one size on keys of their own: a

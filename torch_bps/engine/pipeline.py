@@ -1,7 +1,8 @@
 """The worker pipeline: one collective's tensors, stage by stage, to one completion.
 
-    local reduce-scatter -> cast to the wire dtype -> cut into partitions -> push/pull through the C++ client,
-      which schedules them (priority, credit) -> cast back -> local all-gather -> done(error)
+    local reduce-scatter -> cast to the wire dtype -> cut into partitions (compressed: encoded) -> push/pull
+      through the C++ client, which schedules them (priority, credit) -> decode, cast back -> local all-gather
+      -> done(error)
 
 A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
 from the ranks' ranges (COPY) and/or read back only in part; all their partitions go down to the client in one
@@ -33,7 +34,9 @@ partitions to hand over go to the client behind them (one local rank per machine
 
 With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-bit staging buffers right before
 their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
-gather them. When the machine is
+gather them. With a compressor (Config.compressor, compress.py), the partitions of tensors that ask for it
+(`Exchange.compress`: bps_hook's gradients) are encoded with error feedback as they are cut, and the servers'
+encoded sums decoded at the same point the casts back run. When the machine is
 the whole job (`alone`) the local stages already make the result: nothing goes to a server, and a collective
 with none before or behind it is gathered on the stage thread itself.
 
@@ -58,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch_bps.engine.compress import Compressor
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
 from torch_bps.engine.precision import StagingBuffers, travels_as
@@ -80,6 +84,8 @@ class _Op:
     slices: list[torch.Tensor] = field(default_factory=list)  # several local ranks: this rank's reduced slices
     # A wire dtype: item index -> (where this rank's slice starts in the tensor, that slice in the wire dtype)
     staged: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # Compressed partitions: (key, round, the pulled encoded sum, where its decoding goes)
+    encoded: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     error: BaseException | None = None
     sent_at: float = 0.0  # when its partitions went to the client (time.monotonic())
     # Under the engine's _state lock. ending: one ending took it (a late second one is ignored); network_ended: its
@@ -109,6 +115,7 @@ class PushPullEngine:
         router: a torch_bps.failover.Router: partitions go through it (it follows keys across failovers)
             instead of straight to the client.
         wire_dtype: what fp32 sums travel as (torch.bfloat16, torch.float16), or None: as themselves (precision.py).
+        compressor: encodes the partitions of tensors whose Exchange asks for it (compress.py); None: none is.
     """
 
     def __init__(
@@ -123,8 +130,10 @@ class PushPullEngine:
         alone: bool = False,
         router=None,
         wire_dtype: torch.dtype | None = None,
+        compressor: Compressor | None = None,
     ):
         self.client = client
+        self.compressor = None if alone else compressor
         self.wire_dtype = None if alone else wire_dtype  # alone, nothing goes on a wire
         self._staging = StagingBuffers()
         self.router = router
@@ -173,12 +182,12 @@ class PushPullEngine:
             t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
-        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM for x in items)):
-            raise ValueError("pull_only takes summed tensors, with one local rank per worker")
+        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM or self._codec(x) for x in items)):
+            raise ValueError("pull_only takes uncompressed summed tensors, with one local rank per worker")
         mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
-            plans = [self.keys.plan(x.tensor.numel(), self._travels_as(x), x.mode)[mine] for x in items]
+            plans = [self.keys.plan(x.tensor.numel(), self._travels_as(x), x.mode, self._codec(x))[mine] for x in items]
             if self.local_channels is None:
                 self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
             else:
@@ -283,7 +292,22 @@ class PushPullEngine:
 
     # -- step 2: fp32 sums into staging buffers of the wire dtype (precision.py), and back once pulled
     def _travels_as(self, x: Exchange) -> torch.dtype:
-        return travels_as(x.tensor, x.mode, self.wire_dtype)
+        return x.tensor.dtype if self._codec(x) else travels_as(x.tensor, x.mode, self.wire_dtype)
+
+    def _codec(self, x: Exchange) -> int:
+        """The codec word x's keys carry: the compressor's for an fp32 all-reduce that asks for it, else 0."""
+        whole = x.mode == Mode.SUM and x.push is None and x.pull is None and x.tensor.dtype == torch.float32
+        return self.compressor.word if self.compressor is not None and x.compress and whole else 0
+
+    def _decode(self, op: _Op) -> None:
+        """Decode each compressed partition's pulled sum into the caller's tensor (skipped for a failed one: a late
+        reply may still be written into its buffers)."""
+        try:
+            for key, rnd, pulled, out in op.encoded if op.error is None else ():
+                self.compressor.decode(key, rnd, pulled, out)
+        except BaseException as e:  # noqa: BLE001 - the collective fails with it
+            op.error = op.error or e
+        op.encoded.clear()
 
     def _cast_to_wire(self, op: _Op) -> None:
         for i, x in enumerate(op.items):
@@ -310,11 +334,11 @@ class PushPullEngine:
     def _schedule(self, op: _Op) -> None:
         try:
             self._cast_to_wire(op)
+            plans = zip(op.items, op.plans, strict=True)
+            parts = [] if self.alone else [p for i, (x, plan) in enumerate(plans) for p in self._parts(op, i, plan)]
         except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails
             self._network_done(op, e)
             return
-        plans = zip(op.items, op.plans, strict=True)
-        parts = [] if self.alone else [part for i, (x, plan) in enumerate(plans) for part in self._parts(op, i, plan)]
         if not parts:
             self._network_done(op, None)
             return
@@ -363,6 +387,8 @@ class PushPullEngine:
         # partitions are views of its staging buffer, which holds the slice from `base` on.
         base = self._slice_range(x.tensor.numel())[0]
         t, at = (x.tensor, 0) if index not in op.staged else (op.staged[index][1], base)
+        if codec := self._codec(x):
+            return self._encoded_parts(op, x, base, plan, codec)
         ranks = self._ranks(x)
         pushed, pulled = x.pushed_by(ranks), x.pulled_by(ranks)
         whole = (at, at + t.numel())
@@ -380,6 +406,19 @@ class PushPullEngine:
             parts.append(Partition(pushing, part.key, part.server, out, x.mode, part.numel, src[0] - lo, dst[0] - lo))
         return parts
 
+    def _encoded_parts(self, op: _Op, x: Exchange, base: int, plan: list[Part], codec: int) -> list[Partition]:
+        """A compressed all-reduce's partitions: each encoded (with its key's error feedback) into a payload of its
+        own, its encoded sum pulled into another and decoded into the tensor when the network stage ends."""
+        parts = []
+        for part in plan:
+            dense = x.tensor[base + part.start : base + part.start + part.numel]
+            payload, rnd = self.compressor.encode(part.key, dense)
+            pulled = torch.empty_like(payload)
+            op.encoded.append((part.key, rnd, pulled, dense))
+            parts.append(Partition(payload, part.key, part.server, pulled, Mode.SUM, payload.numel(), 0, 0, codec,
+                                   part.numel))  # fmt: skip
+        return parts
+
     def _network_done(self, op: _Op, error: BaseException | None) -> None:
         with self._state:
             if op.ending:
@@ -387,6 +426,8 @@ class PushPullEngine:
             op.ending = True
             self._in_network.pop(id(op), None)
             op.error = op.error or error
+        if op.encoded:
+            self._decode(op)  # before network_ended, like the casts back
         if op.staged:
             self._cast_back(op)  # before network_ended: a gatherer must find the sum in the caller's tensor
         with self._state:

@@ -39,9 +39,10 @@ class Transfer:
     mode: Mode = Mode.SUM
     push: Sequence[tuple[int, int]] | None = None
     pull: Sequence[tuple[int, int]] | None = None
+    compress: bool = False  # gradients the engine may compress (bps_hook only; Exchange.compress)
 
     def exchange(self) -> Exchange:
-        return Exchange(self.buffer, self.mode, self.push, self.pull)
+        return Exchange(self.buffer, self.mode, self.push, self.pull, self.compress)
 
 
 def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, where: str, timeout: float,

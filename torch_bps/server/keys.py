@@ -1,21 +1,24 @@
 """The keys a server knows, and the checks INIT, PUSH and PULL pass against a key's declaration.
 
-The first INIT of a key fixes its size, dtype and mode (SUM, COPY or MODEL); every later INIT, PUSH and PULL must
-agree, and a PUSH or PULL must name a byte range inside the key (a SUM or MODEL key's PUSH: the whole key). These run
-on metadata alone, before any payload is looked at, so a worker whose plan disagrees with the others' gets
-KEY_MISMATCH naming both sides instead of a wrong result. The server's native core makes the same checks on
+The first INIT of a key fixes its size, dtype, mode (SUM, COPY or MODEL) and codec (a compressed key's: its
+requests' `num_workers`, docs/protocol.md "Compressed keys"); every later INIT, PUSH and PULL must agree, and a PUSH
+or PULL must name a byte range inside the key (a SUM or MODEL key's PUSH: the whole key). These run on metadata
+alone, before any payload is looked at, so a worker whose plan disagrees with the others' gets KEY_MISMATCH naming
+both sides instead of a wrong result. The server's native core makes the same checks on
 PUSH and PULL and hands every request that fails one to the control plane, so the words a peer reads are
 always these.
 
-May import: the standard library, torch_bps.wire and torch_bps.errors.
+May import: the standard library, torch, torch_bps.wire and torch_bps.errors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from torch_bps.errors import ProtocolError
-from torch_bps.wire import DTYPES, Command, Header, Mode, Status
+from torch_bps.wire import DTYPES, Command, Header, Mode, Status, check_codec, codec_name
 
 _MODES = frozenset(int(m) for m in Mode)
 
@@ -25,6 +28,8 @@ class KeyInfo:
     nbytes: int
     dtype: int
     mode: Mode
+    codec: int = 0  # a compressed key's codec word (its requests' `num_workers`); nbytes is then what travels
+    dense_bytes: int = 0  # a compressed key's fp32 partition (its INIT's `length`)
 
 
 def check_init(h: Header) -> None:
@@ -42,16 +47,32 @@ def check_init(h: Header) -> None:
         raise ProtocolError(
             Status.KEY_MISMATCH, f"{what}: {h.nbytes} bytes is not a whole number of {dtype_name(h.dtype)}"
         )
+    if h.num_workers:  # a compressed key
+        why = check_codec(h.num_workers, h.length, h.nbytes)
+        if not why and (h.mode != Mode.SUM or DTYPES[h.dtype] != torch.float32 or h.length % 4):
+            why = "a compressed key is an fp32 SUM key"
+        if why:
+            raise ProtocolError(Status.KEY_MISMATCH, f"{what}: {why}")
 
 
 def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> KeyInfo:
     """Return the key's info if `h` (INIT, PUSH with payload_bytes, or PULL) agrees with it; else raise."""
-    if info is not None and h.nbytes == info.nbytes and h.dtype == info.dtype and h.mode == info.mode:
+    codec = h.num_workers  # INIT/PUSH/PULL: the codec word
+    same = info is not None and (h.nbytes, h.dtype, h.mode, codec) == (info.nbytes, info.dtype, info.mode, info.codec)
+    if same and h.command == Command.INIT and h.length != info.dense_bytes and codec:
+        same = False
+    if same:
         if h.command == Command.INIT or _range_ok(info, h, payload_bytes):
             return info  # the hot path: no message built
     what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
     if info is None:
         raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
+    if codec != info.codec or (h.command == Command.INIT and codec and h.length != info.dense_bytes):
+        raise ProtocolError(
+            Status.KEY_MISMATCH,
+            f"{what}: the key was declared {_codec_text(info.codec, info.dense_bytes)}, this request is "
+            f"{_codec_text(codec, h.length if h.command == Command.INIT else None)}",
+        )
     if h.nbytes != info.nbytes or h.dtype != info.dtype or h.mode != info.mode:
         raise ProtocolError(
             Status.KEY_MISMATCH,
@@ -71,6 +92,13 @@ def _range_ok(info: KeyInfo, h: Header, payload_bytes: int) -> bool:
         if payload_bytes != h.length or (info.mode != Mode.COPY and (h.offset, h.length) != (0, info.nbytes)):
             return False
     return h.offset + h.length <= info.nbytes
+
+
+def _codec_text(word: int, dense_bytes: int | None) -> str:
+    if not word:
+        return "uncompressed (no codec)"
+    over = f" over {dense_bytes // 4} fp32 elements" if dense_bytes is not None else ""
+    return f"compressed with {codec_name(word)}{over}"
 
 
 def dtype_name(code: int) -> str:

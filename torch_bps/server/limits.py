@@ -89,10 +89,13 @@ class Limits:
 WIDENED_DTYPES = tuple(code for code, dtype in DTYPES.items() if dtype.itemsize == 2 and dtype.is_floating_point)
 
 
-def key_charge(nbytes: int, num_workers: int, window: int = 2, dtype: int = 0, mode: int = Mode.SUM) -> int:
+def key_charge(nbytes: int, num_workers: int, window: int = 2, dtype: int = 0, mode: int = Mode.SUM,
+               dense_bytes: int = 0) -> int:  # fmt: skip
     """Return the most a key of nbytes can make the server hold: `window` live rounds (the job's; 2 without backup
-    workers), a waiting pull per worker each, and for an fp16/bf16 SUM key an fp32 accumulator (twice nbytes) each."""
+    workers), a waiting pull per worker each, and for an fp16/bf16 SUM key an fp32 accumulator (twice nbytes) each;
+    a compressed key (dense_bytes > 0) an fp32 accumulator of dense_bytes per round and its residual."""
     accumulators = window * 2 * nbytes if mode == Mode.SUM and dtype in WIDENED_DTYPES else 0
+    accumulators += (window + 1) * dense_bytes
     return window * nbytes + accumulators + KEY_OVERHEAD + window * num_workers * PULL_OVERHEAD
 
 
@@ -115,9 +118,9 @@ class MemoryBook:
         self._seen[job_id] = time.monotonic()
 
     def add_key(self, job_id: int, nbytes: int, num_workers: int, window: int = 2, dtype: int = 0,
-                mode: int = Mode.SUM) -> None:  # fmt: skip
+                mode: int = Mode.SUM, dense_bytes: int = 0) -> None:  # fmt: skip
         """Charge a new key of job_id; raise ProtocolError(OVER_QUOTA) past the job's quota or the server's bound."""
-        charge = key_charge(nbytes, num_workers, window, dtype, mode)
+        charge = key_charge(nbytes, num_workers, window, dtype, mode, dense_bytes)
         self._take(job_id, charge, f"INIT of {nbytes} bytes for job {job_id:#x}")
 
     def touch(self, job_id: int, now: float) -> None:

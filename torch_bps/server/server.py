@@ -340,9 +340,10 @@ class SummationServer:
         info = self._keys.get((h.job_id, h.key))
         if info is None:
             job = self._jobs[h.job_id]
-            self._charge(self._book.add_key, h.job_id, h.nbytes, job.num_workers, job.window, h.dtype, h.mode)
-            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode))
-            self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode)
+            dense = h.length if h.num_workers else 0  # a compressed key's fp32 partition
+            self._charge(self._book.add_key, h.job_id, h.nbytes, job.num_workers, job.window, h.dtype, h.mode, dense)
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode), h.num_workers, dense)
+            self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode, h.num_workers, dense)
         else:
             check_request(info, h)
         return [ident, h.reply().pack()]

@@ -1,0 +1,236 @@
+// See codecs.h; torch_bps/_reference/codecs.py is the reference, the error texts its texts.
+#include "server/codecs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <utility>
+
+#include "common/errors.h"
+
+namespace bps::server {
+
+namespace {
+
+uint64_t splitmix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+float loadFloat(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+uint32_t loadU32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+uint64_t onebitBytes(uint64_t n) { return 4 + 4 * ((n + 31) / 32); }
+
+unsigned long long ull(uint64_t v) { return static_cast<unsigned long long>(v); }
+
+}  // namespace
+
+CodecSpec CodecSpec::fromWord(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, uint64_t key) {
+  CodecSpec spec;
+  spec.id = word & 0xff;
+  spec.width = spec.id == kCodecTopk ? word >> 8 : 1;
+  spec.elements = denseBytes / 4;
+  spec.wireBytes = wireBytes;
+  spec.key = key;
+  return spec;
+}
+
+uint64_t CodecSpec::k() const {
+  if (id == kCodecTopk) return width ? wireBytes / (4 * (1 + uint64_t(width))) : 0;
+  if (id == kCodecRandomk) return wireBytes / 4;
+  return 0;
+}
+
+std::string codecName(uint32_t word) {
+  switch (word & 0xff) {
+    case kCodecNone:
+      return "no codec";
+    case kCodecOnebit:
+      return "onebit";
+    case kCodecTopk:
+      return formatText("topk (width %u)", word >> 8);
+    case kCodecRandomk:
+      return "randomk";
+    default:
+      return formatText("codec %u", word & 0xff);
+  }
+}
+
+std::string checkDeclaration(const CodecSpec& s) {
+  if (s.elements == 0) return "a compressed key holds at least one fp32 element";
+  if (s.id == kCodecOnebit) {
+    if (s.wireBytes != onebitBytes(s.elements)) {
+      return formatText("onebit over %llu elements carries %llu bytes, not %llu", ull(s.elements),
+                        ull(onebitBytes(s.elements)), ull(s.wireBytes));
+    }
+    return "";
+  }
+  if (s.id == kCodecTopk) {
+    uint64_t row = 4 * (1 + uint64_t(s.width));
+    if (s.width == 0 || s.elements % s.width) {
+      return formatText("topk rows of width %u do not divide %llu elements", s.width, ull(s.elements));
+    }
+    if (s.wireBytes % row || s.k() == 0 || s.k() > s.rows()) {
+      return formatText("topk carries 1 to %llu rows of %llu bytes, not %llu bytes", ull(s.rows()), ull(row),
+                        ull(s.wireBytes));
+    }
+    return "";
+  }
+  if (s.id == kCodecRandomk) {
+    if (s.wireBytes % 4 || s.k() == 0 || s.k() > s.elements) {
+      return formatText("randomk carries 1 to %llu fp32 values, not %llu bytes", ull(s.elements), ull(s.wireBytes));
+    }
+    return "";
+  }
+  return formatText("unknown codec %u (1: onebit, 2: topk, 3: randomk)", s.id);
+}
+
+std::string checkPayload(const CodecSpec& s, const uint8_t* p, size_t size) {
+  if (size != s.wireBytes) {
+    return formatText("a %s push carries %llu bytes, not %llu", codecName(s.id | s.width << 8).c_str(),
+                      ull(s.wireBytes), ull(size));
+  }
+  if (s.id == kCodecOnebit) {
+    float scale = loadFloat(p);
+    if (!std::isfinite(scale) || scale < 0) return formatText("onebit scale %g is not finite and >= 0", scale);
+    return "";
+  }
+  uint64_t k = s.k(), values = s.id == kCodecTopk ? k * s.width : k;
+  const uint8_t* v = s.id == kCodecTopk ? p + 4 * k : p;
+  if (s.id == kCodecTopk) {
+    for (uint64_t j = 0; j < k; ++j) {
+      uint32_t row = loadU32(p + 4 * j);
+      if (row >= s.rows()) {
+        return formatText("topk row %llu's index %u is out of range (%llu rows)", ull(j), row, ull(s.rows()));
+      }
+    }
+  }
+  for (uint64_t i = 0; i < values; ++i) {
+    float x = loadFloat(v + 4 * i);
+    if (!std::isfinite(x)) return formatText("value %llu is %g, not finite", ull(i), x);
+  }
+  return "";
+}
+
+void randomIndices(uint64_t key, uint64_t round, uint64_t n, uint64_t k, uint64_t* out) {
+  uint64_t h1 = splitmix(key * 0x9E3779B97F4A7C15ULL + round), h2 = splitmix(h1);
+  uint64_t a = h1 % n, s = (h2 % n) | 1;
+  while (std::gcd(s, n) != 1) s += 2;  // a stride coprime with n: k distinct indices
+  uint64_t step = s % n, idx = a;
+  for (uint64_t i = 0; i < k; ++i) {
+    out[i] = idx;
+    idx += step;
+    if (idx >= n) idx -= n;
+  }
+}
+
+void decodeAdd(const CodecSpec& s, uint64_t round, const uint8_t* p, float* acc) {
+  if (s.id == kCodecOnebit) {
+    float scale = loadFloat(p);
+    const uint8_t* bits = p + 4;
+    for (uint64_t i = 0; i < s.elements; ++i) acc[i] += (bits[i >> 3] >> (i & 7)) & 1 ? -scale : scale;
+  } else if (s.id == kCodecTopk) {
+    uint64_t k = s.k(), w = s.width;
+    const uint8_t* v = p + 4 * k;
+    for (uint64_t j = 0; j < k; ++j) {
+      float* row = acc + uint64_t(loadU32(p + 4 * j)) * w;
+      for (uint64_t c = 0; c < w; ++c) row[c] += loadFloat(v + 4 * (j * w + c));
+    }
+  } else if (s.id == kCodecRandomk) {
+    std::vector<uint64_t> idx(s.k());
+    randomIndices(s.key, round, s.elements, s.k(), idx.data());
+    for (uint64_t i = 0; i < idx.size(); ++i) acc[idx[i]] += loadFloat(p + 4 * i);
+  }
+}
+
+void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
+  if (s.id == kCodecOnebit) {
+    double total = 0;  // in index order: the scale is the same bits wherever it is computed
+    for (uint64_t i = 0; i < s.elements; ++i) total += std::fabs(double(x[i]));
+    float scale = static_cast<float>(total / double(s.elements));
+    std::memcpy(out, &scale, 4);
+    uint8_t* bits = out + 4;
+    std::memset(bits, 0, s.wireBytes - 4);
+    for (uint64_t i = 0; i < s.elements; ++i) {
+      bool negative = x[i] < 0;
+      bits[i >> 3] |= uint8_t(negative) << (i & 7);
+      x[i] -= negative ? -scale : scale;
+    }
+  } else if (s.id == kCodecTopk) {
+    uint64_t k = s.k(), w = s.width, rows = s.rows();
+    std::vector<float> score(rows);
+    for (uint64_t r = 0; r < rows; ++r) {
+      float m = 0;
+      for (uint64_t c = 0; c < w; ++c) m += std::fabs(x[r * w + c]);
+      score[r] = std::isnan(m) ? INFINITY : m;
+    }
+    std::vector<uint32_t> order(rows);
+    std::iota(order.begin(), order.end(), 0u);
+    // Largest first, the lower index on a tie: one answer, whatever the selection algorithm.
+    auto before = [&](uint32_t a, uint32_t b) { return score[a] != score[b] ? score[a] > score[b] : a < b; };
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+    std::sort(order.begin(), order.begin() + k);
+    uint8_t* v = out + 4 * k;
+    for (uint64_t j = 0; j < k; ++j) {
+      uint32_t r = order[j];
+      std::memcpy(out + 4 * j, &r, 4);
+      for (uint64_t c = 0; c < w; ++c) {
+        float& e = x[uint64_t(r) * w + c];
+        std::memcpy(v + 4 * (j * w + c), &e, 4);
+        e -= e;
+      }
+    }
+  } else if (s.id == kCodecRandomk) {
+    std::vector<uint64_t> idx(s.k());
+    randomIndices(s.key, round, s.elements, s.k(), idx.data());
+    for (uint64_t i = 0; i < idx.size(); ++i) {
+      float& e = x[idx[i]];
+      std::memcpy(out + 4 * i, &e, 4);
+      e -= e;
+    }
+  }
+}
+
+void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* payload) {
+  if (acc.empty()) {
+    if (spare_.empty()) {
+      acc.assign(spec_.elements, 0.0f);
+    } else {
+      acc = std::move(spare_.back());
+      spare_.pop_back();
+      std::fill(acc.begin(), acc.end(), 0.0f);
+    }
+  }
+  decodeAdd(spec_, round, payload, acc.data());
+}
+
+transport::Message CodecKey::close(std::vector<float>&& acc, uint64_t round, float scale) {
+  if (residual_.empty()) residual_.assign(spec_.elements, 0.0f);
+  float* x = acc.data();
+  for (uint64_t i = 0; i < spec_.elements; ++i) x[i] = (scale != 1.0f ? x[i] * scale : x[i]) + residual_[i];
+  transport::Message out = transport::Message::ofSize(spec_.wireBytes);
+  encode(spec_, round, x, out.data());
+  std::swap(residual_, acc);  // x minus what was sent is the next round's feedback
+  giveBack(std::move(acc));
+  return out;
+}
+
+void CodecKey::giveBack(std::vector<float>&& acc) {
+  if (acc.size() == spec_.elements) spare_.push_back(std::move(acc));
+  acc = {};
+}
+
+}  // namespace bps::server
