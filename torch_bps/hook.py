@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.pg.device import pipeline_for
 from torch_bps.pg.staging import Staged
-from torch_bps.pg.work import Transfer, launch
+from torch_bps.pg.work import Transfer, launch, launch_staged
 from torch_bps.process_group import implementation
 
 
@@ -134,12 +135,19 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     """
     runtime = state.connect()
     buffer = bucket.buffer()
+    where = f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})"
+    runs = state.segments(bucket, runtime.config)
+    if buffer.is_cuda and not any(compress for *_, compress in runs) and runtime.cannot_stage(buffer) is None:
+        # One partition at a time through pinned host memory on a side stream, copies overlapping pushes
+        # (docs/gpu.md). DDP calls its hook from one thread, so buckets reach the engine in one order on every rank.
+        buffer.div_(runtime.world_size)  # on the caller's stream: the staging's copies wait for it
+        return launch_staged(runtime, "bps_hook", buffer, pipeline_for(runtime, buffer.device), buffer, where=where,
+                             timeout=runtime.config.timeout, priority=bucket.index(),
+                             device=buffer.device).get_future()  # fmt: skip
     staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     staged.flat.div_(runtime.world_size)
-    runs = state.segments(bucket, runtime.config)
     transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]
     transfers[-1].finish = staged.write_back  # once every run is summed
-    work = launch(runtime, "bps_hook", transfers, buffer,
-                  where=f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})",
-                  timeout=runtime.config.timeout, priority=bucket.index(), device=buffer.device)  # fmt: skip
+    work = launch(runtime, "bps_hook", transfers, buffer, where=where, timeout=runtime.config.timeout,
+                  priority=bucket.index(), device=buffer.device)  # fmt: skip
     return work.get_future()
