@@ -420,6 +420,44 @@ def run_ranks(fn, world: int, *args, backend: str = "byteps", env: dict | None =
 _EXACT_UNITS = {torch.bfloat16: (32, 2.0**-4)}
 
 
+def _losing_rank_main(fn, rank, world, port, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))  # fmt: skip
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", repr(e)))
+    time.sleep(3)  # rank 0 hosts the store: leave it up while the others finish
+    os._exit(0)
+
+
+def run_losing_last_rank(fn, world: int, *args, timeout: float = 120.0) -> dict[int, tuple[str, object]]:
+    """Run `fn(rank, world, *args)` in `world` fresh processes joined in a gloo group, where the last rank loses itself
+    (SIGKILL, SIGSTOP) on its own; return the others' (status, result) by rank, and kill the last.
+
+    Unlike run_ranks, no rank waits for the others at the end: one of them never comes back.
+    """
+    ctx = rank_context()
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_losing_rank_main, args=(fn, r, world, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return {r: (s, out) for r, s, out in (results.get(timeout=timeout) for _ in range(world - 1))}
+    finally:
+        procs[-1].kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def quick_heartbeat_server() -> ServerProcess:
+    """A server that counts a worker silent for 2 s after a heartbeat as lost (a SIGSTOPped one)."""
+    return ServerProcess(auth=False, extra_args=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"))
+
+
 def exact_floats(shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """Return random floats of `dtype` such that sums of up to 8 of them are exact in that dtype."""
     units, step = _EXACT_UNITS.get(dtype, (256, 2.0**-8))

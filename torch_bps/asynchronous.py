@@ -19,7 +19,7 @@ stops holding the others back; its acknowledged updates stay in the model, once.
 Replicas start equal (rank 0's parameters are broadcast over the group); afterwards each worker reads the model
 as the servers had it when its pull was answered, so replicas differ by the updates in flight.
 
-May import: torch, torch_bps.config, torch_bps.errors and torch_bps.wire; torch_bps.runtime on first use.
+May import: torch, torch_bps.config, torch_bps.errors, torch_bps.group_runtime and torch_bps.wire.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torch_bps.config import Config
 from torch_bps.errors import BpsTimeoutError, ConfigError
+from torch_bps.group_runtime import GroupRuntime
 from torch_bps.wire import Mode
 
 
@@ -77,13 +78,12 @@ class AsyncTraining:
         self._start = {dtype: self._flat(ps) for dtype, ps in self._groups.items()}
         self._current = {dtype: flat.clone() for dtype, flat in self._start.items()}
         self.steps = 0
-        self._lock = threading.Lock()
-        self._runtime = None
+        self._connection = GroupRuntime("async", self.group, self.config)
 
     def step(self) -> None:
         """Run the optimizer, push this worker's update, and set the parameters to the servers' model. Blocks until
         the pull is answered (staleness: until the slowest worker is close enough)."""
-        runtime = self._connect()
+        runtime = self._connection.get()
         self.optimizer.step()
         n = self.group.size()
         updates = []
@@ -118,20 +118,7 @@ class AsyncTraining:
 
     def close(self) -> None:
         """Close the connection to the servers (a later step opens a new one)."""
-        with self._lock:
-            if self._runtime is not None:
-                self._runtime.close()
-                self._runtime = None
-
-    def _connect(self):
-        with self._lock:
-            if self._runtime is None:
-                from torch_bps.runtime import Runtime  # loads the C++ client
-
-                store = dist.distributed_c10d._get_default_store()
-                self._runtime = Runtime.create(store, self.group.rank(), self.group.size(), name="async",
-                                               config=self.config)  # fmt: skip
-            return self._runtime
+        self._connection.close()
 
     @staticmethod
     def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:

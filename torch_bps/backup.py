@@ -21,13 +21,12 @@ one size over 4 slots of keys, so about 4 x (window - 1) steps).
 (BackupWorkers registers itself as DDP's comm hook; DDP's own group may be gloo). Every rank is one worker to the
 servers. Replicas must start equal (DDP broadcasts them; otherwise seed them alike).
 
-May import: torch, torch_bps.config and torch_bps.errors; torch_bps.runtime on first use.
+May import: torch, torch_bps.config, torch_bps.errors and torch_bps.group_runtime.
 """
 
 # No `from __future__ import annotations`: DDP checks its comm hook's annotations against the real types.
 import dataclasses
 import logging
-import threading
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
+from torch_bps.group_runtime import GroupRuntime
 
 log = logging.getLogger("torch_bps.backup")
 
@@ -84,8 +84,7 @@ class BackupWorkers:
         self.steps = 0  # steps taken
         self.caught_up = 0  # of them, rounds applied without computing them
         self._behind = 0
-        self._lock = threading.Lock()
-        self._runtime = None
+        self._connection = GroupRuntime("backup", self.group, self.config)
         self._ddp = isinstance(model, DistributedDataParallel)
         self._buckets: list[_Bucket] = []  # this step's collectives, in order (DDP: as its hook saw them)
         self._futures: list[torch.futures.Future] = []
@@ -99,7 +98,7 @@ class BackupWorkers:
     def step(self) -> None:
         """Apply this step's round: the contributors' mean of the gradients (or, catching up, the round the others
         made), then `optimizer.step()`. Blocks until the round's sums are here."""
-        runtime = self._connect()
+        runtime = self._connection.get()
         if self.compute():
             if not self._ddp:
                 self._buckets = self._plain_buckets()
@@ -123,22 +122,9 @@ class BackupWorkers:
 
     def close(self) -> None:
         """Close the connection to the servers (a later step opens a new one)."""
-        with self._lock:
-            if self._runtime is not None:
-                self._runtime.close()
-                self._runtime = None
+        self._connection.close()
 
     # -- the rounds
-    def _connect(self):
-        with self._lock:
-            if self._runtime is None:
-                from torch_bps.runtime import Runtime  # loads the C++ client
-
-                store = dist.distributed_c10d._get_default_store()
-                self._runtime = Runtime.create(store, self.group.rank(), self.group.size(), name="backup",
-                                               config=self.config)  # fmt: skip
-            return self._runtime
-
     def _push(self, runtime, flat: torch.Tensor) -> torch.futures.Future:
         # Divided first, as DDP does: the servers sum, scale by n / contributors, and the mean comes back.
         flat.div_(self.group.size())
@@ -180,7 +166,7 @@ class BackupWorkers:
             params.append((p, start, p.numel()))
             start += p.numel()
         self._buckets.append(_Bucket(buffer.numel(), buffer.dtype, params))
-        future = self._push(self._connect(), buffer)
+        future = self._push(self._connection.get(), buffer)
         self._futures.append(future)
         return future
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ServerProcess, _free_port, rank_context, run_ranks, start_servers, stop_servers
+from tests.helpers import (
+    ServerProcess,
+    quick_heartbeat_server,
+    run_losing_last_rank,
+    run_ranks,
+    start_servers,
+    stop_servers,
+)
 from torch_bps import AsyncTraining, Config
 from torch_bps.client import Client
 from torch_bps.errors import ConfigError
@@ -77,31 +84,22 @@ def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, s
         assert min(seen[-1][SLOW] for seen, _ in results[:SLOW]) < STEPS - 2, [s[-1] for s, _ in results]
 
 
-def _until_lost(rank, world, port, address, how, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))  # fmt: skip
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        p = torch.nn.Parameter(torch.zeros(world))
-        opt = torch.optim.SGD([p], lr=1.0)
-        trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=_config(address))
-        for step in range(3 * STEPS):
-            if rank == world - 1 and step == 4:
-                os.kill(os.getpid(), how)
-            opt.zero_grad()
-            (world * (rank + 1) * p[rank]).backward()  # each update is -(rank + 1) on element rank: exact
-            trainer.step()
-        results.put((rank, "ok", p.detach().tolist()))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        results.put((rank, "error", repr(e)))
-    time.sleep(3)  # rank 0 hosts the store: leave it up while the others finish
-    os._exit(0)
+def _until_lost(rank, world, address, how):
+    p = torch.nn.Parameter(torch.zeros(world))
+    opt = torch.optim.SGD([p], lr=1.0)
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=_config(address))
+    for step in range(3 * STEPS):
+        if rank == world - 1 and step == 4:
+            os.kill(os.getpid(), how)
+        opt.zero_grad()
+        (world * (rank + 1) * p[rank]).backward()  # each update is -(rank + 1) on element rank: exact
+        trainer.step()
+    return p.detach().tolist()
 
 
 @pytest.fixture
 def quick_server():
-    """A server that counts a worker silent for 2 s after a heartbeat as lost (a SIGSTOPped one)."""
-    s = ServerProcess(auth=False, extra_args=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"))
+    s = quick_heartbeat_server()
     yield s
     s.stop()
 
@@ -109,21 +107,7 @@ def quick_server():
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_lost_rank_holds_nobody_back_and_its_acknowledged_updates_stay_once(quick_server, how):
     world = 3
-    ctx = rank_context()
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_until_lost, args=(r, world, port, quick_server.address, how, results))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    try:
-        got = dict((r, (s, out)) for r, s, out in (results.get(timeout=120) for _ in range(world - 1)))
-    finally:
-        for p in procs:
-            if p.is_alive() and p.pid == procs[-1].pid:
-                p.kill()
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = run_losing_last_rank(_until_lost, world, quick_server.address, how)
     assert [got[r][0] for r in range(world - 1)] == ["ok", "ok"], got
     for r in range(world - 1):
         model = got[r][1]
@@ -151,7 +135,7 @@ def _through_failover(rank, world, gloo, addresses, victim):
     dist.barrier(group=gloo)
     opt.zero_grad()
     trainer.step()
-    failovers = len(trainer._runtime._engine.router.failovers)
+    failovers = len(trainer._connection.get()._engine.router.failovers)
     trainer.close()
     return p.detach().numpy().tobytes(), failovers  # bytes: a tensor would go by a file descriptor, gone at exit
 

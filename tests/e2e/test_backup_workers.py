@@ -10,10 +10,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import ServerProcess, _free_port, rank_context, run_ranks
+from tests.helpers import ServerProcess, quick_heartbeat_server, run_losing_last_rank, run_ranks
 from torch_bps import BackupWorkers, Config
 from torch_bps.client import Client
 from torch_bps.errors import ConfigError, ServerError
@@ -92,54 +91,31 @@ def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server):
     assert caught_up[SLOW] >= 1, caught_up
 
 
-def _train_until_killed(rank, world, port, address, how, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))  # fmt: skip
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        p = torch.nn.Parameter(torch.zeros(4))
-        opt = torch.optim.SGD([p], lr=1.0)
-        sync = BackupWorkers(torch.nn.ParameterList([p]), opt, backups=1, config=_config(address))
-        # Long enough to pass the servers' window many times over (each of a step's 4 key slots keeps 4 rounds).
-        for step in range(5 * STEPS):
-            if rank == SLOW and step == 4:
-                os.kill(os.getpid(), how)
-            opt.zero_grad()
-            if sync.compute():
-                ((rank + 1) * p.sum()).backward()
-            sync.step()
-        results.put((rank, "ok", p.detach().numpy().tobytes()))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        results.put((rank, "error", repr(e)))
-    time.sleep(3)  # rank 0 hosts the store: leave it up while the other finishes
-    os._exit(0)
+def _train_until_killed(rank, world, address, how):
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sync = BackupWorkers(torch.nn.ParameterList([p]), opt, backups=1, config=_config(address))
+    # Long enough to pass the servers' window many times over (each of a step's 4 key slots keeps 4 rounds).
+    for step in range(5 * STEPS):
+        if rank == SLOW and step == 4:
+            os.kill(os.getpid(), how)
+        opt.zero_grad()
+        if sync.compute():
+            ((rank + 1) * p.sum()).backward()
+        sync.step()
+    return p.detach().numpy().tobytes()
 
 
 @pytest.fixture
 def quick_server():
-    """A server that counts a worker silent for 2 s after a heartbeat as lost (a SIGSTOPped one)."""
-    s = ServerProcess(auth=False, extra_args=("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"))
+    s = quick_heartbeat_server()
     yield s
     s.stop()
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_lost_rank_does_not_stop_a_job_with_a_backup(quick_server, how):
-    ctx = rank_context()
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_train_until_killed, args=(r, 3, port, quick_server.address, how, results))
-             for r in range(3)]  # fmt: skip
-    for p in procs:
-        p.start()
-    try:
-        got = dict((r, (s, out)) for r, s, out in (results.get(timeout=120) for _ in range(2)))
-    finally:
-        for p in procs:
-            if p.is_alive() and p.pid == procs[SLOW].pid:
-                p.kill()
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = run_losing_last_rank(_train_until_killed, SLOW + 1, quick_server.address, how)
     assert got[0][0] == got[1][0] == "ok", got
     assert got[0][1] == got[1][1]
 

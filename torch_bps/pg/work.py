@@ -68,12 +68,7 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
                             t.finish()
                 except BaseException as e:  # noqa: BLE001 - the collective fails with it
                     error = e
-            if error is None:
-                future.set_result(result)
-                return
-            if hasattr(error, "add_note"):
-                error.add_note(f"torch_bps: while running {op} {where}")
-            fail(future, error)
+            _settle(future, result, error, f"{op} {where}")
 
     runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
@@ -93,15 +88,20 @@ def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *
 
     def done(error: BaseException | None) -> None:
         with completion_context(device if on_device else None):  # the stager calls it with its side stream current
-            if error is None:
-                future.set_result(result)
-                return
-            if hasattr(error, "add_note"):
-                error.add_note(f"torch_bps: while running {op} {where}")
-            fail(future, error)
+            _settle(future, result, error, f"{op} {where}")
 
     runtime.run_staged(tensor, stager, done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
+
+
+def _settle(future: torch.futures.Future, result: Any, error: BaseException | None, what: str) -> None:
+    """Complete a collective's future: with `result`, or with `error` noting what ran."""
+    if error is None:
+        future.set_result(result)
+        return
+    if hasattr(error, "add_note"):
+        error.add_note(f"torch_bps: while running {what}")
+    fail(future, error)
 
 
 def make_work(future: torch.futures.Future, timeout: float, what: str) -> dist.Work:
