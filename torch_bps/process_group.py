@@ -13,6 +13,7 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 | all_reduce SUM / AVG | the tensor itself (AVG: divided by the world size first; integers: after, toward zero) |
 | all_reduce MIN, MAX, PRODUCT, BAND, BOR, BXOR | an all-gather, then a local reduce (world x the traffic) |
 | all_reduce of bools | int32 counts of True, summed (gloo's or / and / xor) |
+| all_reduce of a sparse COO tensor | row ids all-gathered, then the rows any rank touched summed (pg/sparse.py) |
 | broadcast | bytes copied, not summed: the root pushes them, every other rank pulls them |
 | all_gather, all_gather_single | bytes copied: each rank pushes only its slot, pulls the whole buffer |
 | gather | each rank fills its slot of a (world * n) buffer, -0.0 elsewhere |
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
-from torch_bps.pg import staging
+from torch_bps.pg import sparse, staging
 from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import (
     BACKEND,
@@ -75,7 +76,7 @@ class BackendBPS:
         self.p2p = p2p
         self._rank, self._size = rank, size
         self._timeout = timeout.total_seconds()
-        self._launch_lock = threading.Lock()
+        self._launch_lock = threading.RLock()  # a sparse all_reduce launches several
         self._launched = 0  # collectives launched so far: the priority of the next one
         self._group_name = ""
 
@@ -111,6 +112,8 @@ class BackendBPS:
     # -- reductions -----------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("allreduce", tensors)
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
         s = Staged("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
@@ -128,6 +131,48 @@ class BackendBPS:
             flat = torch.cat([cpu_flat(t) for t in group])
             transfers.append(self._reduce(dtype, flat, op, lambda g=group, f=flat: _scatter_back(g, f)))
         return self._launch(name, transfers, tensors, device=_device(tensors))
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str) -> dist.Work:
+        """Sum a sparse COO tensor into its coalesced sum (gloo's result) at the bytes of the rows touched: the
+        ranks' shapes and row ids are gathered, then the values of the union of their rows summed (pg/sparse.py).
+        The first two steps wait here, under the launch lock, so that no other collective comes between them."""
+        name = "allreduce"
+        meta = sparse.check_sparse(name, t, op)
+        src = t.detach().cpu()
+        bad = sparse.out_of_range(src._indices(), meta.sizes[: meta.sparse_dim])
+        src = src if bad else src.coalesce()
+        mine = sparse.row_ids(src._indices(), meta.sizes[: meta.sparse_dim])
+        meta = sparse.Meta(-1 if bad else mine.numel(), meta.sparse_dim, meta.dtype, meta.sizes)
+        with self._launch_lock:
+            # Every rank learns what is wrong with any rank's tensor, and all refuse it alike: nobody waits.
+            metas = self._gather_now(meta.encode()).view(self.size(), sparse.META_LEN)
+            differ = [r for r in range(self.size()) if not meta.same_shape(metas[r])]
+            if differ:
+                raise ValueError(f"{name}: a sparse tensor of size {list(meta.sizes)}, sparse_dim {meta.sparse_dim}, "
+                                 f"{meta.dtype} on rank {self.rank()} and another size, sparse_dim or dtype on ranks "
+                                 f"{differ} ('{BACKEND}' backend): every rank must pass the same")  # fmt: skip
+            counts = metas[:, 0].tolist()
+            if -1 in counts:
+                raise ValueError(f"{name}: the sparse tensor of rank(s) {[r for r, n in enumerate(counts) if n < 0]} "
+                                 f"has indices outside its size {list(meta.sizes)} ('{BACKEND}' backend)")  # fmt: skip
+            width = sparse.padded(max(counts))
+            ids = torch.full((width,), -1, dtype=torch.int64)
+            ids[: mine.numel()] = mine
+            every = self._gather_now(ids).view(self.size(), width)
+            union = torch.cat([every[r, :n] for r, n in enumerate(counts)]).unique(sorted=True)
+            summed = sparse.compact(src._values(), mine, union, sparse.padded(union.numel()))
+
+            def finish() -> None:
+                with torch.no_grad():
+                    t.copy_(sparse.expand(summed, union, meta).to(t.device))
+
+            return self._launch(name, [self._reduce(meta.dtype, summed, op, finish)], [t], device=t.device)
+
+    def _gather_now(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's `mine` (1-D, one shape on every rank) end to end, waited for (a sparse sum's first steps)."""
+        out = torch.empty(self.size() * mine.numel(), dtype=mine.dtype)
+        self._launch("allreduce", self._gather_single_plan(out, mine), [out]).wait()
+        return out
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)

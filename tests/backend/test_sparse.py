@@ -1,0 +1,156 @@
+"""Sparse all_reduce on "byteps" against gloo's, in the same ranks: the coalesced sum, bit for bit, refusals that
+reach every rank, DDP with nn.Embedding(sparse=True), and the servers' bytes: the rows touched, not the dense size.
+
+Values are small integers (or halves), so any sum of them is exact and the order of addition cannot matter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.helpers import run_ranks
+from torch_bps.pg import sparse
+
+
+def _sparse(rank: int, sizes: list[int], sparse_dim: int, rows: list[list[int]], dtype=torch.float32):
+    """A sparse tensor whose index columns are `rows` (repeats allowed: uncoalesced), values from the rank."""
+    indices = torch.tensor(rows, dtype=torch.int64).t().reshape(sparse_dim, len(rows))
+    g = torch.Generator().manual_seed(rank * 100 + len(rows))
+    shape = (len(rows), *sizes[sparse_dim:])
+    values = torch.randint(-8, 8, shape, generator=g).to(dtype) / (2 if dtype.is_floating_point else 1)
+    return torch.sparse_coo_tensor(indices, values, sizes)
+
+
+def _cases(rank: int) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, op): shapes of 1 to 3 sparse and 0 to 2 dense dimensions, rows shared and not, empty.
+    No complex tensor: torch's dist.all_reduce hands a backend a real view of a sparse complex tensor, which is a copy,
+    so neither gloo nor "byteps" can write the caller's tensor."""
+    r = rank
+    return [
+        ("1 sparse dim", _sparse(r, [10], 1, [[r], [r + 1], [7], [r]]), "SUM"),  # rank's rows repeat: uncoalesced
+        ("2 dense dims", _sparse(r, [6, 2, 3], 1, [[5 - r], [0]]), "SUM"),
+        ("3 sparse dims", _sparse(r, [3, 4, 5, 2], 3, [[r, 1, 4], [0, 3, r], [2, 2, 2]]), "SUM"),
+        ("float64", _sparse(r, [9, 4], 1, [[r * 3], [8]], torch.float64), "SUM"),
+        ("int64", _sparse(r, [9, 4], 1, [[r * 2], [1]], torch.int64), "SUM"),
+        ("AVG float", _sparse(r, [8, 2], 1, [[r], [3]]), "AVG"),
+        ("empty on rank 0", _sparse(r, [8, 2], 1, [[r]] if r else []), "SUM"),
+        ("empty everywhere", _sparse(r, [8, 2], 1, []), "SUM"),
+        ("one row of a big table", _sparse(r, [100_000, 16], 1, [[99_999 - r]]), "SUM"),
+    ]
+
+
+def _compare_with_gloo(rank, world, gloo):
+    for name, t, op in _cases(rank):
+        ours, theirs = t.clone(), t.clone()
+        reduce_op = getattr(dist.ReduceOp, op)
+        dist.all_reduce(ours, reduce_op)
+        if op == "AVG":  # gloo's sparse all_reduce takes SUM only; floats are divided first, as a dense AVG's
+            theirs = theirs / world
+            dist.all_reduce(theirs, dist.ReduceOp.SUM, group=gloo)
+        else:
+            dist.all_reduce(theirs, reduce_op, group=gloo)
+        assert ours.is_coalesced(), name
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        theirs = theirs.coalesce()
+        assert torch.equal(ours._indices(), theirs._indices()), (name, ours._indices(), theirs._indices())
+        assert torch.equal(ours._values(), theirs._values()), (name, ours._values(), theirs._values())
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_all_reduce_is_the_coalesced_sum_gloo_gives(world):
+    assert run_ranks(_compare_with_gloo, world, timeout=200) == [True] * world
+
+
+def _refusals(rank, world, gloo):
+    caught = {}
+    for what, t in [
+        ("size", _sparse(rank, [4 + rank, 2], 1, [[0]])),
+        ("dtype", _sparse(rank, [4, 2], 1, [[0]], torch.float64 if rank else torch.float32)),
+        ("range", _sparse(rank, [4, 2], 1, [[4 if rank else 0]])),
+    ]:
+        with pytest.raises(ValueError) as e:
+            dist.all_reduce(t)
+        caught[what] = str(e.value)
+    with pytest.raises(ValueError, match="MAX of a sparse tensor"):
+        dist.all_reduce(_sparse(rank, [4, 2], 1, [[0]]), dist.ReduceOp.MAX)
+    t = _sparse(rank, [4, 2], 1, [[rank]])  # the group still works after the refusals
+    dist.all_reduce(t)
+    assert torch.equal(t.to_dense(), sum(_sparse(r, [4, 2], 1, [[r]]).to_dense() for r in range(world)))
+    return caught
+
+
+def test_a_refused_sparse_tensor_fails_every_rank_at_once_naming_it():
+    caught = run_ranks(_refusals, 2, timeout=120)
+    for rank, msgs in enumerate(caught):
+        assert f"size [{4 + rank}, 2]" in msgs["size"] and f"ranks [{1 - rank}]" in msgs["size"]
+        assert "sparse_dim or dtype" in msgs["dtype"]
+        assert "rank(s) [1]" in msgs["range"] and "outside its size [4, 2]" in msgs["range"]
+
+
+class EmbeddingBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 16, sparse=True)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(dim=1))
+
+
+def _ddp_sparse(rank, world, gloo):
+    torch.manual_seed(0)
+    base = EmbeddingBag()
+    models = {"byteps": DDP(copy.deepcopy(base)), "gloo": DDP(copy.deepcopy(base), process_group=gloo)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.5) for k, m in models.items()}
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        ids = torch.randint(0, 1000, (8, 4), generator=g)
+        target = torch.randn(8, 1, generator=g)
+        for k, m in models.items():
+            opts[k].zero_grad()
+            nn.functional.mse_loss(m(ids), target).backward()
+            assert m.module.emb.weight.grad.is_sparse
+            opts[k].step()
+    return [torch.equal(a, b) for a, b in zip(models["byteps"].parameters(), models["gloo"].parameters(), strict=True)]
+
+
+def test_ddp_with_a_sparse_embedding_trains_bit_identically_to_gloo():
+    for equal in run_ranks(_ddp_sparse, 2, timeout=150):
+        assert all(equal), equal
+
+
+def _server_bytes():
+    from torch_bps import implementation
+
+    client = implementation().runtime._client
+    return sum(s["bytes_in"] + s["bytes_out"] for s in (client.server_stats(i) for i in range(len(client.servers))))
+
+
+def _bytes_of_one_sum(rank, world, gloo, rows, width):
+    table = 50_000
+    dist.all_reduce(_sparse(rank, [table, width], 1, [[i] for i in rows[rank]]))  # keys declared
+    dist.barrier(group=gloo)
+    before = _server_bytes() if rank == 0 else 0
+    dist.barrier(group=gloo)
+    dist.all_reduce(_sparse(rank, [table, width], 1, [[i] for i in rows[rank]]))
+    dist.barrier(group=gloo)
+    return _server_bytes() - before if rank == 0 else None
+
+
+def test_the_servers_move_the_rows_touched_not_the_table():
+    world, width = 2, 32
+    rows = [list(range(0, 20)), list(range(10, 35))]  # 20 and 25 rows, 35 in the union
+    moved = run_ranks(_bytes_of_one_sum, world, rows, width, timeout=120)[0]
+    union = sparse.padded(35)
+    ids = sparse.padded(25)
+    # Gathers: each rank pushes its slot and pulls all of them; the sum: each rank pushes and pulls the union's rows.
+    expected = (world + world * world) * (sparse.META_LEN + ids) * 8 + 2 * world * union * width * 4
+    assert moved == expected, (moved, expected)
+    assert moved < 2 * world * 50_000 * width * 4 / 100  # a hundredth of a dense sum of the table
