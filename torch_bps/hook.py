@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.pg import sparse
 from torch_bps.pg.device import pipeline_for
 from torch_bps.pg.staging import Staged
 from torch_bps.pg.work import Transfer, launch, launch_staged
@@ -136,6 +137,16 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     runtime = state.connect()
     buffer = bucket.buffer()
     where = f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})"
+
+    def launch_here(transfers, result, device):
+        return launch(runtime, "bps_hook", transfers, result, where=where, timeout=runtime.config.timeout,
+                      priority=bucket.index(), device=device)  # fmt: skip
+
+    if buffer.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its own bucket; DDP calls hooks from one thread
+        buffer.div_(runtime.world_size)
+        plain_sum = lambda dtype, flat, op, finish: Transfer(flat, finish)  # noqa: E731
+        return sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size, launch_here, plain_sum,
+                                 buffer).get_future()  # fmt: skip
     runs = state.segments(bucket, runtime.config)
     if buffer.is_cuda and not any(compress for *_, compress in runs) and runtime.cannot_stage(buffer) is None:
         # One partition at a time through pinned host memory on a side stream, copies overlapping pushes
@@ -148,6 +159,4 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     staged.flat.div_(runtime.world_size)
     transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]
     transfers[-1].finish = staged.write_back  # once every run is summed
-    work = launch(runtime, "bps_hook", transfers, buffer, where=where, timeout=runtime.config.timeout,
-                  priority=bucket.index(), device=buffer.device)  # fmt: skip
-    return work.get_future()
+    return launch_here(transfers, buffer, buffer.device).get_future()

@@ -133,46 +133,11 @@ class BackendBPS:
         return self._launch(name, transfers, tensors, device=_device(tensors))
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str) -> dist.Work:
-        """Sum a sparse COO tensor into its coalesced sum (gloo's result) at the bytes of the rows touched: the
-        ranks' shapes and row ids are gathered, then the values of the union of their rows summed (pg/sparse.py).
-        The first two steps wait here, under the launch lock, so that no other collective comes between them."""
-        name = "allreduce"
-        meta = sparse.check_sparse(name, t, op)
-        src = t.detach().cpu()
-        bad = sparse.out_of_range(src._indices(), meta.sizes[: meta.sparse_dim])
-        src = src if bad else src.coalesce()
-        mine = sparse.row_ids(src._indices(), meta.sizes[: meta.sparse_dim])
-        meta = sparse.Meta(-1 if bad else mine.numel(), meta.sparse_dim, meta.dtype, meta.sizes)
+        """pg/sparse.py's `launch_sum`, under the launch lock: no other collective comes between its steps."""
         with self._launch_lock:
-            # Every rank learns what is wrong with any rank's tensor, and all refuse it alike: nobody waits.
-            metas = self._gather_now(meta.encode()).view(self.size(), sparse.META_LEN)
-            differ = [r for r in range(self.size()) if not meta.same_shape(metas[r])]
-            if differ:
-                raise ValueError(f"{name}: a sparse tensor of size {list(meta.sizes)}, sparse_dim {meta.sparse_dim}, "
-                                 f"{meta.dtype} on rank {self.rank()} and another size, sparse_dim or dtype on ranks "
-                                 f"{differ} ('{BACKEND}' backend): every rank must pass the same")  # fmt: skip
-            counts = metas[:, 0].tolist()
-            if -1 in counts:
-                raise ValueError(f"{name}: the sparse tensor of rank(s) {[r for r, n in enumerate(counts) if n < 0]} "
-                                 f"has indices outside its size {list(meta.sizes)} ('{BACKEND}' backend)")  # fmt: skip
-            width = sparse.padded(max(counts))
-            ids = torch.full((width,), -1, dtype=torch.int64)
-            ids[: mine.numel()] = mine
-            every = self._gather_now(ids).view(self.size(), width)
-            union = torch.cat([every[r, :n] for r, n in enumerate(counts)]).unique(sorted=True)
-            summed = sparse.compact(src._values(), mine, union, sparse.padded(union.numel()))
-
-            def finish() -> None:
-                with torch.no_grad():
-                    t.copy_(sparse.expand(summed, union, meta).to(t.device))
-
-            return self._launch(name, [self._reduce(meta.dtype, summed, op, finish)], [t], device=t.device)
-
-    def _gather_now(self, mine: torch.Tensor) -> torch.Tensor:
-        """Every rank's `mine` (1-D, one shape on every rank) end to end, waited for (a sparse sum's first steps)."""
-        out = torch.empty(self.size() * mine.numel(), dtype=mine.dtype)
-        self._launch("allreduce", self._gather_single_plan(out, mine), [out]).wait()
-        return out
+            return sparse.launch_sum("allreduce", t, op, self.rank(), self.size(),
+                                     lambda ts, result, device: self._launch("allreduce", ts, result, device),
+                                     self._reduce, [t])  # fmt: skip
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import torch_bps
 from tests.helpers import run_ranks
 from torch_bps.pg import sparse
 
@@ -104,10 +105,15 @@ class EmbeddingBag(nn.Module):
         return self.out(self.emb(ids).mean(dim=1))
 
 
-def _ddp_sparse(rank, world, gloo):
+def _ddp_sparse(rank, world, gloo, door):
     torch.manual_seed(0)
     base = EmbeddingBag()
     models = {"byteps": DDP(copy.deepcopy(base)), "gloo": DDP(copy.deepcopy(base), process_group=gloo)}
+    if door == "bps_hook on gloo":
+        models["byteps"] = DDP(copy.deepcopy(base), process_group=gloo)
+        models["byteps"].register_comm_hook(torch_bps.BpsHookState(process_group=gloo), torch_bps.bps_hook)
+    elif door == "bps_hook on byteps":
+        models["byteps"].register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.5) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     for _ in range(5):
@@ -121,8 +127,9 @@ def _ddp_sparse(rank, world, gloo):
     return [torch.equal(a, b) for a, b in zip(models["byteps"].parameters(), models["gloo"].parameters(), strict=True)]
 
 
-def test_ddp_with_a_sparse_embedding_trains_bit_identically_to_gloo():
-    for equal in run_ranks(_ddp_sparse, 2, timeout=150):
+@pytest.mark.parametrize("door", ["byteps group", "bps_hook on gloo", "bps_hook on byteps"])
+def test_ddp_with_a_sparse_embedding_trains_bit_identically_to_gloo(door):
+    for equal in run_ranks(_ddp_sparse, 2, door, timeout=150):
         assert all(equal), equal
 
 

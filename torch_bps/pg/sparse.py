@@ -1,29 +1,84 @@
-"""Sparse COO tensors for all_reduce: rows as ids, the union of every rank's rows, and the coalesced sum.
+"""The sum of a sparse COO tensor over a group (`launch_sum`): gloo's coalesced result, at the bytes of the rows.
 
 A sparse tensor of `sparse_dim` sparse dimensions is a set of rows: each index column, linearized row-major
-over the sparse sizes, is a row id, and each row holds prod(dense sizes) values. The backend sums one in three
-collectives (`BackendBPS._sparse_allreduce`): every rank's `Meta` gathered, every rank's row ids gathered, then
-the values placed at their rows' positions in the sorted union of all ranks' rows (`compact`) and that
-(union x row) buffer summed like a dense tensor; `expand` makes the coalesced result, the one gloo returns.
+over the sparse sizes, is a row id, and each row holds prod(dense sizes) values. One sum is three collectives:
+every rank's `Meta` gathered, every rank's row ids gathered, then the values placed at their rows' positions in
+the sorted union of all ranks' rows (`compact`) and that (union x row) buffer summed like a dense tensor;
+`expand` makes the coalesced result, the one gloo returns. The "byteps" backend's all_reduce and bps_hook use it.
 
 Buffers are padded to `padded` sizes (2^k or 3 x 2^(k-1)): a key is planned per buffer size, so this bounds the
 keys (and the servers' memory) a training run makes, for at most a third more bytes.
 
-May import: torch, torch_bps.pg.staging.
+May import: torch, torch_bps.wire, torch_bps.pg.staging, torch_bps.pg.work.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from torch_bps.pg.staging import BACKEND, check_tensor, real
+from torch_bps.pg.staging import BACKEND, as_bytes, check_tensor, real
+from torch_bps.pg.work import Transfer
+from torch_bps.wire import Mode
 
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 META_LEN = 4 + MAX_DIMS  # nnz, sparse_dim, dtype, ndim, then the sizes
+
+
+# launch(transfers, result, device) -> the collective's Work; reduce(dtype, flat, op, finish) -> the Transfer of a sum.
+Launch = Callable[[list[Transfer], object, "torch.device | None"], dist.Work]
+Reduce = Callable[[torch.dtype, torch.Tensor, str, Callable[[], None]], Transfer]
+
+
+def launch_sum(name: str, t: torch.Tensor, op: str, rank: int, world: int, launch: Launch, reduce: Reduce,
+               result: object) -> dist.Work:  # fmt: skip
+    """Sum sparse `t` over the group into `t` (its coalesced sum, as gloo's): its rows' ids and every rank's shape
+    gathered (waited for here), then the values of the rows any rank touched summed (the Work returned, its future
+    holding `result`). The caller keeps other collectives from coming between these (a lock, or one thread)."""
+    meta = check_sparse(name, t, op)
+    src = t.detach().cpu()
+    bad = out_of_range(src._indices(), meta.sizes[: meta.sparse_dim])
+    src = src if bad else src.coalesce()
+    mine = row_ids(src._indices(), meta.sizes[: meta.sparse_dim])
+    meta = Meta(-1 if bad else mine.numel(), meta.sparse_dim, meta.dtype, meta.sizes)
+    # Every rank learns what is wrong with any rank's tensor, and all refuse it alike: nobody waits.
+    metas = _gather_now(meta.encode(), rank, world, launch).view(world, META_LEN)
+    differ = [r for r in range(world) if not meta.same_shape(metas[r])]
+    if differ:
+        raise ValueError(f"{name}: a sparse tensor of size {list(meta.sizes)}, sparse_dim {meta.sparse_dim}, "
+                         f"{meta.dtype} on rank {rank} and another size, sparse_dim or dtype on ranks {differ} "
+                         f"('{BACKEND}' backend): every rank must pass the same")  # fmt: skip
+    counts = metas[:, 0].tolist()
+    if -1 in counts:
+        raise ValueError(f"{name}: the sparse tensor of rank(s) {[r for r, n in enumerate(counts) if n < 0]} has "
+                         f"indices outside its size {list(meta.sizes)} ('{BACKEND}' backend)")  # fmt: skip
+    ids = torch.full((padded(max(counts)),), -1, dtype=torch.int64)
+    ids[: mine.numel()] = mine
+    every = _gather_now(ids, rank, world, launch).view(world, ids.numel())
+    union = torch.cat([every[r, :n] for r, n in enumerate(counts)]).unique(sorted=True)
+    summed = compact(src._values(), mine, union, padded(union.numel()))
+
+    def finish() -> None:
+        with torch.no_grad():
+            t.copy_(expand(summed, union, meta).to(t.device))
+
+    return launch([reduce(meta.dtype, summed, op, finish)], result, t.device)
+
+
+def _gather_now(mine: torch.Tensor, rank: int, world: int, launch: Launch) -> torch.Tensor:
+    """Every rank's `mine` (1-D, one shape on every rank) end to end, waited for: an all-gather of its bytes."""
+    n = mine.numel()
+    out = torch.empty(world * n, dtype=mine.dtype)
+    out[rank * n : (rank + 1) * n] = mine
+    size = n * mine.element_size()
+    slots = [(r * size, (r + 1) * size) for r in range(world)]
+    launch([Transfer(as_bytes(out), None, Mode.COPY, push=slots)], [out], None).wait()
+    return out
 
 
 @dataclass(frozen=True)
