@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 from torch_bps.pg import sparse, staging
+from torch_bps.pg.device import pipeline_for
 from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import (
     BACKEND,
@@ -58,7 +59,7 @@ from torch_bps.pg.staging import (
     neutral,
     real,
 )
-from torch_bps.pg.work import Transfer, launch
+from torch_bps.pg.work import Transfer, launch, launch_staged
 from torch_bps.wire import Mode
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
@@ -115,8 +116,26 @@ class BackendBPS:
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
+        if (stager := self._stager(t, op)) is not None:
+            return self._launch_staged(t, op, stager, tensors)
         s = Staged("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
+
+    def _stager(self, t: torch.Tensor, op: str):
+        """The PartitionPipeline that stages `t` one partition at a time (docs/gpu.md), or None: a contiguous CUDA
+        tensor of floats, summed or averaged, on a runtime that can take it (`Runtime.cannot_stage`)."""
+        if not (t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point and op in ("SUM", "AVG")):
+            return None
+        return pipeline_for(self.runtime, t.device) if self.runtime.cannot_stage(t.view(-1)) is None else None
+
+    def _launch_staged(self, t: torch.Tensor, op: str, stager, result) -> dist.Work:
+        flat = t.detach().view(-1)
+        if op == "AVG":
+            flat.div_(self.size())  # first, as `_reduction` does, on the caller's stream: the staging waits for it
+        with self._launch_lock:
+            self._launched += 1
+            return launch_staged(self.runtime, "allreduce", flat, stager, result, where=self._where(),
+                                 timeout=self._timeout, priority=self._launched, device=t.device)  # fmt: skip
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""
@@ -344,13 +363,15 @@ class BackendBPS:
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> dist.Work:
-        where = f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"
         with self._launch_lock:
             # Newest first: DDP all-reduces its buckets in gradient-arrival order, last layers first, so the
             # latest bucket holds the earliest layers, which the next forward pass needs first.
             self._launched += 1
-            return launch(self.runtime, op, transfers, result, where=where, timeout=self._timeout,
+            return launch(self.runtime, op, transfers, result, where=self._where(), timeout=self._timeout,
                           priority=self._launched, device=device)  # fmt: skip
+
+    def _where(self) -> str:
+        return f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"
 
     def _check_world_multiple(self, name: str, big_name: str, big: torch.Tensor, small_name: str,
                               small: torch.Tensor) -> None:  # fmt: skip

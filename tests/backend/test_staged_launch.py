@@ -46,3 +46,33 @@ def test_launch_staged_sums_through_the_runtime_beside_ordinary_collectives():
     for failures, copies, made in results:
         assert failures == [] and made == 2
         assert copies >= 3 * 2, f"a copy to the host per partition: {copies}"
+
+
+def _backend_all_reduce_staged(rank, world, gloo):
+    import torch_bps
+    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.process_group import BackendBPS
+
+    impl = torch_bps.implementation(dist.group.WORLD)
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, impl.runtime.config.partition_bytes, 2, ops=ops, timeout=60)
+    # As for a CUDA tensor: the backend's own choice, with CPU tensors standing in (the recorder copies at once).
+    BackendBPS._stager = lambda self, t, op: pipe if op in ("SUM", "AVG") and t.dim() == 1 else None
+    n = 3 * impl.runtime.config.partition_bytes // 4 + 5
+    failures = []
+    for op in ("SUM", "AVG"):
+        t = _data(rank, n, 1)
+        dist.all_reduce(t, getattr(dist.ReduceOp, op))
+        want = sum(_data(r, n, 1) / (world if op == "AVG" else 1) for r in range(world))
+        if not torch.equal(t, want):
+            failures.append(op)
+    copies = sum(e[:3] == ("copy", "side", "d2h") for e in ops.log)
+    pipe.close()
+    return failures, copies
+
+
+def test_the_backends_all_reduce_takes_the_staging_pipeline_it_is_given():
+    for failures, copies in run_ranks(_backend_all_reduce_staged, 2, timeout=100):
+        assert failures == []
+        assert copies >= 2 * 2, f"a copy to the host per partition: {copies}"
