@@ -6,7 +6,8 @@ and asynchronous training.
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
 (benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
 synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
-torch_bps.AsyncTraining with staleness s = 2 and unbounded (async).
+torch_bps.AsyncTraining with staleness s = 2 and unbounded (async), SGD's momentum `--async-momentum` there (asynchrony
+adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs. For each: samples per second (each rank's computed samples
 over its own wall time, summed) and its ratio to the yardstick, the time to `--target` held-out accuracy (rank
@@ -53,7 +54,8 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
             [sys.executable, "-m", WORKER, "--rank", str(r), "--world", str(n), "--store",
              f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--staleness", staleness,
              "--slow-rank", str(slow),
-             "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch)],
+             "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch),
+             "--momentum", str(args.async_momentum if staleness else 0.9)],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": str(n)},
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's compute time, times (default 3)")
     p.add_argument("--link-share", type=float, default=0.25, help="the straggler's link rate, share (default 0.25)")
     p.add_argument("--target", type=float, default=0.75, help="held-out accuracy to reach (default 0.75)")
+    p.add_argument("--async-momentum", type=float, default=0.9, help="SGD's momentum under AsyncTraining (default 0.9)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternated (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--json", default="", help="write every run here")

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(INPUTS, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, CLASSES))  # fmt: skip
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=args.momentum)
     stale = args.staleness != ""
     if stale:
         sync = torch_bps.AsyncTraining(model, opt, staleness=None if args.staleness == "inf" else int(args.staleness))
