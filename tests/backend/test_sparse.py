@@ -36,8 +36,8 @@ def _cases(rank: int) -> list[tuple[str, torch.Tensor, str]]:
     return [
         ("1 sparse dim", _sparse(r, [10], 1, [[r], [r + 1], [7], [r]]), "SUM"),  # rank's rows repeat: uncoalesced
         ("2 dense dims", _sparse(r, [6, 2, 3], 1, [[5 - r], [0]]), "SUM"),
-        ("3 sparse dims", _sparse(r, [3, 4, 5, 2], 3, [[r, 1, 4], [0, 3, r], [2, 2, 2]]), "SUM"),
-        ("float64", _sparse(r, [9, 4], 1, [[r * 3], [8]], torch.float64), "SUM"),
+        ("3 sparse dims", _sparse(r, [4, 4, 5, 2], 3, [[r, 1, 4], [0, 3, r], [2, 2, 2]]), "SUM"),
+        ("float64", _sparse(r, [12, 4], 1, [[r * 3], [8]], torch.float64), "SUM"),
         ("int64", _sparse(r, [9, 4], 1, [[r * 2], [1]], torch.int64), "SUM"),
         ("AVG float", _sparse(r, [8, 2], 1, [[r], [3]]), "AVG"),
         ("empty on rank 0", _sparse(r, [8, 2], 1, [[r]] if r else []), "SUM"),
@@ -64,9 +64,10 @@ def _compare_with_gloo(rank, world, gloo):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sparse_all_reduce_is_the_coalesced_sum_gloo_gives(world):
-    assert run_ranks(_compare_with_gloo, world, timeout=200) == [True] * world
+@pytest.mark.parametrize("world, local", [(2, 1), (3, 1), (4, 2)])  # local: ranks per machine, reducing locally first
+def test_sparse_all_reduce_is_the_coalesced_sum_gloo_gives(world, local):
+    results = run_ranks(_compare_with_gloo, world, env={"LOCAL_WORLD_SIZE": str(local)}, timeout=200)
+    assert results == [True] * world
 
 
 def _refusals(rank, world, gloo):
