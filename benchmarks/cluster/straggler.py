@@ -6,7 +6,7 @@ and asynchronous training.
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
 (benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
 synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
-torch_bps.AsyncTraining with staleness s = 2 and unbounded (async), SGD's momentum `--async-momentum` there (asynchrony
+torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), SGD's momentum `--async-momentum` there (asynchrony
 adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs. For each: samples per second (each rank's computed samples
@@ -34,6 +34,8 @@ MODES = {  # name: (backups, staleness: "" for BackupWorkers, straggler)
     "sync+straggler": (0, "", True),
     "backup": (1, "", False),
     "backup+straggler": (1, "", True),
+    "stale0": (0, "0", False),
+    "stale0+straggler": (0, "0", True),
     "stale2": (0, "2", False),
     "stale2+straggler": (0, "2", True),
     "async": (0, "inf", False),

@@ -221,6 +221,24 @@ def _point_to_point(rank, world, gloo, device):
     return failures
 
 
+def _sparse(rank, world, gloo, device):
+    """Sparse all_reduce (an embedding's rows) on the device against gloo's on CPU copies: the coalesced sum."""
+    failures: list[str] = []
+    for dtype in (torch.float32, torch.float64):
+        rows = torch.tensor([[rank, 3, 7 + rank, 3]])  # a repeated row: uncoalesced, as an embedding's gradient is
+        t = torch.sparse_coo_tensor(rows, _data(rank, dtype, 4 * 5).view(4, 5), (16, 5))
+        ours, ref = t.to(device), t.clone()
+        dist.all_reduce(ours)
+        dist.all_reduce(ref, group=gloo)
+        ref = ref.coalesce()
+        if not (ours.is_sparse and ours.is_coalesced() and on_device(ours, device)):
+            failures.append(f"sparse {dtype}: not a coalesced sparse tensor on {device}")
+            continue
+        _check(f"sparse {dtype} indices", ours._indices(), ref._indices(), device, failures)
+        _check(f"sparse {dtype} values", ours._values(), ref._values(), device, failures)
+    return failures
+
+
 # (world, LOCAL_WORLD_SIZE): how the ranks sharing the GPU are told to see themselves. A job of one machine never
 # reaches a server (its local stages make every result: the real one-GPU-box case); ranks that are machines of
 # their own go through the servers only; two machines of two take both the local stages and the servers.
@@ -228,7 +246,7 @@ LAYOUTS = {"2_machines_of_1": (2, 1), "1_machine_of_4": (4, 4), "2_machines_of_2
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("job", [_reductions, _movements], ids=["reductions", "movements"])
+@pytest.mark.parametrize("job", [_reductions, _movements, _sparse], ids=["reductions", "movements", "sparse"])
 def test_collectives_on_device_match_gloo(job, layout):
     world, local = LAYOUTS[layout]
     results = run_ranks(job, world, DEVICE, env={"LOCAL_WORLD_SIZE": str(local)}, timeout=280)
