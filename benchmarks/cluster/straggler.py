@@ -6,8 +6,8 @@ and asynchronous training.
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
 (benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
 synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
-torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), SGD's momentum `--async-momentum` there (asynchrony
-adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
+torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), SGD's momentum `--async-momentum`
+there (asynchrony adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs. For each: samples per second (each rank's computed samples
 over its own wall time, summed) and its ratio to the yardstick, the time to `--target` held-out accuracy (rank
