@@ -151,8 +151,8 @@ class BackupWorkers:
     def _gather(bucket: _Bucket) -> torch.Tensor:
         flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
         for p, start, numel in bucket.params:
-            if p.grad is not None:
-                flat[start : start + numel].copy_(p.grad.reshape(-1))
+            if p.grad is not None:  # a sparse gradient (nn.Embedding(sparse=True)) is summed dense here
+                flat[start : start + numel].copy_((p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1))
         return flat
 
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -161,6 +161,9 @@ class BackupWorkers:
         buffer = bucket.buffer()
         if buffer.device.type != "cpu":
             raise ValueError("BackupWorkers: DDP buckets on CPU only (the device path is not built yet)")
+        if buffer.layout != torch.strided:
+            raise ValueError("BackupWorkers: a DDP bucket of sparse gradients (nn.Embedding(sparse=True)) is not "
+                             "supported yet; use sparse=False, or BackupWorkers on the plain module")  # fmt: skip
         params, start = [], 0
         for p in bucket.parameters():
             params.append((p, start, p.numel()))

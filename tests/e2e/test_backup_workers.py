@@ -4,6 +4,7 @@ does not stop the job, and settings the job cannot have are refused by name."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -89,6 +90,42 @@ def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server):
     params, caught_up = zip(*results, strict=True)
     assert len(set(params)) == 1, "replicas differ"
     assert caught_up[SLOW] >= 1, caught_up
+
+
+def _sparse_embedding(rank, world, gloo, address):
+    """A plain module with nn.Embedding(sparse=True) under BackupWorkers (b = 0: every round whole) against DDP on
+    gloo: the same parameters; DDP with such a bucket is refused by name."""
+    torch.manual_seed(0)
+    base = torch.nn.Embedding(50, 4, sparse=True)
+    ours, ref = copy.deepcopy(base), DistributedDataParallel(copy.deepcopy(base), process_group=gloo)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, ref)]
+    sync = BackupWorkers(ours, opts[0], backups=0, config=_config(address))
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        ids = torch.randint(0, 50, (6,), generator=data)
+        assert sync.compute()  # b = 0: every step is computed
+        for m, opt in zip((ours, ref), opts, strict=True):
+            opt.zero_grad()
+            m(ids).pow(2).sum().backward()
+        sync.step()
+        opts[1].step()
+    sync.close()
+    refused = ""
+    ddp = DistributedDataParallel(copy.deepcopy(base), process_group=gloo)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    sync = BackupWorkers(ddp, opt, backups=0, config=_config(address))
+    try:
+        ddp(torch.tensor([1, 2])).sum().backward()
+    except Exception as e:  # noqa: BLE001 - DDP's reducer rethrows the hook's error
+        refused = str(e)
+    sync.close()
+    return torch.equal(ours.weight, ref.module.weight), refused
+
+
+def test_a_sparse_embedding_is_summed_dense_on_a_plain_module_and_refused_by_name_in_ddp(server):
+    for equal, refused in run_ranks(_sparse_embedding, 2, server.address, backend="gloo"):
+        assert equal
+        assert "sparse gradients (nn.Embedding(sparse=True)) is not supported" in refused, refused
 
 
 def _train_until_killed(rank, world, address, how):
