@@ -65,6 +65,7 @@ class BpsHookState:
         self._lock = threading.Lock()
         self._runtime = None
         self._shared: str | None = None  # the _SHARED entry this state holds a reference to
+        self.sparse_room = sparse.Room()  # bps_hook's sparse buckets (pg/sparse.py)
 
     def segments(self, bucket: dist.GradBucket, config: Config) -> list[tuple[int, int, bool]]:
         """The bucket's buffer as (start, stop, compressible) runs of its gradients, in buffer order."""
@@ -146,7 +147,7 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         buffer.div_(runtime.world_size)
         plain_sum = lambda dtype, flat, op, finish: Transfer(flat, finish)  # noqa: E731
         return sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size, launch_here, plain_sum,
-                                 buffer).get_future()  # fmt: skip
+                                 buffer, state.sparse_room).get_future()  # fmt: skip
     runs = state.segments(bucket, runtime.config)
     if buffer.is_cuda and not any(compress for *_, compress in runs) and runtime.cannot_stage(buffer) is None:
         # One partition at a time through pinned host memory on a side stream, copies overlapping pushes

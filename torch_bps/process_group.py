@@ -79,6 +79,7 @@ class BackendBPS:
         self._timeout = timeout.total_seconds()
         self._launch_lock = threading.RLock()  # a sparse all_reduce launches several
         self._launched = 0  # collectives launched so far: the priority of the next one
+        self._sparse_room = sparse.Room()
         self._group_name = ""
 
     # -- identity -------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class BackendBPS:
         with self._launch_lock:
             return sparse.launch_sum("allreduce", t, op, self.rank(), self.size(),
                                      lambda ts, result, device: self._launch("allreduce", ts, result, device),
-                                     self._reduce, [t])  # fmt: skip
+                                     self._reduce, [t], self._sparse_room)  # fmt: skip
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)

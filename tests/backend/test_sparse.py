@@ -141,24 +141,38 @@ def _server_bytes():
     return sum(s["bytes_in"] + s["bytes_out"] for s in (client.server_stats(i) for i in range(len(client.servers))))
 
 
-def _bytes_of_one_sum(rank, world, gloo, rows, width):
-    table = 50_000
-    dist.all_reduce(_sparse(rank, [table, width], 1, [[i] for i in rows[rank]]))  # keys declared
-    dist.barrier(group=gloo)
-    before = _server_bytes() if rank == 0 else 0
-    dist.barrier(group=gloo)
-    dist.all_reduce(_sparse(rank, [table, width], 1, [[i] for i in rows[rank]]))
-    dist.barrier(group=gloo)
-    return _server_bytes() - before if rank == 0 else None
+def _bytes_of_sums(rank, world, gloo, calls, width):
+    """The servers' bytes and the gathers of each of `calls` sparse sums (rank r's rows: calls[i][r]), after one
+    that declares keys."""
+    table, moved, gathers, real_gather = 50_000, [], [], sparse._gather_now
+
+    def counted(*args):
+        gathers[-1] += 1
+        return real_gather(*args)
+
+    sparse._gather_now = counted
+    for rows in [calls[0], *calls]:
+        dist.barrier(group=gloo)
+        before = _server_bytes() if rank == 0 else 0
+        gathers.append(0)
+        dist.barrier(group=gloo)
+        dist.all_reduce(_sparse(rank, [table, width], 1, [[i] for i in rows[rank]]))
+        dist.barrier(group=gloo)
+        moved.append(_server_bytes() - before if rank == 0 else None)
+    return list(zip(moved, gathers, strict=True))[1:]
 
 
 def test_the_servers_move_the_rows_touched_not_the_table():
-    world, width = 2, 32
-    rows = [list(range(0, 20)), list(range(10, 35))]  # 20 and 25 rows, 35 in the union
-    moved = run_ranks(_bytes_of_one_sum, world, rows, width, timeout=120)[0]
-    union = sparse.padded(35)
-    ids = sparse.padded(25)
-    # Gathers: each rank pushes its slot and pulls all of them; the sum: each rank pushes and pulls the union's rows.
-    expected = (world + world * world) * (sparse.META_LEN + ids) * 8 + 2 * world * union * width * 4
-    assert moved == expected, (moved, expected)
-    assert moved < 2 * world * 50_000 * width * 4 / 100  # a hundredth of a dense sum of the table
+    world, width, meta, row = 2, 32, sparse.META_LEN * 8, 32 * 4
+    calls = [
+        [list(range(0, 20)), list(range(10, 35))],  # 20 and 25 rows, 35 in the union
+        [list(range(0, 20)), list(range(10, 50))],  # 20 and 40: more ids than the room the last sum left
+    ]
+    (same, once), (more, twice) = run_ranks(_bytes_of_sums, world, calls, width, timeout=120)[0]
+    assert (once, twice) == (1, 2)  # the ids of the last sum fit with the shapes; then they do not
+    # A gather: each rank pushes its slot, pulls all of them. The sum: each rank pushes and pulls the union's rows.
+    gather = world + world * world
+    room = sparse.padded(25 + 25 // 4)
+    assert same == gather * (meta + room * 8) + 2 * world * sparse.padded(35) * row, same
+    assert more == gather * (meta + room * 8 + sparse.padded(40) * 8) + 2 * world * sparse.padded(50) * row, more
+    assert same < 2 * world * 50_000 * row / 100  # a hundredth of a dense sum of the table

@@ -1,9 +1,10 @@
 """The sum of a sparse COO tensor over a group (`launch_sum`): gloo's coalesced result, at the bytes of the rows.
 
 A sparse tensor of `sparse_dim` sparse dimensions is a set of rows: each index column, linearized row-major
-over the sparse sizes, is a row id, and each row holds prod(dense sizes) values. One sum is three collectives:
-every rank's `Meta` gathered, every rank's row ids gathered, then the values placed at their rows' positions in
-the sorted union of all ranks' rows (`compact`) and that (union x row) buffer summed like a dense tensor;
+over the sparse sizes, is a row id, and each row holds prod(dense sizes) values. One sum is two collectives:
+every rank's `Meta` and row ids gathered (the ids in a second gather when they outgrow the caller's `Room`), then
+the values placed at their rows' positions in the sorted union of all ranks' rows (`compact`) and that
+(union x row) buffer summed like a dense tensor;
 `expand` makes the coalesced result, the one gloo returns. The "byteps" backend's all_reduce and bps_hook use it.
 
 Buffers are padded to `padded` sizes (2^k or 3 x 2^(k-1)): a key is planned per buffer size, so this bounds the
@@ -35,11 +36,21 @@ Launch = Callable[[list[Transfer], object, "torch.device | None"], dist.Work]
 Reduce = Callable[[torch.dtype, torch.Tensor, str, Callable[[], None]], Transfer]
 
 
+@dataclass
+class Room:
+    """How many row ids the first gather of a sparse sum carries beside the shapes: room for the largest count of
+    the caller's last sum and a quarter more, so that a run of similar sums gathers once, not twice. It comes from
+    gathered counts, so it is the same on every rank that made the same calls."""
+
+    rows: int = 0
+
+
 def launch_sum(name: str, t: torch.Tensor, op: str, rank: int, world: int, launch: Launch, reduce: Reduce,
-               result: object) -> dist.Work:  # fmt: skip
+               result: object, room: Room) -> dist.Work:  # fmt: skip
     """Sum sparse `t` over the group into `t` (its coalesced sum, as gloo's): its rows' ids and every rank's shape
     gathered (waited for here), then the values of the rows any rank touched summed (the Work returned, its future
-    holding `result`). The caller keeps other collectives from coming between these (a lock, or one thread)."""
+    holding `result`). The caller keeps other collectives from coming between these (a lock, or one thread) and
+    keeps `room` for its next sum."""
     meta = check_sparse(name, t, op)
     src = t.detach().cpu()
     bad = out_of_range(src._indices(), meta.sizes[: meta.sparse_dim])
@@ -47,7 +58,11 @@ def launch_sum(name: str, t: torch.Tensor, op: str, rank: int, world: int, launc
     mine = row_ids(src._indices(), meta.sizes[: meta.sparse_dim])
     meta = Meta(-1 if bad else mine.numel(), meta.sparse_dim, meta.dtype, meta.sizes)
     # Every rank learns what is wrong with any rank's tensor, and all refuse it alike: nobody waits.
-    metas = _gather_now(meta.encode(), rank, world, launch).view(world, META_LEN)
+    first = torch.full((META_LEN + room.rows,), -1, dtype=torch.int64)
+    first[:META_LEN] = meta.encode()
+    first[META_LEN : META_LEN + min(mine.numel(), room.rows)] = mine[: room.rows]
+    gathered = _gather_now(first, rank, world, launch).view(world, first.numel())
+    metas = gathered[:, :META_LEN]
     differ = [r for r in range(world) if not meta.same_shape(metas[r])]
     if differ:
         raise ValueError(f"{name}: a sparse tensor of size {list(meta.sizes)}, sparse_dim {meta.sparse_dim}, "
@@ -57,9 +72,13 @@ def launch_sum(name: str, t: torch.Tensor, op: str, rank: int, world: int, launc
     if -1 in counts:
         raise ValueError(f"{name}: the sparse tensor of rank(s) {[r for r, n in enumerate(counts) if n < 0]} has "
                          f"indices outside its size {list(meta.sizes)} ('{BACKEND}' backend)")  # fmt: skip
-    ids = torch.full((padded(max(counts)),), -1, dtype=torch.int64)
-    ids[: mine.numel()] = mine
-    every = _gather_now(ids, rank, world, launch).view(world, ids.numel())
+    most = max(counts)
+    every = gathered[:, META_LEN:]
+    if most > room.rows:  # someone's ids did not all fit: gather them all
+        ids = torch.full((padded(most),), -1, dtype=torch.int64)
+        ids[: mine.numel()] = mine
+        every = _gather_now(ids, rank, world, launch).view(world, ids.numel())
+    room.rows = padded(most + most // 4)
     union = torch.cat([every[r, :n] for r, n in enumerate(counts)]).unique(sorted=True)
     summed = compact(src._values(), mine, union, padded(union.numel()))
 
