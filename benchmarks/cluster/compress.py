@@ -48,10 +48,12 @@ def run_mode(cluster: Cluster, addresses: list[str], args, mode: str, port: int)
         )
         for r, h in enumerate(cluster.workers)
     ]  # fmt: skip
+    drops, losses = sum(cluster.link_drops().values()), cluster.tcp_losses()
     try:
         results = procs.wait_all(ranks, args.run_timeout, f"compress {mode}")
     except Exception as e:  # noqa: BLE001 - a mode that fails is reported, the others still run
         return {"error": str(e)[-2000:]}
+    after = cluster.tcp_losses()
     curve = results[0]["curve"]
     reached = next((t for t, _, acc in curve if acc >= args.target), None)
     return {
@@ -60,6 +62,8 @@ def run_mode(cluster: Cluster, addresses: list[str], args, mode: str, port: int)
         "final_accuracy": curve[-1][2] if curve else None,
         "link_bytes_per_step": statistics.mean(r["link_bytes_per_step"] for r in results),
         "identical": len({r["params"] for r in results}) == 1,
+        "link_drops": sum(cluster.link_drops().values()) - drops,  # packets the shaped links' queues dropped
+        "tcp_timeouts": sum(v - losses[k] for k, v in after.items() if k.endswith(" timeouts")),
         "curve": curve,
     }
 
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                         runs[mode].append(out)
                         print(f"{rate:g} Mbit/s {mode} run {r}: " + (f"FAILED {out['error'][-300:]}" if "error" in out
                               else f"target at {out['seconds_to_target']} s, {out['steps_per_s']:.2f} steps/s, final "
-                              f"accuracy {out['final_accuracy']:.3f}, {out['link_bytes_per_step'] / 1e6:.2f} MB/step"),
+                              f"accuracy {out['final_accuracy']:.3f}, {out['link_bytes_per_step'] / 1e6:.2f} MB/step, "
+                              f"{out['link_drops']} packets dropped, {out['tcp_timeouts']} TCP timeouts"),
                               flush=True)  # fmt: skip
             finally:
                 for proc in server_procs:
