@@ -114,7 +114,7 @@ class BackendBPS:
     # -- reductions -----------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("allreduce", tensors)
-        if t.layout == torch.sparse_coo:
+        if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
         if (stager := self._stager(t, op)) is not None:

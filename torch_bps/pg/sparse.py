@@ -3,9 +3,9 @@
 A sparse tensor of `sparse_dim` sparse dimensions is a set of rows: each index column, linearized row-major
 over the sparse sizes, is a row id, and each row holds prod(dense sizes) values. One sum is two collectives:
 every rank's `Meta` and row ids gathered (the ids in a second gather when they outgrow the caller's `Room`), then
-the values placed at their rows' positions in the sorted union of all ranks' rows (`compact`) and that
-(union x row) buffer summed like a dense tensor;
-`expand` makes the coalesced result, the one gloo returns. The "byteps" backend's all_reduce and bps_hook use it.
+the values placed at their rows' positions in the sorted union of all ranks' rows (`compact`) and that (union x
+row) buffer summed like a dense tensor; `expand` makes the coalesced result, the one gloo returns. The "byteps"
+backend's all_reduce and bps_hook use it.
 
 Buffers are padded to `padded` sizes (2^k or 3 x 2^(k-1)): a key is planned per buffer size, so this bounds the
 keys (and the servers' memory) a training run makes, for at most a third more bytes.
