@@ -6,9 +6,9 @@
 
 A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
 from the ranks' ranges (COPY) and/or read back only in part; all their partitions go down to the client in one
-`push_pull_batch`, which completes once, on one of the C++ client's completion threads: the only executor. Those
-threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
-the client's completion pool then starts another thread, so nested collectives always make progress.
+`push_pull_batch`, which completes once, on one of the C++ client's completion threads. Those threads (and the
+callers' own, below) may block in `done` (torch's PowerSGD hook waits on further collectives inside its
+callbacks): the client's completion pool then starts another thread, so nested collectives always make progress.
 
 Every wait has a bound. The client bounds each request (its timeout) and its error, naming server, key and round,
 ends the network stage. What no request bounds, a collective whose network stage never ends with nothing in flight
@@ -18,15 +18,22 @@ longer than any request may take (`stall_seconds`).
 With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
 several, the machine is one worker to the servers, and each collective goes through three named steps:
 
-    reduce-scatter (the stage thread) -> network (the client) -> all-gather and `done` (whoever ended the network)
+    reduce-scatter (its caller, or the stage thread) -> network (the client) -> all-gather and `done` (whoever
+      ended the network)
 
-The stage thread ("bps-local-rs") runs the local reduce-scatters in submission order, because every local rank
-must meet the others in the same sequence (a COPY tensor's first step is a local all-gather of the local ranks'
-ranges instead, so that the machine pushes its ranks' bytes once), and hands the partitions to the client; the
-network stage is fully pipelined across collectives. The all-gathers must keep submission order too, but need
-no thread of their own: the completion thread that ends a collective's network stage gathers it and runs its
-`done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
-a fresh completion task before `done` runs, because `done` may block on a later collective.
+The local reduce-scatters run in submission order, because every local rank must meet the others in the same
+sequence (a COPY tensor's first step is a local all-gather of the local ranks' ranges instead, so that the
+machine pushes its ranks' bytes once): one thread at a time holds the reduce-scatter channel and reduce-scatters
+and schedules the waiting collectives in order. A caller that finds the channel free takes it and runs its own
+collective's reduce-scatter and hand-over to the client on its own thread, without a hand-off; but a caller must
+not wait for its local peers (an async collective returns before they launch theirs), so its call waits at most
+PATIENCE at the first local meeting and, if the peers have not all come, pauses (LocalComm's steps), and the
+stage thread ("bps-local-rs") finishes it, then the collectives waiting behind; a caller whose collective has
+others waiting behind it hands the channel to the stage thread too. The network stage is fully pipelined across
+collectives. The all-gathers must keep submission order too, and take turns the same way: the thread that ends a
+collective's network stage gathers it and runs its `done` at once when it is next in order (the "gatherer"; one
+at a time); the collectives ready behind it go to a fresh completion task before `done` runs, because `done` may
+block on a later collective.
 
 `run_staged` sums a device tensor instead through a stager (pg.device.PartitionPipeline) that copies each partition
 to the host, hands it to the client as one batch, and copies its sum back; collectives scheduled while it still has
@@ -36,14 +43,17 @@ With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-
 their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
 gather them. With a compressor (Config.compressor, compress.py), the partitions of tensors that ask for it
 (`Exchange.compress`: bps_hook's gradients) are encoded with error feedback as they are cut, and the servers'
-encoded sums decoded at the same point the casts back run. When the machine is
-the whole job (`alone`) the local stages already make the result: nothing goes to a server, and a collective
-with none before or behind it is gathered on the stage thread itself.
+encoded sums decoded at the same point the casts back run. When the machine is the whole job (`alone`) the local
+stages already make the result: nothing goes to a server, and the thread that reduce-scattered a collective ends
+its network stage at once and gathers it when it is next: its caller, then completing it on its own thread (its
+all-gather too waits for the peers at most PATIENCE, then a completion task finishes it), or the stage thread with
+none waiting behind (else a completion task gathers it).
 
-Why the stage thread may gather, and only so: a thread that drives both local channels must meet its peers'
-threads in the same interleaving. The stage thread gathers only the collective it has just reduce-scattered,
-with nothing before it left to gather, so its sequence is always reduce-scatter k, all-gather k, reduce-scatter
-k + 1; a completion thread only ever gathers.
+Why a thread that reduce-scatters may gather, and only so: a thread that drives both local channels must meet its
+peers' threads in the same interleaving. It gathers only the collective it has just reduce-scattered, with
+nothing before it left to gather, so its sequence is always reduce-scatter k, all-gather k, reduce-scatter
+k + 1; a completion thread only ever gathers. Whoever holds the reduce-scatter channel gathers after its
+hand-over to the network, never inside it (`_network_done` leaves that to it).
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
@@ -185,7 +195,8 @@ class PushPullEngine:
         (backup workers: a worker catching up on rounds that closed without it; one local rank per worker).
 
         Collective: every rank calls it with tensors of the same numels, dtypes and modes, in the same order.
-        `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
+        `done` runs on a completion thread, or inline before run returns: when there is nothing to send, or when the
+        machine is the whole job and its local peers meet the caller in time.
         """
         items = [t if isinstance(t, Exchange) else Exchange(t) for t in tensors]
         for x in items:
