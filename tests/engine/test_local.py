@@ -428,6 +428,35 @@ def test_threads_as_ranks_and_poll_mode():
     assert bps_entries(node) == []
 
 
+def test_a_call_paused_for_a_late_peer_finishes_on_another_thread():
+    """A call's steps with patience: rank 1 is late, so rank 0's reduce-scatter pauses after its patience instead of
+    waiting, and another thread finishes it, over several rounds, with the exact sum; peers in time never pause it."""
+    store, node, late = dist.HashStore(), f"s{uuid.uuid4().hex[:8]}", threading.Event()
+
+    def rank(r):
+        with LocalComm(store, r, 2, node, timeout=10, capacity_bytes=4096) as lc:
+            x, out = contribution(node, r, 777, torch.int32, 0), torch.empty(777, dtype=torch.int32)
+            if r == 1:
+                assert late.wait(10)
+                mine = lc.reduce_scatter(x)
+            else:
+                steps = lc.reduce_scatter_steps(x, patience=0.05)
+                started = time.monotonic()
+                next(steps)  # a pause, not the end (StopIteration)
+                waited = time.monotonic() - started
+                assert 0.04 < waited < 1, waited
+                late.set()
+                [mine] = _threads(lambda: local_comm.finish(steps))
+            steps = lc.all_gather_steps(mine, out, patience=5.0)
+            with pytest.raises(StopIteration):
+                next(steps)  # both in time: the call ends in one step
+            assert torch.equal(out, reference(node, 2, 777, torch.int32, 0).int())
+            return r
+
+    assert _threads(lambda: rank(0), lambda: rank(1)) == [0, 1]
+    assert bps_entries(node) == []
+
+
 def test_set_up_waits_time_out_and_leave_nothing():
     node = f"u{uuid.uuid4().hex[:8]}"
     started = time.monotonic()

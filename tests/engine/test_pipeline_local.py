@@ -69,7 +69,7 @@ def _sums(engine: PushPullEngine, local_rank: int) -> int:
 def _all_gather_never_met(engine: PushPullEngine, local_rank: int):
     """Local rank 1 stops (SIGSTOP: alive, never arriving) on reaching the all-gather; rank 0 must fail, twice."""
     if local_rank == 1:
-        engine.local_channels[1].all_gather = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
+        engine.local_channels[1].all_gather_steps = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
     outcomes = []
     for _ in range(2):  # the second collective finds rank 1 missing at the reduce-scatter
         started = time.monotonic()
@@ -112,11 +112,14 @@ def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
 
 
 def _alone_bursts(engine: PushPullEngine, local_rank: int):
-    """Bursts of collectives on a machine that is the whole job: some gathered on the reduce-scatter thread, some
-    gathered on a completion thread, every sum exact. Returns (collectives, handed off)."""
+    """Bursts of collectives on a machine that is the whole job, local rank 1 late to every fourth: some gathered on
+    the thread that reduce-scattered them, some on a completion thread, every sum exact. Returns (collectives, handed
+    off)."""
     rng = random.Random(5)  # the same sizes on both ranks
     done = 0
     for step in range(40):
+        if local_rank == 1 and step % 4 == 0:
+            time.sleep(0.05)  # past the engine's patience: rank 0's caller hands that burst on
         shapes = [(rng.choice([1, 257, 40_000, 200_001]), rng.choice([torch.float32, torch.int64]))
                   for _ in range(rng.randint(1, 5))]  # fmt: skip
         futures = [(n, dt, engine.push_pull(_data(local_rank, step, n, dt))) for n, dt in shapes]
@@ -198,8 +201,9 @@ def test_two_local_ranks_sum_through_the_local_stages_and_the_server(server, job
 
 
 def test_a_machine_alone_sums_bursts_in_order_on_one_thread_or_two(server, job_id):
-    """Alone, a collective with nothing before or behind it is gathered on the reduce-scatter thread, the others on
-    a completion thread: both happen in these bursts, and the local ranks meet in the same order either way."""
+    """Alone, a collective is gathered on the thread that reduce-scattered it (its caller's, or the stage thread's
+    with none behind it), the others on a completion thread: both happen in these bursts, and the local ranks meet
+    in the same order either way."""
     out = run("alone_bursts", server, job_id, alone=True)
     for done, handed in out.values():
         assert done >= 40 and 0 < handed < done, (done, handed)
@@ -209,7 +213,7 @@ def test_a_machine_alone_sums_bursts_in_order_on_one_thread_or_two(server, job_i
 def test_a_local_rank_that_never_reaches_the_all_gather_fails_the_collective_in_time(server, job_id, alone):
     """Rank 1 stops at the all-gather: rank 0's collective fails with a timeout naming the stage, both ranks and the
     round, its Future raising it (what DDP waits on), and the engine lives on: the next one fails, too. Alone, the
-    reduce-scatter thread runs that all-gather itself, and the same holds."""
+    caller's thread begins that all-gather itself, and the same holds."""
     gather, scatter = run("all_gather_never_met", server, job_id, reporting=(0,), alone=alone)[0]
     kind, message, elapsed = gather
     assert kind == BpsTimeoutError.__name__, message

@@ -6,9 +6,9 @@
 
 A collective is a list of 1-D tensors, each summed in place or, as an `Exchange` (exchange.py), gathered
 from the ranks' ranges (COPY) and/or read back only in part; all their partitions go down to the client in one
-`push_pull_batch`, which completes once, on one of the C++ client's completion threads: the only executor. Those
-threads may block in `done` (torch's PowerSGD hook waits on further collectives inside its callbacks):
-the client's completion pool then starts another thread, so nested collectives always make progress.
+`push_pull_batch`, which completes once, on one of the C++ client's completion threads. Those threads (and the
+callers' own, below) may block in `done` (torch's PowerSGD hook waits on further collectives inside its
+callbacks): the client's completion pool then starts another thread, so nested collectives always make progress.
 
 Every wait has a bound. The client bounds each request (its timeout) and its error, naming server, key and round,
 ends the network stage. What no request bounds, a collective whose network stage never ends with nothing in flight
@@ -18,15 +18,22 @@ longer than any request may take (`stall_seconds`).
 With one local rank the local stages are skipped and partitions are views of the caller's tensors. With
 several, the machine is one worker to the servers, and each collective goes through three named steps:
 
-    reduce-scatter (the stage thread) -> network (the client) -> all-gather and `done` (whoever ended the network)
+    reduce-scatter (its caller, or the stage thread) -> network (the client) -> all-gather and `done` (whoever
+      ended the network)
 
-The stage thread ("bps-local-rs") runs the local reduce-scatters in submission order, because every local rank
-must meet the others in the same sequence (a COPY tensor's first step is a local all-gather of the local ranks'
-ranges instead, so that the machine pushes its ranks' bytes once), and hands the partitions to the client; the
-network stage is fully pipelined across collectives. The all-gathers must keep submission order too, but need
-no thread of their own: the completion thread that ends a collective's network stage gathers it and runs its
-`done` at once when it is next in order (the "gatherer"; one at a time). The collectives ready behind it go to
-a fresh completion task before `done` runs, because `done` may block on a later collective.
+The local reduce-scatters run in submission order, because every local rank must meet the others in the same
+sequence (a COPY tensor's first step is a local all-gather of the local ranks' ranges instead, so that the
+machine pushes its ranks' bytes once): one thread at a time holds the reduce-scatter channel and reduce-scatters
+and schedules the waiting collectives in order. A caller that finds the channel free takes it and runs its own
+collective's reduce-scatter and hand-over to the client on its own thread, without a hand-off; but a caller must
+not wait for its local peers (an async collective returns before they launch theirs), so its call waits at most
+PATIENCE at the first local meeting and, if the peers have not all come, pauses (LocalComm's steps), and the
+stage thread ("bps-local-rs") finishes it, then the collectives waiting behind; a caller whose collective has
+others waiting behind it hands the channel to the stage thread too. The network stage is fully pipelined across
+collectives. The all-gathers must keep submission order too, and take turns the same way: the thread that ends a
+collective's network stage gathers it and runs its `done` at once when it is next in order (the "gatherer"; one
+at a time); the collectives ready behind it go to a fresh completion task before `done` runs, because `done` may
+block on a later collective.
 
 `run_staged` sums a device tensor instead through a stager (pg.device.PartitionPipeline) that copies each partition
 to the host, hands it to the client as one batch, and copies its sum back; collectives scheduled while it still has
@@ -36,14 +43,17 @@ With a wire dtype (Config.wire_dtype, precision.py), fp32 sums are cast into 16-
 their partitions go to the client, and the sums cast back as soon as the network stage ends, before anyone may
 gather them. With a compressor (Config.compressor, compress.py), the partitions of tensors that ask for it
 (`Exchange.compress`: bps_hook's gradients) are encoded with error feedback as they are cut, and the servers'
-encoded sums decoded at the same point the casts back run. When the machine is
-the whole job (`alone`) the local stages already make the result: nothing goes to a server, and a collective
-with none before or behind it is gathered on the stage thread itself.
+encoded sums decoded at the same point the casts back run. When the machine is the whole job (`alone`) the local
+stages already make the result: nothing goes to a server, and the thread that reduce-scattered a collective ends
+its network stage at once and gathers it when it is next: its caller, then completing it on its own thread (its
+all-gather too waits for the peers at most PATIENCE, then a completion task finishes it), or the stage thread with
+none waiting behind (else a completion task gathers it).
 
-Why the stage thread may gather, and only so: a thread that drives both local channels must meet its peers'
-threads in the same interleaving. The stage thread gathers only the collective it has just reduce-scattered,
-with nothing before it left to gather, so its sequence is always reduce-scatter k, all-gather k, reduce-scatter
-k + 1; a completion thread only ever gathers.
+Why a thread that reduce-scatters may gather, and only so: a thread that drives both local channels must meet its
+peers' threads in the same interleaving. It gathers only the collective it has just reduce-scattered, with
+nothing before it left to gather, so its sequence is always reduce-scatter k, all-gather k, reduce-scatter
+k + 1; a completion thread only ever gathers. Whoever holds the reduce-scatter channel gathers after its
+hand-over to the network, never inside it (`_network_done` leaves that to it).
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
@@ -65,7 +75,7 @@ from torch_bps.engine.compress import Compressor
 from torch_bps.engine.exchange import Exchange, intersect
 from torch_bps.engine.partition import KeyBook, Part
 from torch_bps.engine.precision import StagingBuffers, travels_as
-from torch_bps.engine.spans import describe, span, stage
+from torch_bps.engine.spans import describe, span
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import completer
 from torch_bps.wire import Mode, Partition
@@ -73,6 +83,11 @@ from torch_bps.wire import Mode, Partition
 log = logging.getLogger("torch_bps.engine")
 
 Done = Callable[[BaseException | None], None]
+
+# How long a caller's thread waits for its local peers at a collective's first local meeting before it hands the
+# collective to another thread: long enough for ranks that run in step, short beside any timeout.
+PATIENCE = 0.002
+_DRIVE = object()  # the stage thread's cue: the reduce-scatter channel is yours, work through the waiting collectives
 
 
 @dataclass
@@ -93,6 +108,7 @@ class _Op:
     ending: bool = False
     network_ended: bool = False
     pull_only: bool = False  # push nothing, pull the rounds' sums (a worker catching up on backup rounds)
+    stage_span: Done | None = None  # closes the profiler span of the local stage under way (_run_stage)
 
 
 class PushPullEngine:
@@ -152,11 +168,15 @@ class PushPullEngine:
         self._closing = threading.Event()
         self._to_gather: collections.deque[_Op] = collections.deque()
         self._gathering = False
-        self._handed = 0  # collectives gathered off the stage thread (counted by the one gatherer)
+        self._handed = 0  # collectives gathered off the thread that reduce-scattered them (counted by the gatherer)
+        # Under _state, with several local ranks: the collectives whose local reduce-scatter has not begun, in
+        # submission order, and the thread that holds the reduce-scatter channel (the one that works through them).
+        self._rs_waiting: collections.deque[_Op] = collections.deque()
+        self._rs_holder: int | None = None
         self._stage_thread: threading.Thread | None = None
         self._stager = None  # the PartitionPipeline of run_staged, once used
         if local_channels is not None:
-            self._rs_queue: queue.Queue = queue.Queue()
+            self._rs_queue: queue.Queue = queue.Queue()  # the stage thread's cues: _DRIVE, (op, paused steps), None
             self._stage_thread = threading.Thread(target=self._reduce_scatter_loop, name="bps-local-rs", daemon=True)
             self._stage_thread.start()
 
@@ -175,7 +195,8 @@ class PushPullEngine:
         (backup workers: a worker catching up on rounds that closed without it; one local rank per worker).
 
         Collective: every rank calls it with tensors of the same numels, dtypes and modes, in the same order.
-        `done` runs on a completion thread (inline, before run returns, when there is nothing to send).
+        `done` runs on a completion thread, or inline before run returns: when there is nothing to send, or when the
+        machine is the whole job and its local peers meet the caller in time.
         """
         items = [t if isinstance(t, Exchange) else Exchange(t) for t in tensors]
         for x in items:
@@ -188,10 +209,18 @@ class PushPullEngine:
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
             plans = [self.keys.plan(x.tensor.numel(), self._travels_as(x), x.mode, self._codec(x))[mine] for x in items]
+            op = _Op(items, plans, priority, done, pull_only=pull_only)
             if self.local_channels is None:
-                self._schedule(_Op(items, plans, priority, done, pull_only=pull_only))
-            else:
-                self._rs_queue.put(_Op(items, plans, priority, done))
+                self._schedule(op)
+                return
+            with self._state:
+                self._to_gather.append(op)  # before its network stage can end: gathers keep submission order
+                self._rs_waiting.append(op)
+                lead = self._rs_holder is None
+                if lead:
+                    self._rs_holder = threading.get_ident()
+        if lead:  # outside the lock: another thread may launch the next collective meanwhile
+            self._lead(op)
 
     def run_staged(self, tensor: torch.Tensor, stager, done: Done, *, priority: int = 0) -> None:
         """Sum a device tensor in place, one partition at a time through `stager` (a pg.device.PartitionPipeline):
@@ -248,31 +277,89 @@ class PushPullEngine:
             self._worker_ranks = range(self.client.worker * size, (self.client.worker + 1) * size)
         return self._worker_ranks
 
-    # -- step 1: local reduce-scatter, on the stage thread (several local ranks only)
-    def _reduce_scatter_loop(self) -> None:
-        while (op := self._rs_queue.get()) is not None:
+    # -- step 1: local reduce-scatter (several local ranks only), by the thread that holds the reduce-scatter channel
+    def _lead(self, op: _Op) -> None:
+        """On the thread that launched `op` and took the channel with it: reduce-scatter and schedule op here if its
+        local peers come within PATIENCE (else the stage thread goes on with it), give the channel to the stage
+        thread if collectives wait behind op, and gather op if it is the next to gather."""
+        with self._state:
+            self._rs_waiting.popleft()  # op
+        steps = self._reduce_scatter_steps(op, PATIENCE)
+        if not self._reduce_scatter(op, steps):  # its peers are late; the caller must not wait for them
             with self._state:
-                self._to_gather.append(op)  # before its network stage can end: gathers keep submission order
-            try:
-                self._local_reduce_scatter(op)
-            except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails, the loop serves the next one
-                self._network_done(op, e)
-            else:
-                self._schedule(op)
+                self._rs_holder = self._stage_thread.ident
+            self._rs_queue.put((op, steps))
+            return
+        with self._state:
+            behind = bool(self._rs_waiting)
+            self._rs_holder = self._stage_thread.ident if behind else None
+            gather = self._may_gather(op)
+        if behind:
+            self._rs_queue.put(_DRIVE)
+        if gather:
+            self._gather_next(PATIENCE)
 
-    def _local_reduce_scatter(self, op: _Op) -> None:
-        with stage(lambda: _span_name("local_reduce_scatter", op.items)):
-            for x in op.items:
-                t = x.tensor
-                lo, hi = self.local_channels[0].slice_range(t.numel())
-                if x.mode == Mode.COPY:
-                    self._share_local_ranges(x)
-                    op.slices.append(t[lo:hi])
-                else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
-                    op.slices.append(self.local_channels[0].reduce_scatter(t, out=t[lo:hi]))
+    def _reduce_scatter_loop(self) -> None:
+        """The stage thread: given the channel, it finishes a collective whose local peers were late, then
+        reduce-scatters and schedules the collectives waiting, in order, and lets go of the channel when none is
+        left. It gathers a collective itself only right after reduce-scattering it, with none waiting behind."""
+        while (cue := self._rs_queue.get()) is not None:
+            if cue is not _DRIVE:
+                op, steps = cue
+                while not self._reduce_scatter(op, steps):
+                    pass  # a later item's peers late too: it waits on
+                self._after_reduce_scatter(op)
+            while True:
+                with self._state:
+                    if not self._rs_waiting:
+                        self._rs_holder = None
+                        break
+                    op = self._rs_waiting.popleft()
+                self._reduce_scatter(op, self._reduce_scatter_steps(op, None))
+                self._after_reduce_scatter(op)
 
-    def _share_local_ranges(self, x: Exchange) -> None:
-        """Give every local rank the other local ranks' COPY ranges, so the machine pushes them once.
+    def _after_reduce_scatter(self, op: _Op) -> None:
+        """On the stage thread: gather op here if it is next with none waiting behind it, else on a completion thread
+        (the channel's next collective goes first); `done` always on a completion thread, as it may block."""
+        with self._state:
+            gather = self._may_gather(op)
+            behind = bool(self._rs_waiting)
+        if gather and behind:
+            self.client.post(functools.partial(self._gather_next, handed=True))
+        elif gather:
+            self._gather_next(post_done=True)
+
+    def _reduce_scatter(self, op: _Op, steps) -> bool:
+        """Run op's local reduce-scatter steps on, then hand its partitions to the network (alone: end its network
+        stage); False if the steps paused, its local peers late. Its gathering is left to the holder of the channel."""
+        try:
+            if not self._run_stage(op, "local_reduce_scatter", steps):
+                return False
+        except BaseException as e:  # noqa: BLE001 - nothing was sent: the op fails, the channel serves the next one
+            self._network_done(op, e)
+            return True
+        self._schedule(op)
+        return True
+
+    def _reduce_scatter_steps(self, op: _Op, patience: float | None):
+        """op's local reduce-scatter as LocalComm steps (local/comm.py): with `patience`, they pause if the local
+        peers have not all come to the first meeting within it. Later meetings never pause: the peers are in this
+        collective already."""
+        comm = self.local_channels[0]
+        for x in op.items:
+            t = x.tensor
+            lo, hi = comm.slice_range(t.numel())
+            if x.mode == Mode.COPY:
+                if (yield from self._share_local_ranges(x, patience)):
+                    patience = None
+                op.slices.append(t[lo:hi])
+            else:  # in place: my slice of the sum lands in my own tensor (big fresh buffers page-fault)
+                op.slices.append((yield from comm.reduce_scatter_steps(t, out=t[lo:hi], patience=patience)))
+                patience = None
+
+    def _share_local_ranges(self, x: Exchange, patience: float | None):
+        """Give every local rank the other local ranks' COPY ranges, so the machine pushes them once; as steps that
+        return whether the local ranks met (not when every range is empty).
 
         Ranges may differ in length (a broadcast's root has all, the others none): each rank's goes into a
         block of the longest one's size, and one local all-gather of the blocks moves them all.
@@ -281,14 +368,15 @@ class PushPullEngine:
         ranges = [x.push[r] for r in self.worker_ranks]
         block = max(hi - lo for lo, hi in ranges)
         if block == 0:
-            return
+            return False
         blocks = torch.empty(comm.local_size * block, dtype=t.dtype)
         lo, hi = ranges[me]
         blocks[me * block : me * block + hi - lo].copy_(t[lo:hi])
-        comm.all_gather(blocks[me * block : (me + 1) * block], blocks)
+        yield from comm.all_gather_steps(blocks[me * block : (me + 1) * block], blocks, patience=patience)
         for i, (lo, hi) in enumerate(ranges):
             if i != me:
                 t[lo:hi].copy_(blocks[i * block : i * block + hi - lo])
+        return True
 
     # -- step 2: fp32 sums into staging buffers of the wire dtype (precision.py), and back once pulled
     def _travels_as(self, x: Exchange) -> torch.dtype:
@@ -433,54 +521,89 @@ class PushPullEngine:
         with self._state:
             op.network_ended = True
             if self.local_channels is None:
-                gather = None
-            elif self._gathering or self._to_gather[0] is not op:
+                gather = False
+            elif threading.get_ident() == self._rs_holder:
+                return  # the holder of the reduce-scatter channel gathers it when it may (_lead, _after_reduce_scatter)
+            elif not self._may_gather(op):
                 return  # the gatherer, or the collective ahead of it when it ends, gathers it in turn
             else:
-                self._gathering = True
-                # On the stage thread, gather only the collective just reduce-scattered, with none behind it to
-                # overlap with (see the module's docstring); otherwise a completion task does.
-                gather = "here" if threading.current_thread() is not self._stage_thread else (
-                    "stage" if self._rs_queue.empty() else "post")  # fmt: skip
-        if gather is None:
-            op.done(op.error)
-        elif gather == "here":
-            self._gather_next()
-        elif gather == "post":
-            self.client.post(self._gather_next)
+                gather = True
+        if gather:
+            self._gather_next(handed=True)
         else:
-            with self._state:
-                self._to_gather.popleft()  # `op`
-            self._local_all_gather(op)
-            with self._state:
-                self._gathering = False  # none behind it has been reduce-scattered yet
-            self.client.post(lambda: op.done(op.error))  # `done` may block: never on the stage thread
+            op.done(op.error)
 
     # -- step 4: local all-gather and completion, by the one gatherer (several local ranks only)
-    def _gather_next(self) -> None:
+    def _may_gather(self, op: _Op) -> bool:
+        """Under _state: take the gatherer's role if op is the next to gather, its network stage ended, and no one
+        gathers."""
+        if self._gathering or not self._to_gather or self._to_gather[0] is not op or not op.network_ended:
+            return False
+        self._gathering = True
+        return True
+
+    def _gather_next(self, patience: float | None = None, *, handed: bool = False, post_done: bool = False) -> None:
         """Gather the first collective not yet gathered (its network stage ended) and complete it; the caller holds
-        the gatherer's role, which passes to a fresh completion task if the next one is ready too."""
+        the gatherer's role, which passes to a fresh completion task if the next one is ready too. With `patience`
+        (a caller's thread, which must not wait for its peers), a completion task goes on with the all-gather if
+        the local peers do not come within it. `handed`: off the thread that reduce-scattered it."""
         with self._state:
             op = self._to_gather.popleft()
-        self._handed += 1
-        self._local_all_gather(op)
+        self._handed += handed
+        steps = self._all_gather_steps(op, patience)
+        if not self._local_all_gather(op, steps):
+            self.client.post(functools.partial(self._gathered, op, steps, post_done))
+            return
+        self._gathered(op, None, post_done)
+
+    def _gathered(self, op: _Op, steps, post_done: bool) -> None:
+        """Finish op's all-gather (`steps`, if it paused), pass the gatherer's role on, complete op."""
+        if steps is not None:
+            while not self._local_all_gather(op, steps):
+                pass
         with self._state:
             more = bool(self._to_gather) and self._to_gather[0].network_ended
             self._gathering = more
         if more:  # before `done`, which may block on a later collective
-            self.client.post(self._gather_next)
-        op.done(op.error)
+            self.client.post(functools.partial(self._gather_next, handed=True))
+        if post_done:  # `done` may block: never on the stage thread
+            self.client.post(lambda: op.done(op.error))
+        else:
+            op.done(op.error)
 
-    def _local_all_gather(self, op: _Op) -> None:
-        """Whatever raises, the op ends with it: a gatherer that dies leaves every later collective unfinished."""
+    def _all_gather_steps(self, op: _Op, patience: float | None):
+        """op's local all-gather as LocalComm steps; with `patience`, they pause as _reduce_scatter_steps' do."""
         if op.error is not None:  # failed before or in the network stage: nothing to gather
             return
+        for slice_, x in zip(op.slices, op.items, strict=True):
+            yield from self.local_channels[1].all_gather_steps(slice_, x.tensor, patience=patience)
+            patience = None
+
+    def _local_all_gather(self, op: _Op, steps) -> bool:
+        """Run op's all-gather steps on; False if they paused. Whatever raises, the op ends with it: a gatherer that
+        dies leaves every later collective unfinished."""
         try:
-            with stage(lambda: _span_name("local_all_gather", op.items)):
-                for slice_, x in zip(op.slices, op.items, strict=True):
-                    self.local_channels[1].all_gather(slice_, x.tensor)
+            return self._run_stage(op, "local_all_gather", steps)
         except BaseException as e:  # noqa: BLE001
             op.error = e
+            return True
+
+    @staticmethod
+    def _run_stage(op: _Op, what: str, steps) -> bool:
+        """Run a local stage's steps on (`_go_on`) under one profiler span, from the thread where the stage began to
+        wherever it ends."""
+        if op.stage_span is None:
+            op.stage_span = span(lambda: _span_name(what, op.items), _ignore)
+        try:
+            ended = _go_on(steps)
+        except BaseException:
+            ended = True
+            raise
+        finally:
+            if ended:
+                op.stage_span(None)
+                op.stage_span = None
+        return ended
 
     @property
     def stall_seconds(self) -> float:
@@ -533,6 +656,20 @@ class PushPullEngine:
         if self._stage_thread is not None:
             self._rs_queue.put(None)
             self._stage_thread.join(timeout=5)
+
+
+def _ignore(error: BaseException | None) -> None:
+    pass
+
+
+def _go_on(steps) -> bool:
+    """Run a LocalComm call's steps (generators: local/comm.py) until they end (True) or pause, the local peers late
+    (False: any one thread may run them on later)."""
+    try:
+        next(steps)
+    except StopIteration:
+        return True
+    return False
 
 
 def _span_name(what: str, items: Sequence[Exchange]) -> str:

@@ -2,15 +2,15 @@
 
 A span opened on the thread that issues a collective and closed when it completes (on a completion thread) is
 a `record_function` whose end is tied to a torch Future: the profiler records it on the issuing thread, which
-it profiles by default. The local stages run on the engine's own threads, which torch.profiler records only
-when asked to (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`).
+it profiles by default. A local stage is such a span too, opened on the thread where it begins: the caller's, or
+one of the engine's own threads, which torch.profiler records only when asked to
+(`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`).
 With no profiler running, each call costs one check.
 May import: torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -41,12 +41,6 @@ def recording() -> bool:
     """Whether a torch.profiler is running in this process (torch's own fast global check: the autograd flag
     `torch.autograd._profiler_enabled()` is per thread, and off everywhere when every thread is recorded)."""
     return torch.autograd.profiler._is_profiler_enabled
-
-
-def stage(name: Callable[[], str]):
-    """A span named `name()` around a block on this thread while a profiler runs, else a no-op context. On the
-    engine's own threads the profiler keeps it only when it records every thread."""
-    return torch.profiler.record_function(name()) if recording() else contextlib.nullcontext()
 
 
 def describe(nbytes: int, tensors: int) -> str:

@@ -29,6 +29,8 @@ import datetime
 import os
 import time
 import warnings
+from collections.abc import Generator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,20 @@ def split_range(numel: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < rem else 0)
 
 
+# A call as a generator: each next() runs it on until it ends (StopIteration carries its result) or pauses because
+# its peers are late at its first meeting; whoever runs it on next waits for them. One thread at a time.
+Steps = Generator[None, None, Any]
+
+
+def finish(steps: Steps) -> Any:
+    """Run a call's steps (`LocalComm.reduce_scatter_steps`, `all_gather_steps`) to their end; return their result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
 class LocalComm:
     """Reduce-scatter / all-gather among the `local_size` ranks of node `node_id`, through shared memory.
 
@@ -86,7 +102,8 @@ class LocalComm:
             rank 0's value is used by everyone.
         wait_mode: "auto" (futex where available), "futex" or "poll" (sleep with backoff).
 
-    Every local rank must make the same calls in the same order; one call at a time per LocalComm.
+    Every local rank must make the same calls in the same order; one call at a time per LocalComm. A call's steps
+    (`reduce_scatter_steps`, `all_gather_steps`) may pause where its peers are late and go on on another thread.
     Example:
         with LocalComm(store, local_rank, 2, "node0") as lc:
             part = lc.reduce_scatter(grad)      # this rank's slice, summed over the node
@@ -223,6 +240,12 @@ class LocalComm:
             TransportError / BpsTimeoutError if a peer died, left or is late (the LocalComm is then broken).
         Example: `lo, hi = lc.slice_range(x.numel()); lc.reduce_scatter(x, out=x[lo:hi])`.
         """
+        return finish(self.reduce_scatter_steps(tensor, out=out))
+
+    def reduce_scatter_steps(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None,
+                             patience: float | None = None) -> Steps:  # fmt: skip
+        """`reduce_scatter` as steps (`Steps`): with `patience`, it pauses if its peers have not all arrived at
+        its first meeting within that many seconds, so that the caller may hand the rest to another thread."""
         call = self._begin()
         problem = _tensor_problem(tensor, "tensor")
         if problem is None and out is not None:
@@ -255,7 +278,7 @@ class LocalComm:
                         if lo < hi and (d != me or L > 2):  # with 2 ranks my own part is read from x
                             n = min(hi - lo, chunk)
                             region[:n].copy_(x[lo : lo + n])
-                self._barrier(k, "reduce_scatter", call, j, rounds)
+                yield from self._meet(k, "reduce_scatter", call, j, rounds, patience)
                 if j == 0:
                     self._agree(k, call, _REDUCE_SCATTER, problem)
                 lo = lo_me + j * chunk
@@ -279,6 +302,10 @@ class LocalComm:
         Raises: as reduce_scatter.
         Example: `lc.all_gather(x[lo:hi], x)` after the in-place reduce_scatter above.
         """
+        finish(self.all_gather_steps(slice_, out))
+
+    def all_gather_steps(self, slice_: torch.Tensor, out: torch.Tensor, *, patience: float | None = None) -> Steps:
+        """`all_gather` as steps, pausing as `reduce_scatter_steps` does."""
         call = self._begin()
         problem = _tensor_problem(out, "out") or _tensor_problem(slice_, "slice_")
         if problem is None and slice_.dtype != out.dtype:
@@ -310,7 +337,7 @@ class LocalComm:
                 if ok and lo < mine.numel():
                     n = min(mine.numel() - lo, chunk)
                     blocks[me][:n].copy_(mine[lo : lo + n])
-                self._barrier(k, "all_gather", call, j, rounds)
+                yield from self._meet(k, "all_gather", call, j, rounds, patience)
                 if j == 0:
                     self._agree(k, call, _ALL_GATHER, problem)
                     lo_me, hi_me = bounds[me]
@@ -373,9 +400,14 @@ class LocalComm:
             self._views[dtype] = _Layout(self._data, self._half, self._block, self.local_size, self.local_rank, dtype)
         return self._views[dtype]
 
-    def _barrier(self, k: int, op: str, call: int, j: int, rounds: int) -> None:
+    def _meet(self, k: int, op: str, call: int, j: int, rounds: int, patience: float | None) -> Steps:
+        """Arrive at round k and wait for every peer; in a call's first round with `patience`, pause (yield) first
+        if they have not all come within that many seconds."""
         self._board.arrive(k)
-        self._board.wait_all(k, f"{op} call #{call} round {j + 1}/{rounds}")
+        what = f"{op} call #{call} round {j + 1}/{rounds}"
+        if j == 0 and patience is not None and not self._board.wait_all(k, what, within=patience):
+            yield  # whoever resumes the call waits for them
+        self._board.wait_all(k, what)
         self._round = k
 
     def _agree(self, k: int, call: int, op: int, problem: str | None) -> None:

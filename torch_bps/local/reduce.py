@@ -1,9 +1,10 @@
 """The local sum: the one place where a node's L staged contributions are added.
 
 `local_sum` receives the L contributions as one strided (L, n) view of the shared segment (each row
-contiguous) and writes their sum into `out` in a single call. fp32 sums go through the fused kernel's
-entry point `triton_kernels.sum_scale_cast` (Triton on CUDA tensors, torch on CPU ones); LocalComm looks
-`local_sum` up on this module at every call, so replacing the attribute swaps it.
+contiguous) and writes their sum into `out` in a single call. fp32 sums of more than two CPU rows (of two or
+more CUDA ones) go through the fused kernel's entry point `triton_kernels.sum_scale_cast` (Triton on CUDA
+tensors, torch on CPU ones); LocalComm looks `local_sum` up on this module at every call, so replacing the
+attribute swaps it.
 May import: torch and triton_kernels.
 """
 
@@ -29,7 +30,9 @@ def local_sum(parts: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor) -
     Example: `local_sum(torch.ones(3, 5), out := torch.empty(5))` -> out is all 3.
     """
     n_parts = len(parts)
-    if parts[0].dtype == torch.float32 and 2 <= n_parts <= 8:
+    # Two rows need one add, rounded as the fused kernel rounds it: on CPU tensors its entry point's checks would
+    # cost more than the add itself.
+    if parts[0].dtype == torch.float32 and (3 <= n_parts <= 8 or (n_parts == 2 and out.is_cuda)):
         _fused_sum(parts, out)
     elif n_parts == 1:
         out.copy_(parts[0])

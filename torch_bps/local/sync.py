@@ -12,12 +12,16 @@ arrived at k-1, i.e. finished reading round k-2, the last round that used half h
 most one round ahead of the slowest reader and never overwrites data still being read. Descriptors are
 double-buffered the same way.
 
-Waiting: peers' counters are polled; between polls a rank sleeps on a futex (the peer's counter word,
+Waiting: a rank first spins on the peer's counter for a few tens of microseconds, when every local rank
+can have a core of its own (a peer on another core usually arrives within that, and sleeping then being
+woken costs more than the spin); then, between polls, it sleeps on a futex (the peer's counter word,
 woken by the peer's arrive) or, where futexes are unavailable or `wait_mode="poll"`, with an
 exponential backoff of 20 us .. 1 ms. Every wait checks, at least every 50 ms, that the peer has not
 closed, aborted or died (pid and start time from /proc, so a zombie or recycled pid counts as dead;
 peers whose pid is not visible from here, in another pid namespace, are left to the timeout), and
-gives up at its deadline. Errors name the node, this rank, the operation and round, and the peer.
+gives up at its deadline. A wait may be given a shorter bound too, at which it returns without failing
+(`wait_all(within=...)`: the caller then hands the rest of its call to another thread). Errors name the
+node, this rank, the operation and round, and the peer.
 
 Memory ordering: counters are aligned 32-bit stores from Python after the data copies returned, which
 x86-64's total store order makes sufficient; a weakly ordered CPU would need a release fence here.
@@ -45,6 +49,7 @@ _DESC = (128, 160)  # descriptor by round parity
 DESC = struct.Struct("<QIIQI")  # call number, op, dtype code, numel, error code
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 _CHECK_PERIOD = 0.05  # seconds between liveness checks, and the longest futex sleep
+_SPIN = 50e-6  # seconds a wait polls before it sleeps, when the local ranks fit the cores
 
 
 class State(enum.IntEnum):
@@ -133,6 +138,8 @@ class Board:
             base = ctypes.addressof(self._anchor)
             self._seq_addr = [base + CONTROL_OFFSET + p * SLOT_BYTES + _SEQ for p in range(local_size)]
         self.wait_mode = "futex" if self._futex is not None else "poll"
+        # With more local ranks than cores a spinning waiter holds the core its peer needs to arrive.
+        self._spin = _SPIN if local_size <= len(os.sched_getaffinity(0)) else 0.0
         self._watch = [False] * local_size  # whose liveness we check: see find_visible_peers
 
     # -- own slot --------------------------------------------------------------------------------
@@ -185,34 +192,46 @@ class Board:
             self._futex.wake(self._seq_addr[self.rank])
 
     # -- waiting ---------------------------------------------------------------------------------
-    def wait_all(self, k: int, what: str) -> None:
-        """Return once every local rank arrived at round k; raise if one died, closed or the wait timed out.
+    def wait_all(self, k: int, what: str, *, within: float | None = None) -> bool:
+        """Return True once every local rank arrived at round k; raise if one died, closed or the wait timed out.
 
-        `what` names the operation for error messages, e.g. "reduce_scatter call #7 round 2/5".
+        `what` names the operation for error messages, e.g. "reduce_scatter call #7 round 2/5". With `within`,
+        return False instead once that many seconds passed without them all (a dead or departed peer still raises).
         """
-        deadline = time.monotonic() + self.timeout
+        now = time.monotonic()
+        deadline = now + self.timeout
+        until = deadline if within is None else min(deadline, now + within)
         target = k & _MASK
         for p in range(self.local_size):
             if p != self.rank and not _reached(self._words[self._seq_index[p]], target):
-                self._wait_for(p, target, deadline, what)
+                if not self._wait_for(p, target, deadline, until, what):
+                    return False
+        return True
 
-    def _wait_for(self, p: int, target: int, deadline: float, what: str) -> None:
+    def _wait_for(self, p: int, target: int, deadline: float, until: float, what: str) -> bool:
         words, idx = self._words, self._seq_index[p]
-        next_check = min(time.monotonic() + _CHECK_PERIOD, deadline)
+        if self._spin:
+            spin_end = time.perf_counter() + self._spin
+            while time.perf_counter() < spin_end:
+                if _reached(words[idx], target):
+                    return True
+        next_check = min(time.monotonic() + _CHECK_PERIOD, until)
         backoff = 20e-6
         while True:
             v = words[idx]
             if _reached(v, target):
-                return
+                return True
             if self.state(p) in (State.CLOSED, State.ABORTED):  # cheap: a word in the segment
                 self._fail(p, target, v, what)
             now = time.monotonic()
             if now >= next_check:  # reading /proc costs ~20 us: not on every poll
                 if now >= deadline or (self._watch[p] and not process_alive(*self.pid(p))):
                     self._fail(p, target, v, what)
-                next_check = min(now + _CHECK_PERIOD, deadline)
+                if now >= until:
+                    return False
+                next_check = min(now + _CHECK_PERIOD, until)
             if self._futex is not None:
-                self._futex.wait(self._seq_addr[p], v, min(_CHECK_PERIOD, max(deadline - now, 1e-4)))
+                self._futex.wait(self._seq_addr[p], v, min(_CHECK_PERIOD, max(until - now, 1e-4)))
             else:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1e-3)
