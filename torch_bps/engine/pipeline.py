@@ -307,7 +307,7 @@ class PushPullEngine:
             if cue is not _DRIVE:
                 op, steps = cue
                 while not self._reduce_scatter(op, steps):
-                    pass  # a later item's peers late too: it waits on
+                    pass  # resumed, a paused call waits for its peers as long as its timeout allows: never taken
                 self._after_reduce_scatter(op)
             while True:
                 with self._state:
