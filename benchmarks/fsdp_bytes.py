@@ -150,13 +150,15 @@ def _rank(rank: int, world: int, port: int, backend: str, args, results) -> None
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _run(world: int, backend: str, args) -> list:
+def spawn_ranks(target, world: int, backend: str, *args) -> list:
+    """Run `target(rank, world, port, backend, *args, results)` in `world` spawned processes; return what each put
+    on `results` as (rank, "ok", value), by rank (raising with the traceback of a rank that put "error")."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, backend, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, backend, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     out = {}
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        bps = _run(world, "byteps", args)
-        ref = _run(world, "gloo", args)
+        bps = spawn_ranks(_rank, world, "byteps", args)
+        ref = spawn_ranks(_rank, world, "gloo", args)
         measured, ideal, _ = bps[0]
         # Sums of more than two values depend on the order they are added in (the server adds pushes as they
         # arrive), so beyond 2 ranks the parameters agree with gloo's to rounding, not bit for bit.

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -30,7 +28,7 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.fsdp_bytes import server_bytes  # noqa: E402
+from benchmarks.fsdp_bytes import server_bytes, spawn_ranks  # noqa: E402
 
 
 class Model(torch.nn.Module):
@@ -97,26 +95,6 @@ def _rank(rank: int, world: int, port: int, backend: str, sparse: bool, args, re
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _run(world: int, backend: str, sparse: bool, args) -> list:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, backend, sparse, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    for _ in range(world):
-        rank, status, value = results.get(timeout=600)
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} on {backend}:\n{value}")
-        out[rank] = value
-    for p in procs:
-        p.join(timeout=60)
-    return [out[r] for r in range(world)]
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
@@ -129,9 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        bps = _run(world, "byteps", True, args)
-        dense = _run(world, "byteps", False, args)
-        ref = _run(world, "gloo", True, args)
+        bps = spawn_ranks(_rank, world, "byteps", True, args)
+        dense = spawn_ranks(_rank, world, "byteps", False, args)
+        ref = spawn_ranks(_rank, world, "gloo", True, args)
         ideal = ideal_bytes(world, range(1, args.steps + 1), args)
         floats = [torch.frombuffer(bytearray(b[1]), dtype=torch.float32) for b in bps]
         diff = max(float((f - torch.frombuffer(bytearray(r[1]), dtype=torch.float32)).abs().max())
