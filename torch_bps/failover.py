@@ -17,7 +17,9 @@ and goes on. Colocated servers are not failed over: losing one means losing its 
 A MODEL key (asynchronous training) has no rounds to finish: its total on the servers is, by definition, the sum
 of every worker's updates. So each rank keeps the sum of its own updates of the key that came back, and the key's
 first push wherever it moves (a failover or a rebalance) carries that sum: the new total holds each acknowledged
-update once, and a held update, whose reply never came, is pushed after it, also once.
+update once, and a held update, whose reply never came, is pushed after it, also once. In a failover, ranks that
+completed more rounds of the key than the fewest any rank did push that many zero rounds after their sum, so
+that a round there is the same step on every rank (the staleness bound counts rounds).
 `Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary, on the servers answering then.
 
 May import: the standard library, torch, torch_bps.client, errors, wire, engine.placement.
@@ -180,6 +182,9 @@ class Router:
         # update of its part in flight (a copy: the pull writes the total over the part's tensor).
         self._totals: dict[int, tuple[int, torch.Tensor]] = {}
         self._updates: dict[int, torch.Tensor] = {}
+        # MODEL keys that moved: the zero rounds this rank pushes after its carried sum, so that a round on the new
+        # server is the same step on every rank, whatever step each rank was at (the staleness bound counts rounds).
+        self._fill: dict[int, int] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._active = 0  # collectives in flight
@@ -231,18 +236,19 @@ class Router:
 
     def _send(self, call: _Call, items: list[Ordered], epoch: int | None = None) -> list[_Call]:
         """Send items ((order, part)) to their keys' servers; with `epoch`, parts are already routed there."""
-        groups: dict[int, list] = {}
-        if epoch is not None:
-            groups[epoch] = items
-        elif len(self._epochs) == 1:
-            groups[0] = items
-        else:
-            for order, part in items:
+        # A batch per epoch; MODEL parts one per server too: ranks may be rounds apart, and a lost server's parts
+        # must come back to be held and resent without waiting for another server's round, which may wait for a
+        # rank that waits for them.
+        groups: dict[tuple[int, int], list] = {}
+        for order, part in items:
+            e = epoch or 0
+            if epoch is None and len(self._epochs) > 1:
                 e, server = self._route(part.key, part.server, part.key_numel * part.tensor.element_size())
-                groups.setdefault(e, []).append((order, part if e == 0 else part._replace(server=server)))
+                part = part._replace(server=server)
+            groups.setdefault((e, part.server if part.mode == Mode.MODEL else -1), []).append((order, part))
         call.pending += len(groups)
         finished = []
-        for e, group in groups.items():
+        for (e, _), group in groups.items():
             group = self._carry_totals(e, group)
             outcomes = torch.zeros(len(group), dtype=torch.uint8)
             on_done = lambda error, e=e, g=group, o=outcomes: self._batch_done(call, e, g, o, error)  # noqa: E731
@@ -256,15 +262,17 @@ class Router:
 
     def _carry_totals(self, epoch: int, group: list[Ordered]) -> list[Ordered]:
         """MODEL parts: keep a copy of each update; a key's first part on another epoch goes after the sum of this
-        rank's earlier updates, its contribution to the total that moved there."""
+        rank's earlier updates, its contribution to the total that moved there, and after its zero rounds."""
         out = []
         for order, part in group:
             if part.mode != Mode.MODEL or order == _CARRIED:
                 out.append((order, part))
                 continue
             where, mine = self._totals.get(part.key) or (epoch, torch.zeros_like(part.tensor))
-            if where != epoch:  # every rank's first round there is its sum, so their rounds stay aligned
+            if where != epoch:  # every rank's first round there is its sum, then zeros up to its own round
                 out.append((_CARRIED, part._replace(tensor=mine.clone(), out=torch.empty_like(mine))))
+                for _ in range(self._fill.pop(part.key, 0)):
+                    out.append((_CARRIED, part._replace(tensor=torch.zeros_like(mine), out=torch.empty_like(mine))))
             self._totals[part.key] = (epoch, mine)
             self._updates[part.key] = part.tensor.clone()
             out.append((order, part))
@@ -374,21 +382,25 @@ class Router:
                 if server.address in lost:
                     epoch.client.abandon(i, f"failover {e} of the job")
         # 2. Per key on them, the rounds this rank completed; rank 0 decides who finishes each open round.
+        # MODEL keys: their totals move with their next parts (_carry_totals); only their rounds are counted.
         own = a.own_keys()
         with self._lock:
-            mine = {}
+            mine, model = {}, {}
             for key, (server, nbytes) in own.items():
-                if key in self._totals:  # a MODEL key: its total moves with its next part (_carry_totals)
-                    continue
                 epoch, index = self._route(key, server, nbytes)
                 if self._epochs[epoch].servers[index].address in lost:
-                    mine[key] = epoch
+                    (model if key in self._totals else mine)[key] = epoch
         kept = {key: self._epochs[epoch].client.kept(key) for key, epoch in mine.items()}
         counts = {k: [*v[:2], own[k][1]] for k, v in kept.items()}  # completed, whole, bytes
-        a.store.set(f"{ns}counts/{a.rank}", json.dumps(counts))
+        rounds = {key: self._epochs[epoch].client.kept(key)[0] for key, epoch in model.items()}
+        a.store.set(f"{ns}counts/{a.rank}", json.dumps({"sum": counts, "model": rounds}))
         if a.rank == 0:
             reports = [json.loads(r) for r in _wait_all(a, ns + "counts", "its rounds")]
-            decision = self._decide(lost, reports)
+            decision = self._decide(lost, [r["sum"] for r in reports])
+            decision["model_base"] = {}  # per MODEL key: the fewest rounds any rank completed
+            for r in reports:
+                for k, done in r["model"].items():
+                    decision["model_base"][k] = min(decision["model_base"].get(k, done), done)
             a.store.set(ns + "decision", json.dumps(decision))
         decision = json.loads(_wait_one(a, ns + "decision", "the failover decision from rank 0"))
         colocated = decision["colocated"]
@@ -407,6 +419,8 @@ class Router:
                     numel, dtype, _, mode, _ = old._keys[key]  # the codec rides on the held part
                     data = old.kept_bytes(key) if done > lo else None
                     self._recover[key] = ((lo, source), done, data, (numel, dtype, Mode(mode)), push_offset)
+            for key, done in rounds.items():
+                self._fill[key] = done - decision["model_base"][str(key)]
             self._epochs.append(_Epoch(client, servers, frozenset(lost)))
             self._lost |= lost
             for key in mine:

@@ -119,8 +119,10 @@ def test_a_lost_rank_holds_nobody_back_and_its_acknowledged_updates_stay_once(qu
 BLOCK = 4096  # elements per rank: several partitions of 4 KiB, on both servers
 
 
-def _through_failover(rank, world, gloo, addresses, victim):
-    """As _train, on a parameter of a block per rank, while rank 0 SIGKILLs server `victim` at step 4."""
+def _through_failover(rank, world, gloo, addresses, victim, flag=None):
+    """As _train, on a parameter of a block per rank, while rank 0 SIGKILLs server `victim` at step 4. With `flag`
+    (a path), the last rank waits after its step 2 until rank 0 killed it, then lags: a round behind rank 0 at the
+    failover, and slower after it. Every rank checks the staleness bound at every step."""
     p = torch.nn.Parameter(torch.zeros(world * BLOCK))
     opt = torch.optim.SGD([p], lr=1.0)
     config = Config.resolve(servers=tuple(addresses), placement="dedicated", failover=True, auth="off", timeout=30,
@@ -129,9 +131,19 @@ def _through_failover(rank, world, gloo, addresses, victim):
     for step in range(STEPS):
         if rank == 0 and step == 4:
             os.kill(victim, signal.SIGKILL)
+            if flag:
+                open(flag, "w").close()
+        if flag and rank == world - 1 and step >= 3:
+            while step == 3 and not os.path.exists(flag):
+                time.sleep(0.01)
+            time.sleep(0.2)
         opt.zero_grad()
         (world * (rank + 1) * p[rank * BLOCK : (rank + 1) * BLOCK].sum()).backward()  # updates of -(rank + 1)
         trainer.step()
+        # Staleness 1: this pull holds every rank's updates of steps 0 .. step - 1 at least, in every partition.
+        worst = p.detach().view(world, BLOCK).max(dim=1).values
+        bound = torch.tensor([-(r + 1) * step for r in range(world)], dtype=worst.dtype)
+        assert bool((worst <= bound).all()), f"rank {rank} after step {step}: {worst.tolist()} > {bound.tolist()}"
     dist.barrier(group=gloo)
     opt.zero_grad()
     trainer.step()
@@ -140,10 +152,13 @@ def _through_failover(rank, world, gloo, addresses, victim):
     return p.detach().numpy().tobytes(), failovers  # bytes: a tensor would go by a file descriptor, gone at exit
 
 
-def test_a_killed_server_loses_no_update_and_adds_none_twice():
+@pytest.mark.parametrize("lagging", [False, True], ids=["together", "a-rank-lags"])
+def test_a_killed_server_loses_no_update_and_adds_none_twice(tmp_path, lagging):
     servers = start_servers(2, auth=False)
+    flag = str(tmp_path / "killed") if lagging else None
     try:
-        results = run_ranks(_through_failover, 3, [s.address for s in servers], servers[0].proc.pid, backend="gloo")
+        results = run_ranks(_through_failover, 3, [s.address for s in servers], servers[0].proc.pid, flag,
+                            backend="gloo")  # fmt: skip
     finally:
         stop_servers(servers)
     want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(3)], dtype=torch.float32)
