@@ -19,7 +19,12 @@ within every repeat, so machine load drifting hits all alike, and each ratio is 
 `--dtype float16|bfloat16` pushes 16-bit keys, which the server sums in an fp32 accumulator and rounds once
 (docs/protocol.md, "Summation"); the floor's add is then torch's `add_` in that dtype.
 
-Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--server NAME=DIR ...] [--json out.json]
+`--codec SPEC` (repeatable: onebit, topk:R, randomk:R) adds a variant per codec beside plain fp32 keys, alternated
+within every repeat: each key of S dense fp32 bytes is pushed encoded (torch_bps.engine.compress), and the server
+decodes, sums, and encodes the sum with its own error feedback (docs/protocol.md, "Compressed keys"). Its row
+gives the server's CPU per GiB on the wire and per dense GiB, each over plain fp32's per GiB in the same repeat.
+
+Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--codec SPEC ...] [--server NAME=DIR ...] [--json F]
 May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
 """
 
@@ -106,15 +111,16 @@ def start_server(checkout: str, max_frame: int) -> tuple[Process, str]:
 
 
 def run_workers(server: Process, address: str, workers: int, size: int, keys: int, rounds: int, tag: str,
-                dtype: str = "float32") -> dict:  # fmt: skip
-    """W worker processes push_pull `keys` keys of `size` bytes for `rounds` rounds; return the server's CPU."""
+                dtype: str = "float32", codec: str = "") -> dict:  # fmt: skip
+    """W worker processes push_pull `keys` keys of `size` (dense) bytes for `rounds` rounds; return the server's
+    CPU, and the bytes pushed into it (encoded, with a codec)."""
     job = f"server-cpu-{os.getpid()}-{tag}"
-    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, dtype, str(workers), str(size),
-            str(keys), str(rounds)]  # fmt: skip
+    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, dtype, codec or "-", str(workers),
+            str(size), str(keys), str(rounds)]  # fmt: skip
     procs = [Process([*argv, str(w)], REPO) for w in range(workers)]
     try:
         for p in procs:  # each has said HELLO, declared its keys and run one round (first sums allocated)
-            p.expect(r"^ready")
+            wire = int(p.expect(r"^ready (\d+)").group(1))
         cpu0, start = process_cpu_seconds(server.proc.pid), time.perf_counter()
         for p in procs:
             p.say("go")
@@ -127,17 +133,21 @@ def run_workers(server: Process, address: str, workers: int, size: int, keys: in
     finally:
         for p in procs:
             p.stop()
-    received = workers * keys * rounds * size
-    return dict(cpu=cpu, wall=wall, received=received, messages=2 * workers * keys * rounds)
+    received = workers * keys * rounds * wire
+    return dict(cpu=cpu, wall=wall, received=received, dense=workers * keys * rounds * size,
+                messages=2 * workers * keys * rounds)  # fmt: skip
 
 
 def worker_main(argv: list[str]) -> int:
-    """One worker: `_worker ADDRESS JOB DTYPE WORKERS SIZE KEYS ROUNDS INDEX`, driven by "go"/"exit" on stdin."""
+    """One worker: `_worker ADDRESS JOB DTYPE CODEC WORKERS SIZE KEYS ROUNDS INDEX`, driven by "go"/"exit" on stdin."""
     from torch_bps.client import Client, job_id_from_name
 
-    address, job, dtype, workers, size, keys, rounds, index = argv[0], argv[1], argv[2], *map(int, argv[3:])
-    dtype = getattr(torch, dtype)
+    address, job, dtype, codec = argv[:4]
+    workers, size, keys, rounds, index = map(int, argv[4:])
     torch.set_num_threads(1)
+    if codec != "-":
+        return _codec_worker(address, job, codec, workers, size, keys, rounds, index)
+    dtype = getattr(torch, dtype)
     # Small integers: every sum is exact in every dtype, so a wrong one is the server's.
     tensors = [torch.full((size // dtype.itemsize,), float(index + 1), dtype=dtype) for _ in range(keys)]
     outs = [torch.empty_like(t) for t in tensors]  # the pushed tensors stay as they are: every sum is known
@@ -148,7 +158,7 @@ def worker_main(argv: list[str]) -> int:
                 f.wait()
 
         one_round()
-        print("ready", flush=True)
+        print(f"ready {size}", flush=True)
         if sys.stdin.readline().strip() != "go":
             return 1
         for _ in range(rounds):
@@ -156,6 +166,34 @@ def worker_main(argv: list[str]) -> int:
         expected = workers * (workers + 1) // 2
         wrong = [key for key, o in enumerate(outs) if not bool((o == expected).all())]
         print(f"done WRONG SUM of keys {wrong}" if wrong else "done", flush=True)
+        sys.stdin.readline()
+    return 0
+
+
+def _codec_worker(address: str, job: str, codec: str, workers: int, size: int, keys: int, rounds: int,
+                  index: int) -> int:  # fmt: skip
+    """A worker of `--codec`: each key's dense gradient encoded once, the same payload pushed every round."""
+    from torch_bps.client import Client, job_id_from_name
+    from torch_bps.engine.compress import Compressor
+    from torch_bps.wire import Mode, Partition
+
+    compressor = Compressor(codec)
+    torch.manual_seed(index)
+    dense = [torch.randn(size // 4) for _ in range(keys)]
+    payloads = [compressor.encode(key, d)[0] for key, d in enumerate(dense)]
+    outs = [torch.empty_like(p) for p in payloads]
+    parts = [Partition(p, key, 0, o, Mode.SUM, p.numel(), 0, 0, compressor.word, d.numel())
+             for key, (p, o, d) in enumerate(zip(payloads, outs, dense, strict=True))]  # fmt: skip
+    with Client([address], job_id_from_name(job), index, workers, timeout=STEP_TIMEOUT) as client:
+        client.push_pull_batch(parts).wait()
+        print(f"ready {payloads[0].numel() * 4}", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        for _ in range(rounds):
+            client.push_pull_batch(parts).wait()
+        decoded = torch.empty(size // 4)
+        compressor.decode(0, rounds, outs[0], decoded)
+        print("done" if bool(decoded.isfinite().all()) else "done WRONG SUM: not finite", flush=True)
         sys.stdin.readline()
     return 0
 
@@ -182,8 +220,9 @@ def floor_seconds_per_gib(size: int, workers: int, budget: float, dtype: str = "
     return dict(add=add, memcpy=memcpy)
 
 
-def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, repeats: int, budget: float,
-            dtype: str = "float32") -> list:  # fmt: skip
+def measure(servers: dict[str, tuple[str, str]], sizes: list[int], workers: int, mib: int, repeats: int,
+            budget: float, dtype: str = "float32") -> list:  # fmt: skip
+    """servers: name -> (checkout, codec or "")."""
     rows = []
     for size in sizes:
         keys = max(2, min(64, 8 * MiB // size))
@@ -191,11 +230,11 @@ def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, r
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         floors = []
         for rep in range(repeats):
-            for name, checkout in servers.items():
+            for name, (checkout, codec) in servers.items():
                 server, address = start_server(checkout, size)
                 try:
                     tag = f"{name}-{size}-{rep}"
-                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, tag, dtype))
+                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, tag, dtype, codec))
                 finally:
                     server.stop()
             floors.append(floor_seconds_per_gib(size, workers, budget, dtype))
@@ -209,29 +248,44 @@ def measure(servers: dict[str, str], sizes: list[int], workers: int, mib: int, r
                 r.update(cpu_per_gib=per_gib, vs_floor=per_gib / floor,
                          us_per_message=r["cpu"] / r["messages"] * 1e6,
                          us_per_message_over_floor=(r["cpu"] - floor_cpu) / r["messages"] * 1e6)  # fmt: skip
+        plain = next(name for name, (_, codec) in servers.items() if not codec)
+        for rep in range(repeats):  # a codec's CPU per byte over plain keys' (wire bytes; dense bytes)
+            base = runs[plain][rep]["cpu"] / runs[plain][rep]["received"]
+            for name, (_, codec) in servers.items():
+                if codec:
+                    r = runs[name][rep]
+                    r["wire_over_plain"] = r["cpu"] / r["received"] / base
+                    r["dense_over_plain"] = r["cpu"] / r["dense"] / base
         row["floor"] = {k: statistics.median(f[k] for f in floors) for k in ("add", "memcpy")}
         for name in servers:
             figures = ("cpu_per_gib", "vs_floor", "us_per_message", "us_per_message_over_floor", "wall")
             row[name] = {k: statistics.median(r[k] for r in runs[name]) for k in figures}
             row[name]["all_vs_floor"] = [r["vs_floor"] for r in runs[name]]
+            if servers[name][1]:
+                for k in ("wire_over_plain", "dense_over_plain"):
+                    row[name][k] = statistics.median(r[k] for r in runs[name])
         names = list(servers)
-        if len(names) == 2:  # the A/B ratio, taken within each repeat
+        if len(names) == 2 and not any(codec for _, codec in servers.values()):  # the A/B ratio, within each repeat
             a, b = names
             row[f"{b}_over_{a}"] = statistics.median(runs[b][i]["cpu"] / runs[a][i]["cpu"] for i in range(repeats))
         rows.append(row)
-        print_row(row, names)
+        print_row(row, names, plain)
     return rows
 
 
-def print_row(row: dict, names: list[str]) -> None:
+def print_row(row: dict, names: list[str], plain: str) -> None:
     floor = row["floor"]
     cells = [f"{row['size'] // KiB} KiB x {row['keys']} keys x {row['rounds']} rounds",
              f"floor add {floor['add']:.3f} + memcpy {floor['memcpy']:.3f} s/GiB"]  # fmt: skip
     for name in names:
         r = row[name]
+        if "wire_over_plain" in r:
+            cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB on the wire = {r['wire_over_plain']:.2f}x {plain}'s, "
+                         f"per dense GiB {r['dense_over_plain']:.2f}x, {r['us_per_message']:.0f} us/msg")  # fmt: skip
+            continue
         cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB = {r['vs_floor']:.1f}x floor, "
                      f"{r['us_per_message']:.0f} us/msg ({r['us_per_message_over_floor']:.0f} over floor)")  # fmt: skip
-    if len(names) == 2:
+    if f"{names[-1]}_over_{names[0]}" in row:
         cells.append(f"{names[1]}/{names[0]} CPU {row[f'{names[1]}_over_{names[0]}']:.2f}")
     print(" | ".join(cells), flush=True)
 
@@ -250,10 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="--mib 32 --repeats 1")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="the keys' dtype (default float32)")  # fmt: skip
+    p.add_argument("--codec", action="append", default=[], metavar="SPEC",
+                   help="also push keys compressed with SPEC (onebit, topk:R, randomk:R; repeatable)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write every row (and each repeat's ratio) here")
     args = p.parse_args(argv)
-    servers = dict(s.split("=", 1) for s in args.server) if args.server else {"this": REPO}
-    servers = {name: os.path.abspath(path) for name, path in servers.items()}
+    if args.codec and (args.server or args.dtype != "float32"):
+        p.error("--codec compares fp32 keys of this checkout's server: no --server, no --dtype")
+    checkouts = dict(s.split("=", 1) for s in args.server) if args.server else {"fp32" if args.codec else "this": REPO}
+    servers = {name: (os.path.abspath(path), "") for name, path in checkouts.items()}
+    servers.update({spec: (REPO, spec) for spec in args.codec})
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     mib, repeats = (32, 1) if args.quick else (args.mib, args.repeats)
     print(f"{args.workers} worker processes, 1 server process, loopback, auth token; {args.dtype} keys; torch "

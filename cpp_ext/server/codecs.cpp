@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <utility>
 
@@ -141,7 +142,18 @@ void decodeAdd(const CodecSpec& s, uint64_t round, const uint8_t* p, float* acc)
   if (s.id == kCodecOnebit) {
     float scale = loadFloat(p);
     const uint8_t* bits = p + 4;
-    for (uint64_t i = 0; i < s.elements; ++i) acc[i] += (bits[i >> 3] >> (i & 7)) & 1 ? -scale : scale;
+    // Each byte's 8 values looked up, so the adds vectorize: the same adds as element by element.
+    float table[256][8];
+    for (int b = 0; b < 256; ++b) {
+      for (int j = 0; j < 8; ++j) table[b][j] = (b >> j) & 1 ? -scale : scale;
+    }
+    uint64_t full = s.elements / 8;
+    for (uint64_t b = 0; b < full; ++b) {
+      const float* t = table[bits[b]];
+      float* a = acc + 8 * b;
+      for (int j = 0; j < 8; ++j) a[j] += t[j];
+    }
+    for (uint64_t i = 8 * full; i < s.elements; ++i) acc[i] += (bits[i >> 3] >> (i & 7)) & 1 ? -scale : scale;
   } else if (s.id == kCodecTopk) {
     uint64_t k = s.k(), w = s.width;
     const uint8_t* v = p + 4 * k;
@@ -158,13 +170,31 @@ void decodeAdd(const CodecSpec& s, uint64_t round, const uint8_t* p, float* acc)
 
 void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
   if (s.id == kCodecOnebit) {
-    double total = 0;  // in index order: the scale is the same bits wherever it is computed
-    for (uint64_t i = 0; i < s.elements; ++i) total += std::fabs(double(x[i]));
+    // |x| summed in double, element i into lane i % 8 in index order, then the lanes in order: one fixed order
+    // (the reference's), with eight independent chains instead of one.
+    double lanes[8] = {};
+    uint64_t full = s.elements / 8;
+    for (uint64_t b = 0; b < full; ++b) {
+      for (int j = 0; j < 8; ++j) lanes[j] += std::fabs(double(x[8 * b + j]));
+    }
+    for (uint64_t i = 8 * full; i < s.elements; ++i) lanes[i & 7] += std::fabs(double(x[i]));
+    double total = lanes[0];
+    for (int j = 1; j < 8; ++j) total += lanes[j];
     float scale = static_cast<float>(total / double(s.elements));
     std::memcpy(out, &scale, 4);
     uint8_t* bits = out + 4;
     std::memset(bits, 0, s.wireBytes - 4);
-    for (uint64_t i = 0; i < s.elements; ++i) {
+    for (uint64_t b = 0; b < full; ++b) {
+      float* xb = x + 8 * b;
+      uint8_t byte = 0;
+      for (int j = 0; j < 8; ++j) {
+        bool negative = xb[j] < 0;
+        byte |= uint8_t(negative) << j;
+        xb[j] -= negative ? -scale : scale;
+      }
+      bits[b] = byte;
+    }
+    for (uint64_t i = 8 * full; i < s.elements; ++i) {
       bool negative = x[i] < 0;
       bits[i >> 3] |= uint8_t(negative) << (i & 7);
       x[i] -= negative ? -scale : scale;
@@ -177,12 +207,23 @@ void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
       for (uint64_t c = 0; c < w; ++c) m += std::fabs(x[r * w + c]);
       score[r] = std::isnan(m) ? INFINITY : m;
     }
-    std::vector<uint32_t> order(rows);
-    std::iota(order.begin(), order.end(), 0u);
-    // Largest first, the lower index on a tie: one answer, whatever the selection algorithm.
-    auto before = [&](uint32_t a, uint32_t b) { return score[a] != score[b] ? score[a] > score[b] : a < b; };
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
-    std::sort(order.begin(), order.begin() + k);
+    // The k largest scores, the lower index on a tie: every row above the k-th largest score, then rows at it
+    // in index order until there are k. Found on the scores themselves, in index order.
+    std::vector<float> sorted(score);
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<float>());
+    float kth = sorted[k - 1];
+    uint64_t above = 0;
+    for (uint64_t r = 0; r < rows; ++r) above += score[r] > kth;
+    std::vector<uint32_t> order;
+    order.reserve(k);
+    for (uint64_t r = 0, ties = k - above; r < rows; ++r) {
+      bool take = score[r] > kth;
+      if (!take && score[r] == kth && ties > 0) {
+        take = true;
+        --ties;
+      }
+      if (take) order.push_back(uint32_t(r));
+    }
     uint8_t* v = out + 4 * k;
     for (uint64_t j = 0; j < k; ++j) {
       uint32_t r = order[j];
@@ -220,7 +261,12 @@ void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* paylo
 transport::Message CodecKey::close(std::vector<float>&& acc, uint64_t round, float scale) {
   if (residual_.empty()) residual_.assign(spec_.elements, 0.0f);
   float* x = acc.data();
-  for (uint64_t i = 0; i < spec_.elements; ++i) x[i] = (scale != 1.0f ? x[i] * scale : x[i]) + residual_[i];
+  const float* residual = residual_.data();
+  if (scale != 1.0f) {
+    for (uint64_t i = 0; i < spec_.elements; ++i) x[i] = x[i] * scale + residual[i];
+  } else {
+    for (uint64_t i = 0; i < spec_.elements; ++i) x[i] += residual[i];
+  }
   transport::Message out = transport::Message::ofSize(spec_.wireBytes);
   encode(spec_, round, x, out.data());
   std::swap(residual_, acc);  // x minus what was sent is the next round's feedback

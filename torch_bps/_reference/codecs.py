@@ -79,8 +79,11 @@ def decode_add(s: Spec, round_: int, payload: bytes, acc: np.ndarray) -> None:
 def encode(s: Spec, round_: int, x: np.ndarray) -> bytes:
     """Encode x; leave x - decode(the encoding) in x (the residual)."""
     if s.codec == Codec.ONEBIT:
-        # The C++ adds |x| in double in index order; cumsum is that sequential sum.
-        total = np.cumsum(np.abs(x.astype(np.float64)))[-1]
+        # The C++ adds |x| in double, element i into lane i % 8 in index order, then the 8 lanes in order; cumsum
+        # is a sequential sum, and the zeros padding the last row change no lane.
+        wide = np.zeros(-(-s.elements // 8) * 8, np.float64)
+        wide[: s.elements] = np.abs(x.astype(np.float64))
+        total = np.cumsum(np.cumsum(wide.reshape(-1, 8), axis=0)[-1])[-1]
         scale = np.float32(total / s.elements)
         negative = x < 0
         bits = np.packbits(negative, bitorder="little").tobytes()
