@@ -30,8 +30,9 @@ def _pull(p, key, rnd, word, wire):
     return p.request(Command.PULL, key=key, round=rnd, nbytes=wire, dtype=FP32, num_workers=word)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])  # small integers: top-k chooses among ties
 @pytest.mark.parametrize("codec", [Codec.ONEBIT, Codec.TOPK, Codec.RANDOMK])
-def test_rounds_of_a_compressed_key_are_the_references(server, job_id, codec):
+def test_rounds_of_a_compressed_key_are_the_references(server, job_id, codec, ties):
     word = codec_word(codec)
     wire = codec_wire_bytes(word, N, 50)
     a, b = peers(server, job_id, 2)
@@ -42,6 +43,8 @@ def test_rounds_of_a_compressed_key_are_the_references(server, job_id, codec):
         pushes = []
         for p in (a, b):
             x = gen.standard_normal(N).astype(np.float32)
+            if ties:
+                x = np.round(x).astype(np.float32)
             payload = ref.encode(ref.Spec(word, 4 * N, wire, key=3), rnd, x)  # any valid encoding will do
             pushes.append(payload)
             assert _push(p, 3, rnd, word, payload)[0].status == Status.OK
