@@ -223,9 +223,18 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
   if (h.status != transport::kOk) {
     std::string text(reinterpret_cast<const char*>(message.payload), message.payloadSize);
     if (text.empty()) text = "(no message)";
-    failOp(op, {ErrorKind::kServer, h.status,
-                text + formatText(" [%s from server %s to %s; %s]", transport::statusName(h.status), address.c_str(),
-                                  asked, describe(*op).c_str())});
+    text += formatText(" [%s from server %s to %s; %s]", transport::statusName(h.status), address.c_str(), asked,
+                       describe(*op).c_str());
+    // A worker lost after another server of the job went down: that loss came first and most likely took the
+    // worker with it (it fails, and a colocated server dies with its machine), so it is the error. Not with
+    // failover, where workers outlive a dedicated server and a transport error would fail over this one.
+    std::string earlier =
+        h.status == transport::kWorkerLost && !options_.failover ? links_.earlierLoss(server) : std::string();
+    if (!earlier.empty()) {
+      failOp(op, {ErrorKind::kTransport, 0, text + earlier});
+      return;
+    }
+    failOp(op, {ErrorKind::kServer, h.status, text});
     return;
   }
   if (command == kPush) {

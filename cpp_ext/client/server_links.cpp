@@ -105,13 +105,13 @@ std::string ServerLinks::earlierLoss(size_t server) const {
   size_t first = server;
   for (size_t i = 0; i < states_.size(); ++i) {
     const LinkState& other = states_[i];
-    if (i != server && other.down && other.since < mine.since &&
+    if (i != server && other.down && (!mine.down || other.since < mine.since) &&
         (first == server || other.since < states_[first].since)) {
       first = i;
     }
   }
   if (first == server) return "";
-  double ago = std::chrono::duration<double>(mine.since - states_[first].since).count();
+  double ago = std::chrono::duration<double>((mine.down ? mine.since : Clock::now()) - states_[first].since).count();
   return formatText("; server %s had gone %.2f s earlier (%s)", address(first).c_str(), ago,
                     states_[first].why.c_str());
 }

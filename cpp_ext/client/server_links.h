@@ -73,8 +73,9 @@ class ServerLinks {
   LinkState& state(size_t server) { return states_[server]; }
   // Mark the server down (if it is not): false if it already was.
   bool markDown(size_t server, const std::string& why);
-  // "; server Y had gone N s earlier (why)" for the first other server already down, else "": a server lost
-  // first is usually the cause (its rank fails, and takes its own embedded server with it).
+  // "; server Y had gone N s earlier (why)" for the first other server down before this one went down (or, if
+  // it is up, down now), else "": a server lost first is usually the cause (its rank fails, and takes its own
+  // embedded server with it).
   std::string earlierLoss(size_t server) const;
 
   // Close every link (the client is closing).
