@@ -191,7 +191,8 @@ class HandRank:
     def report(self, epoch: int, lost: list[str], counts: dict[int, tuple[int, bool]]) -> dict:
         ns = f"failover/{epoch}/"
         self.store.set(f"{ns}lost/1", json.dumps(lost))
-        self.store.set(f"{ns}counts/1", json.dumps({str(k): [*v, N * 4] for k, v in counts.items()}))
+        sums = {str(k): [*v, N * 4] for k, v in counts.items()}
+        self.store.set(f"{ns}counts/1", json.dumps({"sum": sums, "model": {}}))
         self.store.wait([ns + "decision"], timedelta(seconds=30))
         return json.loads(self.store.get(ns + "decision"))
 
