@@ -73,8 +73,8 @@ def check_build_tools() -> None:
 
 
 def version() -> str:
-    """torch_bps/version.py's __version__, read without importing torch_bps (which needs torch and _C)."""
-    with open(os.path.join("torch_bps", "version.py")) as f:
+    """torch_bps/__init__.py's __version__, read without importing torch_bps (which needs torch and _C)."""
+    with open(os.path.join("torch_bps", "__init__.py")) as f:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 

@@ -5,5 +5,26 @@ all_reduce and torch_bps push/pull per number of server hosts k next to the pape
 and DDP samples/s with gloo vs the "byteps" backend. See `cli.py` for the options, `topology.py` for the
 network, `byteps.py` for the pluggable torch_bps runner.
 
-Importing this package is cheap (no torch): the worker programs under `workers/` share it.
+Importing this package is cheap (no torch): the worker programs under `workers/` share it. It holds the errors
+every module of the package raises.
 """
+
+
+class ClusterError(Exception):
+    """Base of every error raised by benchmarks.cluster."""
+
+
+class NamespaceError(ClusterError):
+    """An `ip`/`tc` command failed: the message names the command and quotes its stderr."""
+
+
+class MeasurementError(ClusterError):
+    """A process of a measurement exited non-zero or printed no result: names the process and host."""
+
+
+class MeasurementTimeout(MeasurementError):
+    """A measurement did not finish within its time budget; its processes were killed."""
+
+
+class BackendUnavailable(ClusterError):
+    """A backend (torch_bps client, the "byteps" process group) cannot be used here: the message says why."""

@@ -11,13 +11,12 @@ Example:
         procs = [job.cluster.spawn(f"w{i}", h, [...]) for i, h in enumerate(job.workers)]
         ...
         return StepTime(seconds_per_step=1.23, cpu={"w0": {...}})
-May import: the standard library and benchmarks.cluster.{cpu,errors,placement,procs,topology}.
+May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{cpu,placement,procs,topology}.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import secrets
 import statistics
@@ -26,8 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.cluster import placement, procs
-from benchmarks.cluster.errors import BackendUnavailable
+from benchmarks.cluster import BackendUnavailable, placement, procs
 from benchmarks.cluster.topology import IFNAME, Cluster, Host
 from torch_bps.engine import placement as library_placement
 
@@ -70,21 +68,33 @@ class StepTime:
 BytepsRunner = Callable[[BytepsJob], StepTime]
 
 
+# What `probe` runs for each front door: the client's import loads the C++ extension; the backend's asks whether
+# `import torch_bps` registered "byteps". A failure's reason is the last line stderr gets.
+_PROBES = {
+    "client": "from torch_bps.client import Client",
+    "backend": (
+        "import sys, torch.distributed as dist, torch_bps\n"
+        "if 'byteps' not in dist.Backend.backend_list:\n"
+        "    sys.exit(\"`import torch_bps` registered no 'byteps' process group\")"
+    ),
+}
+
+
 @functools.cache
 def probe(what: str) -> str:
     """Return "" if the torch_bps front door `what` ("client"/"backend") imports here, else why not.
 
     Runs in a subprocess (a broken extension must not take the orchestrator down); cached per run.
     """
-    argv = [sys.executable, "-m", "benchmarks.cluster.workers.probe", what]
+    argv = [sys.executable, "-c", _PROBES[what]]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=procs.REPO_ROOT)
     except subprocess.TimeoutExpired:
         return "probing torch_bps took over 120 s"
-    for line in done.stdout.splitlines():
-        if line.startswith(procs.RESULT_PREFIX):
-            return json.loads(line[len(procs.RESULT_PREFIX) :])["reason"]
-    return f"probe exited {done.returncode}: {done.stderr.strip()[-300:]}"
+    if done.returncode == 0:
+        return ""
+    last = done.stderr.strip().splitlines()[-1:]  # an exception's, as its traceback ends: "ImportError: ..."
+    return last[0] if last else f"probe exited {done.returncode}"
 
 
 def start_servers(

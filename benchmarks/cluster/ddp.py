@@ -6,7 +6,7 @@ BPS_SERVERS; the backend's runtime adds colocated servers itself when its placem
 at k = 0 they are all it has) and splits the bytes with the library's placement. It reports unavailable
 until `import torch_bps` registers a "byteps" process group. Every run counts each worker link's bytes
 over the timed steps; FSDP2 runs on "byteps" also count the servers' payload bytes against the ideal.
-May import: the standard library and benchmarks.cluster.{byteps,errors,procs,topology}.
+May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{byteps,procs,topology}.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.cluster import byteps, procs
-from benchmarks.cluster.errors import BackendUnavailable
+from benchmarks.cluster import BackendUnavailable, byteps, procs
 from benchmarks.cluster.topology import IFNAME, Cluster, Host
 
 WORKER = "benchmarks.cluster.workers.ddp_train"

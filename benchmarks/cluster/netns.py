@@ -3,7 +3,7 @@
 Every namespace this package creates is named `bps-<role>-<run id>` (`bps-br-1a2b3c`, `bps-w0-1a2b3c`,
 `bps-s1-1a2b3c`), and a live run keeps `<tmp>/bps-cluster-<run id>.pid` holding its pid, so that
 `cleanup_leftovers` removes only what crashed runs left behind and never a run in progress.
-May import: the standard library and benchmarks.cluster.errors.
+May import: the standard library and benchmarks.cluster (its errors).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 
-from benchmarks.cluster.errors import NamespaceError
+from benchmarks.cluster import NamespaceError
 
 # `ip` and `tc` answer in milliseconds; a command that takes this long is stuck, not slow.
 COMMAND_TIMEOUT_S = 20.0

@@ -2,7 +2,7 @@
 
 A process prints its result as one line `RESULT {json}` on stdout; stdout and stderr go to files (no pipe
 can fill up and stall a worker), read back once the process is done.
-May import: the standard library and benchmarks.cluster.errors.
+May import: the standard library and benchmarks.cluster (its errors).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.cluster.errors import MeasurementError, MeasurementTimeout
+from benchmarks.cluster import MeasurementError, MeasurementTimeout
 
 RESULT_PREFIX = "RESULT "
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -2,8 +2,8 @@
 
 Every measurement prints one progress line as it finishes and has a time budget derived from the
 theory (generous: startup plus five times the expected time), so a wedged run ends, it never hangs.
-May import: the standard library and benchmarks.cluster.{byteps,calibrate,cpu,ddp,errors,procs,report,theory,
-topology}.
+May import: the standard library, benchmarks.cluster (its errors) and
+benchmarks.cluster.{byteps,calibrate,cpu,ddp,procs,report,theory,topology}.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from benchmarks.cluster import procs, theory
+from benchmarks.cluster import BackendUnavailable, ClusterError, procs, theory
 from benchmarks.cluster.byteps import WARMUP, BytepsJob, BytepsRunner, run_torch_bps
 from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.cpu import machine_busy_over
 from benchmarks.cluster.ddp import DdpSpec, run_ddp, run_ddp_byteps
-from benchmarks.cluster.errors import BackendUnavailable, ClusterError
 from benchmarks.cluster.report import cpu_summary, tcp_total
 from benchmarks.cluster.topology import IFNAME, TCP_LOSS_COUNTERS, Cluster
 

@@ -8,7 +8,8 @@ connection is held to the rate t_opt needs instead.
 
     python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-free
 
-May import: the standard library and benchmarks.cluster.{byteps,errors,placement,procs,theory}.
+May import: the standard library, benchmarks.cluster (its errors) and
+benchmarks.cluster.{byteps,placement,procs,theory}.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import os
 import subprocess
 import tempfile
 
-from benchmarks.cluster import placement, procs, theory
+from benchmarks.cluster import BackendUnavailable, placement, procs, theory
 from benchmarks.cluster.byteps import BytepsJob, StepTime, socket_buffer_for
-from benchmarks.cluster.errors import BackendUnavailable
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tcp_matrix.c")
 

@@ -12,7 +12,7 @@ its own TCP congestion control (a namespace's own sysctl): the machine's default
 
 `Cluster` is a context manager; leaving it by any path (exception, Ctrl-C, SIGTERM, SIGHUP, interpreter
 exit) kills the processes it started and deletes every namespace it created.
-May import: the standard library and benchmarks.cluster.{errors,netns,procs}.
+May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{netns,procs}.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from benchmarks.cluster import netns, procs
-from benchmarks.cluster.errors import NamespaceError
+from benchmarks.cluster import NamespaceError, netns, procs
 
 IFNAME = "bps0"  # the interface of every host, inside its own namespace (GLOO_SOCKET_IFNAME uses it)
 BRIDGE = "bps-br"

@@ -4,7 +4,7 @@
 //
 // The rooms: options.h (the public types), dispatcher.* (the IO thread), scheduler.* (which push_pull goes
 // next: per-key rounds and the credit), server_links.* (each server's links and health), requests.h (the
-// wire requests in flight), kept_rounds.* (failover's memory), submissions.* and hello_wait.h (what callers and
+// wire requests in flight), kept_rounds.h (failover's memory), submissions.* and hello_wait.h (what callers and
 // the IO thread hand each other).
 #pragma once
 

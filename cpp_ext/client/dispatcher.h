@@ -70,7 +70,8 @@ class Dispatcher : public transport::LinkListener {
   void pushEnded(const OpPtr& op, bool acknowledged);
   void endPart(const OpPtr& op);
   void failEverything(const std::string& why);
-  std::string describe(const Op& op) const { return client::describe(op, options_); }
+  // How error messages name an op: its job, its key and round (a push_pull), and this worker.
+  std::string describe(const Op& op) const;
 
   // A server's health (dispatcher_health.cpp): a dropped connection marks it down and fails every request in
   // flight to it, naming it (and any server lost before it, the likely cause); while down, new requests fail at

@@ -25,6 +25,14 @@ void Dispatcher::failOp(const OpPtr& op, ErrorInfo error) {
   if (stop) link->abort(formatText("request %" PRIu64 " failed while its reply was arriving", placing), *this);
 }
 
+std::string Dispatcher::describe(const Op& op) const {
+  if (op.kind != kPush) {
+    return formatText("job 0x%016" PRIx64 ", worker %u of %u", options_.jobId, options_.worker, options_.numWorkers);
+  }
+  return formatText("job 0x%016" PRIx64 ", key %" PRIu64 ", round %" PRIu64 ", worker %u of %u", options_.jobId,
+                    op.key, op.round, options_.worker, options_.numWorkers);
+}
+
 void Dispatcher::pushEnded(const OpPtr& op, bool acknowledged) {
   scheduler_.pushEnded(*op, acknowledged);
   if (op->pushedToken != 0) {

@@ -11,10 +11,8 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <string>
 #include <vector>
 
-#include "client/options.h"
 #include "common/errors.h"
 #include "transport/link.h"
 #include "transport/wire.h"
@@ -65,8 +63,5 @@ struct Op {
   // The link all of its requests go on, in order (ServerLinks::route, when it started); null before.
   transport::Link* link = nullptr;
 };
-
-// How error messages name an op: its job, its key and round (a push_pull), and this worker.
-std::string describe(const Op& op, const ClientOptions& options);
 
 }  // namespace bps::client

@@ -17,7 +17,6 @@
 
 #include "client/client.h"
 #include "common/errors.h"
-#include "python/bindings.h"
 #include "python/future_work.h"
 #include "python/py_backend.h"
 #include "python/py_process_group.h"
@@ -171,6 +170,13 @@ class PyClient {
 
 
 }  // namespace
+
+// The module's other parts: each binds its classes into the module it is given.
+// ServerCore, for torch_bps/server/server.py (server_bindings.cpp).
+void bindServerCore(py::module_& m);
+// torch_bps._C._testing: what only the tests call (testing.cpp).
+void bindTesting(py::module_& m);
+
 }  // namespace bps::python
 
 PYBIND11_MODULE(_C, m) {

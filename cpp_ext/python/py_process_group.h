@@ -20,7 +20,15 @@ class ProcessGroupBPS : public c10d::ProcessGroup {
  public:
   // `backend`: the PyBackend, or torch's ProcessGroupWrapper around it (TORCH_DISTRIBUTED_DEBUG=DETAIL).
   ProcessGroupBPS(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  const c10::intrusive_ptr<c10d::Backend>& backend);
+                  const c10::intrusive_ptr<c10d::Backend>& backend)
+      : c10d::ProcessGroup(store, rank, size) {
+    // What torch does for a registered backend it holds itself (_register_backend per device of the
+    // backend's capability, the type CUSTOM as the default): `group._device_types` is then [cpu, cuda], and
+    // the dispatcher's c10d ops find the backend for either device.
+    setDefaultBackend(BackendType::CUSTOM);
+    setBackend(c10::DeviceType::CPU, BackendType::CUSTOM, backend);
+    setBackend(c10::DeviceType::CUDA, BackendType::CUSTOM, backend);
+  }
 
   const std::string getBackendName() const override { return getDefaultBackend()->getBackendName(); }
   void setSequenceNumberForGroup() override { getDefaultBackend()->setSequenceNumberForGroup(); }

@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include "python/bindings.h"
 #include "server/core.h"
 #include "server/rounds.h"
 

@@ -13,7 +13,6 @@
 
 #include "client/credit_queue.h"
 #include "client/credit_sizer.h"
-#include "python/bindings.h"
 #include "server/codecs.h"
 #include "server/rounds.h"
 #include "transport/buffer_cache.h"

@@ -7,6 +7,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+
+#include "common/errors.h"
 
 namespace bps::transport {
 
@@ -27,11 +30,25 @@ class Message {
   Message& operator=(const Message&) = delete;
 
   // A message of n bytes, uninitialized; throws Error(kTransport) when out of memory.
-  static Message ofSize(size_t n);
+  static Message ofSize(size_t n) {
+    Message m;
+    if (zmq_msg_init_size(m.get(), n) != 0) {
+      throw Error(ErrorKind::kTransport, formatText("out of memory for a message of %zu bytes", n));
+    }
+    return m;
+  }
   // A message holding a copy of [data, data + n).
-  static Message copyOf(const void* data, size_t n);
+  static Message copyOf(const void* data, size_t n) {
+    Message m = ofSize(n);
+    if (n) std::memcpy(m.data(), data, n);
+    return m;
+  }
   // Another handle on the same bytes (zmq_msg_copy: shared by reference count, nothing copied).
-  Message share() const;
+  Message share() const {
+    Message m;
+    zmq_msg_copy(m.get(), const_cast<zmq_msg_t*>(&msg_));
+    return m;
+  }
 
   uint8_t* data() { return static_cast<uint8_t*>(zmq_msg_data(&msg_)); }
   const uint8_t* data() const { return static_cast<const uint8_t*>(zmq_msg_data(const_cast<zmq_msg_t*>(&msg_))); }

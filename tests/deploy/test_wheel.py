@@ -15,6 +15,7 @@ import venv
 
 import pytest
 
+import torch_bps
 from tests.helpers import REPO
 from torch_bps.address import parse_listening
 
@@ -82,7 +83,7 @@ def test_wheel_builds_in_a_fresh_venv_with_only_torch(tmp_path):
     elsewhere = {"cwd": str(tmp_path), "env": {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
     check = "import torch_bps, torch_bps._C; print(torch_bps.__version__, torch_bps._C.__file__)"
     version, where = run([python, "-c", check], timeout=120, **elsewhere).stdout.split()
-    assert where.startswith(env_dir) and version == _version()
+    assert where.startswith(env_dir) and version == torch_bps.__version__
     run([os.path.join(env_dir, "bin", "bps-doctor"), "--help"], timeout=120, **elsewhere)
     run([python, "-m", "torch_bps.doctor", "--help"], timeout=120, **elsewhere)
     server = subprocess.Popen([os.path.join(env_dir, "bin", "bps-server"), "--host", "127.0.0.1", "--port", "0",
@@ -93,10 +94,3 @@ def test_wheel_builds_in_a_fresh_venv_with_only_torch(tmp_path):
         assert server.wait(timeout=30) == 0
     finally:
         server.kill()
-
-
-def _version() -> str:
-    namespace: dict = {}
-    with open(os.path.join(REPO, "torch_bps", "version.py")) as f:
-        exec(f.read(), namespace)
-    return namespace["__version__"]

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from benchmarks.cluster import (
+    NamespaceError,
     byteps,
     cli,
     cpu,
@@ -32,7 +33,6 @@ from benchmarks.cluster import (
 )
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
-from benchmarks.cluster.errors import NamespaceError
 from benchmarks.cluster.topology import Cluster, Shaping
 from benchmarks.cluster.workers import ddp_train
 from tests.helpers import REPO

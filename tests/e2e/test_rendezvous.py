@@ -8,17 +8,30 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import torch_bps
 from tests.helpers import REPO, ServerProcess, _free_port
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = os.path.join(REPO, "tests", "scripts", "rdzv_worker.py")
+
+def _worker() -> None:
+    """Each torchrun rank's program (this file run as a script): one all_reduce on "byteps", then print the servers
+    it used."""
+    dist.init_process_group("byteps")
+    t = torch.full((1000,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    world = dist.get_world_size()
+    assert torch.equal(t, torch.full((1000,), world * (world + 1) / 2)), t
+    print(f"rank {dist.get_rank()} servers {','.join(torch_bps.implementation().runtime.addresses)}", flush=True)
+    dist.destroy_process_group()
 
 
 def _torchrun(endpoint: str, env: dict[str, str], timeout: float = 150) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--max-restarts", "0", SCRIPT]  # fmt: skip
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--max-restarts", "0", __file__]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_NUM_SERVERS": "1",
            "BPS_PLACEMENT": "dedicated", **env}  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -51,3 +64,7 @@ def test_without_a_registry_the_timeout_says_what_to_do():
         assert "set BPS_REGISTRY" in done.stderr
     finally:
         server.stop()
+
+
+if __name__ == "__main__":
+    _worker()
