@@ -417,6 +417,26 @@ def test_a_server_lost_later_names_the_one_lost_first(job_id):
         second.kill()
 
 
+def test_a_worker_lost_after_a_server_went_down_is_that_server_s_loss(job_id):
+    """A worker lost at one server after another server of the job went down (it died of that loss): the error
+    is the first loss, a TransportError naming it, with the surviving server's answer."""
+    first, second = ServerProcess(), ServerProcess()
+    try:
+        with Client([first.address, second.address], job_id, 0, 2, timeout=60) as c:
+            other = Client([first.address, second.address], job_id, 1, 2, timeout=60)
+            waiting = c.push_pull(torch.zeros(100), 1, server=1)  # worker 1 never pushes: it waits on `second`
+            time.sleep(0.3)
+            first.kill()
+            time.sleep(0.5)
+            other.close()  # worker 1 leaves: `second` answers WORKER_LOST
+            with pytest.raises(TransportError, match=rf"WORKER_LOST from server {second.address}.*; server "
+                                                     rf"{first.address} had gone"):  # fmt: skip
+                waiting.wait()
+    finally:
+        first.kill()
+        second.kill()
+
+
 def test_requests_to_a_lost_server_fail_at_once_and_a_restart_is_named(job_id):
     """After the connection drops, requests fail at once (not at the timeout) naming the server; once it is
     back as a new incarnation, the error says it restarted and lost the job's sums."""
