@@ -9,11 +9,12 @@ synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick)
 torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), SGD's momentum `--async-momentum`
 there (asynchrony adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
-of the rate (both ways) while the others keep theirs. For each: samples per second (each rank's computed samples
-over its own wall time, summed) and its ratio to the yardstick, the time to `--target` held-out accuracy (rank
-0's model) and its ratio, the accuracy once every rank did its steps, how many rounds the straggler caught up on
-without computing, and whether every replica ended bit-identical. Dedicated servers on the k server hosts,
-BPS_FAILOVER=0.
+of the rate (both ways) while the others keep theirs; with `--straggler rotating` the slow compute moves from machine
+to machine every step (each is slow one step in n: the transient slowness a staleness bound absorbs). For each:
+samples per second (each rank's computed samples over its own wall time, summed) and its ratio to the yardstick,
+the time to `--target` held-out accuracy (rank 0's model) and its ratio, the accuracy once every rank did its
+steps, how many rounds the ranks caught up on without computing, and whether every replica ended bit-identical.
+Dedicated servers on the k server hosts, BPS_FAILOVER=0.
 May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
 """
 
@@ -48,6 +49,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
     n = len(cluster.workers)
     slow = n - 1 if straggler else -1
     by_link = straggler and args.straggler == "link"
+    rotate = ["--rotate"] if straggler and args.straggler == "rotating" else []
     cluster.set_rate(cluster.workers[-1], args.rate * args.link_share if by_link else None)
     factor = 1.0 if args.straggler == "link" else args.slow_factor
     ranks = [
@@ -57,7 +59,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
              f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--staleness", staleness,
              "--slow-rank", str(slow),
              "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch),
-             "--momentum", str(args.async_momentum if staleness else 0.9)],
+             "--momentum", str(args.async_momentum if staleness else 0.9), *rotate],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": str(n)},
@@ -71,7 +73,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
         "samples_per_s": sum(r["computed"] * args.batch / r["seconds"] for r in results),
         "seconds_to_target": reached,
         "final_accuracy": results[0]["final"],
-        "caught_up": results[slow]["caught_up"] if straggler else 0,
+        "caught_up": sum(r["caught_up"] for r in results),
         "identical": len({r["params"] for r in results}) == 1,
         "curve": curve,
     }
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=500.0, help="link rate in Mbit/s (default 500)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=256, help="samples per machine per round (default 256)")
-    p.add_argument("--straggler", choices=["compute", "link"], default="compute", help="what is slow (default compute)")
+    p.add_argument("--straggler", choices=["compute", "link", "rotating"], default="compute",
+                   help="what is slow (default compute)")  # fmt: skip
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's compute time, times (default 3)")
     p.add_argument("--link-share", type=float, default=0.25, help="the straggler's link rate, share (default 0.25)")
     p.add_argument("--target", type=float, default=0.75, help="held-out accuracy to reach (default 0.75)")
@@ -116,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     base = runs.get("sync")
     base_rate = statistics.median(o["samples_per_s"] for o in base) if base else None
     base_time = statistics.median(o["seconds_to_target"] or float("inf") for o in base) if base else None
-    slow = (f"{args.slow_factor:g}x slower in compute" if args.straggler == "compute" else
-            f"its link at {args.link_share:g} of the rate")  # fmt: skip
+    slow = {
+        "compute": f"{args.slow_factor:g}x slower in compute",
+        "link": f"its link at {args.link_share:g} of the rate",
+        "rotating": f"{args.slow_factor:g}x slower in compute, a different machine every step",
+    }[args.straggler]
     print(f"\nn = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, straggler {slow}, target accuracy "
           f"{args.target}")  # fmt: skip
     for mode, outs in runs.items():

@@ -1,11 +1,13 @@
 """Asynchronous and bounded-staleness training (torch_bps.AsyncTraining) with real ranks and a real server: every
 acknowledged update is in the servers' model exactly once, a pull respects the staleness bound (and with none, a
-fast rank runs ahead), a killed or stopped rank holds nobody back, and settings that cannot be are refused by name."""
+fast rank runs ahead), a step returns while its round travels (staleness >= 1), a killed or stopped rank holds
+nobody back, and settings that cannot be are refused by name."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -62,9 +64,9 @@ def _train(rank, world, gloo, address, staleness):
         ((rank + 1) * p[rank]).backward()
         trainer.step()
         seen.append(_counts(p.detach()))
-    dist.barrier(group=gloo)  # every update acknowledged: one more pull, of no update, reads them all
-    opt.zero_grad()
-    trainer.step()
+    trainer.flush()  # this rank's updates are in
+    dist.barrier(group=gloo)  # every update is in: one more pull reads them all
+    trainer.flush()
     trainer.close()
     return seen, p.detach().numpy().tobytes()
 
@@ -84,12 +86,70 @@ def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, s
         assert min(seen[-1][SLOW] for seen, _ in results[:SLOW]) < STEPS - 2, [s[-1] for s, _ in results]
 
 
+def _overlapping(rank, world, gloo, address, pid, staleness):
+    """One step while rank 0 holds the server stopped: whether rank 0's came back within 2 s, and the model after
+    every rank flushed."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config(address))
+    p.sum().backward()
+    trainer.step()
+    trainer.flush()  # connected, nothing in flight
+    dist.barrier(group=gloo)
+    opt.zero_grad()
+    p.sum().backward()
+    came_back = None
+    if rank == 0:
+        returned = threading.Event()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stepping = threading.Thread(target=lambda: (trainer.step(), returned.set()), daemon=True)
+            stepping.start()
+            came_back = returned.wait(2.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stepping.join(60)
+    else:
+        trainer.step()
+    trainer.flush()
+    dist.barrier(group=gloo)
+    trainer.flush()
+    trainer.close()
+    return came_back, p.detach().tolist()
+
+
+@pytest.mark.parametrize("staleness", [0, 1, None], ids=["s0", "s1", "async"])
+def test_a_step_returns_while_its_round_travels_unless_lockstep(server, staleness):
+    results = run_ranks(_overlapping, 2, server.address, server.proc.pid, staleness, backend="gloo")
+    assert results[0][0] == (staleness != 0)  # s >= 1: the round goes on while the next gradient is computed
+    assert [model for _, model in results] == [[-2.0, -2.0]] * 2  # every update in the servers' model, once
+
+
+def _alone(rank, world, gloo, staleness):
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config("127.0.0.1:1"))
+    for _ in range(3):
+        opt.zero_grad()
+        p.sum().backward()
+        trainer.step()
+    trainer.flush()
+    trainer.close()
+    return p.detach().tolist()
+
+
+@pytest.mark.parametrize("staleness", [0, None], ids=["s0", "async"])
+def test_a_job_of_one_worker_keeps_every_update(staleness):
+    assert run_ranks(_alone, 1, staleness, backend="gloo") == [[-3.0, -3.0]]
+
+
 def _until_lost(rank, world, address, how):
     p = torch.nn.Parameter(torch.zeros(world))
     opt = torch.optim.SGD([p], lr=1.0)
     trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=_config(address))
     for step in range(3 * STEPS):
         if rank == world - 1 and step == 4:
+            trainer.flush()  # its updates of steps 0-3 acknowledged (a step returns with its round in flight)
             os.kill(os.getpid(), how)
         opt.zero_grad()
         (world * (rank + 1) * p[rank]).backward()  # each update is -(rank + 1) on element rank: exact
@@ -144,9 +204,9 @@ def _through_failover(rank, world, gloo, addresses, victim, flag=None):
         worst = p.detach().view(world, BLOCK).max(dim=1).values
         bound = torch.tensor([-(r + 1) * step for r in range(world)], dtype=worst.dtype)
         assert bool((worst <= bound).all()), f"rank {rank} after step {step}: {worst.tolist()} > {bound.tolist()}"
+    trainer.flush()
     dist.barrier(group=gloo)
-    opt.zero_grad()
-    trainer.step()
+    trainer.flush()
     failovers = len(trainer._connection.get()._engine.router.failovers)
     trainer.close()
     return p.detach().numpy().tobytes(), failovers  # bytes: a tensor would go by a file descriptor, gone at exit

@@ -7,7 +7,8 @@ through AsyncTraining with `--staleness` (an integer, or inf).
 The task ships with the code: a teacher network (seeded) labels Gaussian inputs into 10 classes; every rank draws
 its own training samples, rank 0 scores a fixed held-out set of 2,000 every `--eval-every` steps. The slow rank
 takes `--slow-factor` times as long to compute each step it computes (it sleeps the extra time, measured on the
-step itself), so the machine's CPU stays the others'. Servers: BPS_SERVERS (dedicated hosts), BPS_FAILOVER=0.
+step itself), so the machine's CPU stays the others'; with `--rotate` the slow rank is step % world, each in turn.
+Servers: BPS_SERVERS (dedicated hosts), BPS_FAILOVER=0.
 Prints one RESULT line: wall seconds, steps computed and caught up, rank 0's accuracy curve, a hash of the
 parameters (replicas must agree: with backup workers), and the held-out accuracy once every rank finished (with
 AsyncTraining: of the model with every update in, pulled after a barrier).
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", default="", help="AsyncTraining with s rounds, or inf (default: BackupWorkers)")
     p.add_argument("--slow-rank", type=int, default=-1, help="-1: no straggler")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--rotate", action="store_true", help="the slow rank changes every step (step %% world)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
@@ -92,17 +94,18 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             x = torch.randn(args.batch, INPUTS, generator=data)
             F.cross_entropy(model(x), teacher_labels(x)).backward()
-            if args.rank == args.slow_rank:
+            if args.rank == (step % args.world if args.rotate else args.slow_rank):
                 time.sleep((args.slow_factor - 1) * (time.perf_counter() - began))
             computed += 1
         sync.step()
         if args.rank == 0 and (step + 1) % args.eval_every == 0:
             evaluate(step + 1, start)
+    if stale:
+        sync.flush()  # this rank's updates are in
     seconds = time.perf_counter() - start
     dist.barrier()
-    if stale:  # every update is in: one more pull, of none, reads the model they make
-        opt.zero_grad(set_to_none=True)
-        sync.step()
+    if stale:  # every update is in: one more pull reads the model they make
+        sync.flush()
     with torch.no_grad():
         final = (model(test_x).argmax(1) == test_y).float().mean().item()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
