@@ -9,11 +9,12 @@ updates in its round order and exactly once (a resent push is never added twice,
 its own): a fast worker runs at most s rounds ahead of the slowest; None never waits (fully asynchronous). A worker
 that dies stops holding the others back; its acknowledged updates stay in the model, once.
 
-With s >= 1 (or None) a step does not wait for its own round: it pushes the update, sets the parameters to the
-model its previous round pulled plus this update, and returns while the round travels, so the network works
-while the next gradient is computed (the servers' bound is s - 1: the model a worker computes on is then exactly
-as stale as without the overlap). With s = 0 every step waits for its round (lockstep). A round's error is raised
-by the next `step()` or `flush()`.
+With `overlap=True` (s >= 1 or None) a step does not wait for its own round: it pushes the update, sets the
+parameters to the model its previous round pulled plus this update, and returns while the round travels, so the
+network works while the next gradient is computed. The servers' bound is then s - 1, so the bound on what a
+worker's model lacks stays s rounds; but where the workers keep pace, the model a worker computes on lacks about
+one round more than without overlap, which costs accuracy at high momentum (docs/benchmarks.md). A round's error
+is raised by the next `step()` or `flush()`.
 
     trainer = torch_bps.AsyncTraining(model, optimizer, staleness=2)   # after dist.init_process_group
     for x, y in loader:
@@ -52,6 +53,7 @@ class AsyncTraining:
         model: the module being trained (plain, not DistributedDataParallel); float32 or float64 parameters.
         optimizer: its optimizer, run locally by `step()` on this worker's own gradients.
         staleness: s >= 0 (0: each round waits for every worker's, as synchronous training), or None: never wait.
+        overlap: a step returns while its round travels (staleness >= 1 or None; above).
         process_group: the ranks that train together (None: the default group); rank 0's parameters start the model.
         config: other settings (None: the BPS_* environment variables); servers as for any torch_bps job.
 
@@ -59,18 +61,21 @@ class AsyncTraining:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, staleness: int | None,
-                 process_group: dist.ProcessGroup | None = None, config: Config | None = None):  # fmt: skip
+                 overlap: bool = False, process_group: dist.ProcessGroup | None = None,
+                 config: Config | None = None):  # fmt: skip
+        if staleness is not None and staleness < 0:
+            raise ConfigError(f"staleness={staleness} must not be negative (None: fully asynchronous)")
+        if overlap and staleness == 0:
+            raise ConfigError("overlap=True needs staleness >= 1 (or None): with 0 each step waits for its own round")
         if not dist.is_initialized():
             raise RuntimeError("AsyncTraining needs torch.distributed initialized (dist.init_process_group)")
         if isinstance(model, DistributedDataParallel):
             raise ValueError("AsyncTraining takes the module itself, not DistributedDataParallel (its all-reduce "
                              "would make every step synchronous): pass model.module")  # fmt: skip
-        if staleness is not None and staleness < 0:
-            raise ConfigError(f"staleness={staleness} must not be negative (None: fully asynchronous)")
         self.group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-        self.overlap = staleness != 0  # a step's round travels during the next step's compute: one round of the bound
+        self.overlap = overlap  # a step's round travels during the next step's compute: one round of the bound
         self.config = dataclasses.replace(config or Config.resolve(), local_reduce=False, wire_dtype="fp32",
-                                          staleness=staleness - 1 if staleness else staleness,
+                                          staleness=staleness - 1 if overlap and staleness else staleness,
                                           backup_workers=0)  # fmt: skip
         self.config._check()
         self.model, self.optimizer = model, optimizer
@@ -95,8 +100,8 @@ class AsyncTraining:
 
     def step(self) -> None:
         """Run the optimizer, push this worker's update, and set the parameters to the servers' model plus the
-        updates of this worker it does not hold yet. With staleness 0 blocks until this round's pull is answered;
-        otherwise until the previous round's is (until the slowest worker is close enough)."""
+        updates of this worker it does not hold yet. Blocks until this round's pull is answered (with overlap: the
+        previous round's), that is until the slowest worker is close enough."""
         self.optimizer.step()
         n = self.group.size()
         with torch.no_grad():

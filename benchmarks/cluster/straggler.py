@@ -6,8 +6,9 @@ and asynchronous training.
 Runs, alternated on one cluster (`--rounds` times each), a student MLP learning a teacher's labels
 (benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
 synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
-torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), SGD's momentum `--async-momentum`
-there (asynchrony adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
+torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), these two also with
+`overlap=True` ("-overlap": a step returns while its round travels), SGD's momentum `--async-momentum` there
+(asynchrony adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs; with `--straggler rotating` the slow compute moves from machine
 to machine every step (each is slow one step in n: the transient slowness a staleness bound absorbs). For each:
@@ -30,26 +31,31 @@ from benchmarks.cluster import byteps, procs
 from benchmarks.cluster.topology import IFNAME, Cluster
 
 WORKER = "benchmarks.cluster.workers.straggler_train"
-MODES = {  # name: (backups, staleness: "" for BackupWorkers, straggler)
-    "sync": (0, "", False),
-    "sync+straggler": (0, "", True),
-    "backup": (1, "", False),
-    "backup+straggler": (1, "", True),
-    "stale0": (0, "0", False),
-    "stale0+straggler": (0, "0", True),
-    "stale2": (0, "2", False),
-    "stale2+straggler": (0, "2", True),
-    "async": (0, "inf", False),
-    "async+straggler": (0, "inf", True),
+MODES = {  # name: (backups, staleness: "" for BackupWorkers, straggler, AsyncTraining's overlap)
+    "sync": (0, "", False, False),
+    "sync+straggler": (0, "", True, False),
+    "backup": (1, "", False, False),
+    "backup+straggler": (1, "", True, False),
+    "stale0": (0, "0", False, False),
+    "stale0+straggler": (0, "0", True, False),
+    "stale2": (0, "2", False, False),
+    "stale2+straggler": (0, "2", True, False),
+    "stale2-overlap": (0, "2", False, True),
+    "stale2-overlap+straggler": (0, "2", True, True),
+    "async": (0, "inf", False, False),
+    "async+straggler": (0, "inf", True, False),
+    "async-overlap": (0, "inf", False, True),
+    "async-overlap+straggler": (0, "inf", True, True),
 }
 
 
 def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, staleness: str, straggler: bool,
-             port: int) -> dict:  # fmt: skip
+             overlap: bool, port: int) -> dict:  # fmt: skip
     n = len(cluster.workers)
     slow = n - 1 if straggler else -1
     by_link = straggler and args.straggler == "link"
-    rotate = ["--rotate"] if straggler and args.straggler == "rotating" else []
+    flags = ["--rotate"] if straggler and args.straggler == "rotating" else []
+    flags += ["--overlap"] if overlap else []
     cluster.set_rate(cluster.workers[-1], args.rate * args.link_share if by_link else None)
     factor = 1.0 if args.straggler == "link" else args.slow_factor
     ranks = [
@@ -59,7 +65,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
              f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--staleness", staleness,
              "--slow-rank", str(slow),
              "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch),
-             "--momentum", str(args.async_momentum if staleness else 0.9), *rotate],
+             "--momentum", str(args.async_momentum if staleness else 0.9), *flags],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": str(n)},

@@ -1,6 +1,6 @@
 """Asynchronous and bounded-staleness training (torch_bps.AsyncTraining) with real ranks and a real server: every
 acknowledged update is in the servers' model exactly once, a pull respects the staleness bound (and with none, a
-fast rank runs ahead), a step returns while its round travels (staleness >= 1), a killed or stopped rank holds
+fast rank runs ahead), with overlap a step returns while its round travels, a killed or stopped rank holds
 nobody back, and settings that cannot be are refused by name."""
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def _counts(model: torch.Tensor) -> list[int]:
     return [round(-model[r].item() * WORLD / (r + 1)) for r in range(WORLD)]
 
 
-def _train(rank, world, gloo, address, staleness):
+def _train(rank, world, gloo, address, staleness, overlap):
     """p starts at 0; rank r's gradient is r + 1 on element r only; SGD with lr 1. Returns, per step, how many
     updates of each rank the pulled model held, then the model after every rank finished."""
     p = torch.nn.Parameter(torch.zeros(WORLD))
     opt = torch.optim.SGD([p], lr=1.0)
-    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config(address))
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, overlap=overlap,
+                            config=_config(address))  # fmt: skip
     seen = []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -71,9 +72,10 @@ def _train(rank, world, gloo, address, staleness):
     return seen, p.detach().numpy().tobytes()
 
 
-@pytest.mark.parametrize("staleness", [0, 1, None], ids=["s0", "s1", "async"])
-def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, staleness):
-    results = run_ranks(_train, WORLD, server.address, staleness, backend="gloo")
+@pytest.mark.parametrize("staleness, overlap", [(0, False), (1, False), (1, True), (None, False), (None, True)],
+                         ids=["s0", "s1", "s1-overlap", "async", "async-overlap"])  # fmt: skip
+def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, staleness, overlap):
+    results = run_ranks(_train, WORLD, server.address, staleness, overlap, backend="gloo")
     final = torch.tensor([-(r + 1) * STEPS / WORLD for r in range(WORLD)], dtype=torch.float32)
     for _, params in results:
         assert params == final.numpy().tobytes(), _counts(torch.frombuffer(bytearray(params), dtype=torch.float32))
@@ -86,12 +88,13 @@ def test_every_update_is_in_the_model_once_and_pulls_respect_the_bound(server, s
         assert min(seen[-1][SLOW] for seen, _ in results[:SLOW]) < STEPS - 2, [s[-1] for s, _ in results]
 
 
-def _overlapping(rank, world, gloo, address, pid, staleness):
+def _overlapping(rank, world, gloo, address, pid, staleness, overlap):
     """One step while rank 0 holds the server stopped: whether rank 0's came back within 2 s, and the model after
     every rank flushed."""
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)
-    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config(address))
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, overlap=overlap,
+                            config=_config(address))  # fmt: skip
     p.sum().backward()
     trainer.step()
     trainer.flush()  # connected, nothing in flight
@@ -118,17 +121,19 @@ def _overlapping(rank, world, gloo, address, pid, staleness):
     return came_back, p.detach().tolist()
 
 
-@pytest.mark.parametrize("staleness", [0, 1, None], ids=["s0", "s1", "async"])
-def test_a_step_returns_while_its_round_travels_unless_lockstep(server, staleness):
-    results = run_ranks(_overlapping, 2, server.address, server.proc.pid, staleness, backend="gloo")
-    assert results[0][0] == (staleness != 0)  # s >= 1: the round goes on while the next gradient is computed
+@pytest.mark.parametrize("staleness, overlap", [(0, False), (1, False), (1, True), (None, True)],
+                         ids=["s0", "s1", "s1-overlap", "async-overlap"])  # fmt: skip
+def test_a_step_returns_while_its_round_travels_with_overlap(server, staleness, overlap):
+    results = run_ranks(_overlapping, 2, server.address, server.proc.pid, staleness, overlap, backend="gloo")
+    assert results[0][0] == overlap  # the round goes on while the next gradient is computed
     assert [model for _, model in results] == [[-2.0, -2.0]] * 2  # every update in the servers' model, once
 
 
-def _alone(rank, world, gloo, staleness):
+def _alone(rank, world, gloo, staleness, overlap):
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)
-    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, config=_config("127.0.0.1:1"))
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=staleness, overlap=overlap,
+                            config=_config("127.0.0.1:1"))  # fmt: skip
     for _ in range(3):
         opt.zero_grad()
         p.sum().backward()
@@ -138,15 +143,15 @@ def _alone(rank, world, gloo, staleness):
     return p.detach().tolist()
 
 
-@pytest.mark.parametrize("staleness", [0, None], ids=["s0", "async"])
-def test_a_job_of_one_worker_keeps_every_update(staleness):
-    assert run_ranks(_alone, 1, staleness, backend="gloo") == [[-3.0, -3.0]]
+@pytest.mark.parametrize("staleness, overlap", [(0, False), (None, True)], ids=["s0", "async-overlap"])
+def test_a_job_of_one_worker_keeps_every_update(staleness, overlap):
+    assert run_ranks(_alone, 1, staleness, overlap, backend="gloo") == [[-3.0, -3.0]]
 
 
 def _until_lost(rank, world, address, how):
     p = torch.nn.Parameter(torch.zeros(world))
     opt = torch.optim.SGD([p], lr=1.0)
-    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=_config(address))
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, overlap=True, config=_config(address))
     for step in range(3 * STEPS):
         if rank == world - 1 and step == 4:
             trainer.flush()  # its updates of steps 0-3 acknowledged (a step returns with its round in flight)
@@ -179,7 +184,7 @@ def test_a_lost_rank_holds_nobody_back_and_its_acknowledged_updates_stay_once(qu
 BLOCK = 4096  # elements per rank: several partitions of 4 KiB, on both servers
 
 
-def _through_failover(rank, world, gloo, addresses, victim, flag=None):
+def _through_failover(rank, world, gloo, addresses, victim, flag, overlap):
     """As _train, on a parameter of a block per rank, while rank 0 SIGKILLs server `victim` at step 4. With `flag`
     (a path), the last rank waits after its step 2 until rank 0 killed it, then lags: a round behind rank 0 at the
     failover, and slower after it. Every rank checks the staleness bound at every step."""
@@ -187,7 +192,7 @@ def _through_failover(rank, world, gloo, addresses, victim, flag=None):
     opt = torch.optim.SGD([p], lr=1.0)
     config = Config.resolve(servers=tuple(addresses), placement="dedicated", failover=True, auth="off", timeout=30,
                             failover_timeout=30, min_partition_bytes=4096)  # fmt: skip
-    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, config=config)
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, overlap=overlap, config=config)
     for step in range(STEPS):
         if rank == 0 and step == 4:
             os.kill(victim, signal.SIGKILL)
@@ -212,12 +217,13 @@ def _through_failover(rank, world, gloo, addresses, victim, flag=None):
     return p.detach().numpy().tobytes(), failovers  # bytes: a tensor would go by a file descriptor, gone at exit
 
 
-@pytest.mark.parametrize("lagging", [False, True], ids=["together", "a-rank-lags"])
-def test_a_killed_server_loses_no_update_and_adds_none_twice(tmp_path, lagging):
+@pytest.mark.parametrize("lagging, overlap", [(False, False), (True, False), (True, True)],
+                         ids=["together", "a-rank-lags", "a-rank-lags-overlap"])  # fmt: skip
+def test_a_killed_server_loses_no_update_and_adds_none_twice(tmp_path, lagging, overlap):
     servers = start_servers(2, auth=False)
     flag = str(tmp_path / "killed") if lagging else None
     try:
-        results = run_ranks(_through_failover, 3, [s.address for s in servers], servers[0].proc.pid, flag,
+        results = run_ranks(_through_failover, 3, [s.address for s in servers], servers[0].proc.pid, flag, overlap,
                             backend="gloo")  # fmt: skip
     finally:
         stop_servers(servers)
@@ -237,5 +243,7 @@ def test_settings_that_cannot_be_are_refused_by_name(server, monkeypatch):
         Config.resolve(staleness=-2)
     monkeypatch.setenv("BPS_STALENESS", "inf")
     assert Config.resolve().staleness is None
+    with pytest.raises(ConfigError, match="overlap=True needs staleness >= 1"):
+        AsyncTraining(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)]), staleness=0, overlap=True)
     with pytest.raises(ValueError, match="staleness=-1 must be None"):
         Client([server.address], 7, 0, 2, staleness=-1, auth=False)

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    p.add_argument("--overlap", action="store_true", help="AsyncTraining(overlap=True)")
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
 
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=args.momentum)
     stale = args.staleness != ""
     if stale:
-        sync = torch_bps.AsyncTraining(model, opt, staleness=None if args.staleness == "inf" else int(args.staleness))
+        staleness = None if args.staleness == "inf" else int(args.staleness)
+        sync = torch_bps.AsyncTraining(model, opt, staleness=staleness, overlap=args.overlap)
     else:
         sync = torch_bps.BackupWorkers(model, opt, backups=args.backups)
     data = torch.Generator().manual_seed(100 + args.rank)
