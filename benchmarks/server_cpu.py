@@ -23,6 +23,7 @@ within every repeat, so machine load drifting hits all alike, and each ratio is 
 within every repeat: each key of S dense fp32 bytes is pushed encoded (torch_bps.engine.compress), and the server
 decodes, sums, and encodes the sum with its own error feedback (docs/protocol.md, "Compressed keys"). Its row
 gives the server's CPU per GiB on the wire and per dense GiB, each over plain fp32's per GiB in the same repeat.
+With `--server`, each codec runs on each checkout (variant NAME:SPEC), over that checkout's plain fp32 keys.
 
 Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--codec SPEC ...] [--server NAME=DIR ...] [--json F]
 May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
@@ -248,11 +249,11 @@ def measure(servers: dict[str, tuple[str, str]], sizes: list[int], workers: int,
                 r.update(cpu_per_gib=per_gib, vs_floor=per_gib / floor,
                          us_per_message=r["cpu"] / r["messages"] * 1e6,
                          us_per_message_over_floor=(r["cpu"] - floor_cpu) / r["messages"] * 1e6)  # fmt: skip
-        plain = next(name for name, (_, codec) in servers.items() if not codec)
+        plain = _plain_of(servers)
         for rep in range(repeats):  # a codec's CPU per byte over plain keys' (wire bytes; dense bytes)
-            base = runs[plain][rep]["cpu"] / runs[plain][rep]["received"]
             for name, (_, codec) in servers.items():
                 if codec:
+                    base = runs[plain[name]][rep]["cpu"] / runs[plain[name]][rep]["received"]
                     r = runs[name][rep]
                     r["wire_over_plain"] = r["cpu"] / r["received"] / base
                     r["dense_over_plain"] = r["cpu"] / r["dense"] / base
@@ -273,14 +274,25 @@ def measure(servers: dict[str, tuple[str, str]], sizes: list[int], workers: int,
     return rows
 
 
-def print_row(row: dict, names: list[str], plain: str) -> None:
+def _plain_of(servers: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Each codec variant's plain fp32 server: the one of its checkout, else the first."""
+    plain: dict[str, str] = {}
+    for name, (checkout, codec) in servers.items():
+        if not codec:
+            plain.setdefault(checkout, name)
+    first = next(iter(plain.values()))
+    return {name: plain.get(checkout, first) for name, (checkout, codec) in servers.items() if codec}
+
+
+def print_row(row: dict, names: list[str], plain: dict[str, str]) -> None:
     floor = row["floor"]
     cells = [f"{row['size'] // KiB} KiB x {row['keys']} keys x {row['rounds']} rounds",
              f"floor add {floor['add']:.3f} + memcpy {floor['memcpy']:.3f} s/GiB"]  # fmt: skip
     for name in names:
         r = row[name]
         if "wire_over_plain" in r:
-            cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB on the wire = {r['wire_over_plain']:.2f}x {plain}'s, "
+            base = plain[name]
+            cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB on the wire = {r['wire_over_plain']:.2f}x {base}'s, "
                          f"per dense GiB {r['dense_over_plain']:.2f}x, {r['us_per_message']:.0f} us/msg")  # fmt: skip
             continue
         cells.append(f"{name}: {r['cpu_per_gib']:.3f} s/GiB = {r['vs_floor']:.1f}x floor, "
@@ -308,11 +320,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="also push keys compressed with SPEC (onebit, topk:R, randomk:R; repeatable)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write every row (and each repeat's ratio) here")
     args = p.parse_args(argv)
-    if args.codec and (args.server or args.dtype != "float32"):
-        p.error("--codec compares fp32 keys of this checkout's server: no --server, no --dtype")
+    if args.codec and args.dtype != "float32":
+        p.error("--codec compares with fp32 keys: no --dtype")
     checkouts = dict(s.split("=", 1) for s in args.server) if args.server else {"fp32" if args.codec else "this": REPO}
     servers = {name: (os.path.abspath(path), "") for name, path in checkouts.items()}
-    servers.update({spec: (REPO, spec) for spec in args.codec})
+    for spec in args.codec:  # each codec on each checkout, named by the codec alone where there is one
+        servers.update({f"{name}:{spec}" if args.server else spec: (os.path.abspath(path), spec)
+                        for name, path in checkouts.items()})  # fmt: skip
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     mib, repeats = (32, 1) if args.quick else (args.mib, args.repeats)
     print(f"{args.workers} worker processes, 1 server process, loopback, auth token; {args.dtype} keys; torch "

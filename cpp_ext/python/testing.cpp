@@ -167,6 +167,16 @@ py::tuple codecEncode(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, ui
   return py::make_tuple(py::bytes(out), py::bytes(reinterpret_cast<const char*>(values.data()), x.size()));
 }
 
+float codecTopkThreshold(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, uint64_t rnd, const std::string& x) {
+  CodecSpec spec = codecSpec(word, denseBytes, wireBytes, 0);
+  if (spec.id != kCodecTopk || !checkDeclaration(spec).empty() || x.size() != spec.elements * 4) {
+    throw std::invalid_argument("x must hold a valid top-k key's elements as fp32");
+  }
+  std::vector<float> values(spec.elements);
+  std::memcpy(values.data(), x.data(), x.size());
+  return topkThreshold(spec, rnd, values.data());
+}
+
 std::vector<uint64_t> randomIndicesPy(uint64_t key, uint64_t rnd, uint64_t n, uint64_t k) {
   std::vector<uint64_t> out(k);
   randomIndices(key, rnd, n, k, out.data());
@@ -178,6 +188,8 @@ std::vector<uint64_t> randomIndicesPy(uint64_t key, uint64_t rnd, uint64_t n, ui
 void bindTesting(py::module_& m) {
   m.def("codec_encode", &codecEncode, py::arg("codec"), py::arg("dense_bytes"), py::arg("wire_bytes"), py::arg("key"),
         py::arg("round"), py::arg("x"), "(the encoded bytes, the residual x - decode(them) as fp32 bytes)");
+  m.def("codec_topk_threshold", &codecTopkThreshold, py::arg("codec"), py::arg("dense_bytes"), py::arg("wire_bytes"),
+        py::arg("round"), py::arg("x"), "top-k's candidate threshold for x (fp32 bytes) in that round");
   m.def("codec_check_declaration",
         [](uint32_t word, uint64_t denseBytes, uint64_t wireBytes) {
           return checkDeclaration(codecSpec(word, denseBytes, wireBytes, 0));

@@ -37,6 +37,112 @@ uint64_t onebitBytes(uint64_t n) { return 4 + 4 * ((n + 31) / 32); }
 
 unsigned long long ull(uint64_t v) { return static_cast<unsigned long long>(v); }
 
+// Top-k reads each element once: one pass makes x (close's acc * scale + residual), every row's score and the
+// candidate rows, those scoring at least a threshold read from a sample; only the candidates are then sorted out.
+
+struct Candidate {
+  float score;
+  uint32_t row;
+};
+
+// A row's score: the f32 sum of its |x| in column order, NaN counted as +inf. With acc, x is acc * scale + x.
+float rowScore(const float* x, const float* acc, float scale, uint64_t w) {
+  float m = 0;
+  for (uint64_t c = 0; c < w; ++c) m += std::fabs(acc ? acc[c] * scale + x[c] : x[c]);
+  return std::isnan(m) ? INFINITY : m;
+}
+
+// A score at least k rows reach with high probability, from a sample of rows: the rows scoring at least it hold
+// the k largest. 0 (every row) where a sample cannot narrow them. It decides how much is sorted, never the result.
+float candidateThreshold(const CodecSpec& s, uint64_t round, const float* x, const float* acc, float scale) {
+  // A 64th of the rows, 1024 to 4096: a larger sample costs more random reads and leaves fewer candidates.
+  uint64_t rows = s.rows(), w = s.width, m = std::min(rows, std::clamp<uint64_t>(rows / 64, 1024, 4096));
+  double expected = double(s.k()) * double(m) / double(rows);  // sampled rows scoring above the k-th largest
+  auto j = uint64_t(expected + 4 * std::sqrt(expected) + 4);  // 4 standard deviations over: rarely too few
+  if (j >= m) return 0;
+  std::vector<float> sample(m);
+  for (uint64_t i = 0; i < m; ++i) {
+    uint64_t at = splitmix(round * m + i) % rows * w;
+    sample[i] = rowScore(x + at, acc ? acc + at : nullptr, scale, w);
+  }
+  std::nth_element(sample.begin(), sample.begin() + j, sample.end(), std::greater<float>());
+  return sample[j];
+}
+
+// Append the rows scoring >= t to `out`, in row order; with acc, first x = acc * scale + x, acc left zeroed. A
+// block at a time, so that it is scored while in cache. A NaN score fails `m < t` as +inf does.
+void collectCandidates(const CodecSpec& s, float* x, float* acc, float scale, float t, std::vector<Candidate>& out) {
+  constexpr uint64_t kBlock = 1024, kGroup = 16;
+  uint64_t w = s.width, rows = s.rows(), block = std::max<uint64_t>(1, kBlock / w);
+  auto take = [&](uint64_t r, float m) {
+    if (!(m < t)) out.push_back({std::isnan(m) ? INFINITY : m, uint32_t(r)});
+  };
+  for (uint64_t r0 = 0; r0 < rows; r0 += block) {
+    uint64_t r1 = std::min(rows, r0 + block);
+    if (acc) {
+      for (uint64_t i = r0 * w; i < r1 * w; ++i) {
+        x[i] = acc[i] * scale + x[i];
+        acc[i] = 0;
+      }
+    }
+    uint64_t r = r0;
+    if (w == 1) {  // the dense case: a group of scores compared at once (vectorized), scanned only if one passes
+      for (; r + kGroup <= r1; r += kGroup) {
+        int hits = 0;
+        for (uint64_t j = 0; j < kGroup; ++j) hits += !(std::fabs(x[r + j]) < t);
+        if (hits) {
+          for (uint64_t j = 0; j < kGroup; ++j) take(r + j, std::fabs(x[r + j]));
+        }
+      }
+    }
+    for (; r < r1; ++r) take(r, rowScore(x + r * w, nullptr, 1.0f, w));
+  }
+}
+
+// The k rows of largest score, the lower index on a tie, in index order: every candidate above the k-th largest
+// score, then those at it in index order until there are k. `c` holds every row scoring >= the k-th largest.
+std::vector<uint32_t> chooseRows(const std::vector<Candidate>& c, uint64_t k) {
+  std::vector<float> sorted(c.size());
+  for (uint64_t i = 0; i < c.size(); ++i) sorted[i] = c[i].score;
+  std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<float>());
+  float kth = sorted[k - 1];
+  uint64_t above = 0;
+  for (const Candidate& e : c) above += e.score > kth;
+  std::vector<uint32_t> rows;
+  rows.reserve(k);
+  for (uint64_t i = 0, ties = k - above; i < c.size(); ++i) {
+    bool take = c[i].score > kth;
+    if (!take && c[i].score == kth && ties > 0) {
+      take = true;
+      --ties;
+    }
+    if (take) rows.push_back(c[i].row);
+  }
+  return rows;
+}
+
+// Top-k of x, or with acc of acc * scale + x (acc left zeroed); x is left holding the residual.
+void encodeTopk(const CodecSpec& s, uint64_t round, float* x, float* acc, float scale, uint8_t* out) {
+  uint64_t k = s.k(), w = s.width;
+  std::vector<Candidate> candidates;
+  collectCandidates(s, x, acc, scale, candidateThreshold(s, round, x, acc, scale), candidates);
+  if (candidates.size() < k) {  // the sample misjudged: every row is a candidate
+    candidates.clear();
+    collectCandidates(s, x, nullptr, 1.0f, 0, candidates);
+  }
+  std::vector<uint32_t> rows = chooseRows(candidates, k);
+  uint8_t* v = out + 4 * k;
+  for (uint64_t j = 0; j < k; ++j) {
+    uint32_t r = rows[j];
+    std::memcpy(out + 4 * j, &r, 4);
+    for (uint64_t c = 0; c < w; ++c) {
+      float& e = x[uint64_t(r) * w + c];
+      std::memcpy(v + 4 * (j * w + c), &e, 4);
+      e -= e;
+    }
+  }
+}
+
 }  // namespace
 
 CodecSpec CodecSpec::fromWord(uint32_t word, uint64_t denseBytes, uint64_t wireBytes, uint64_t key) {
@@ -200,40 +306,7 @@ void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
       x[i] -= negative ? -scale : scale;
     }
   } else if (s.id == kCodecTopk) {
-    uint64_t k = s.k(), w = s.width, rows = s.rows();
-    std::vector<float> score(rows);
-    for (uint64_t r = 0; r < rows; ++r) {
-      float m = 0;
-      for (uint64_t c = 0; c < w; ++c) m += std::fabs(x[r * w + c]);
-      score[r] = std::isnan(m) ? INFINITY : m;
-    }
-    // The k largest scores, the lower index on a tie: every row above the k-th largest score, then rows at it
-    // in index order until there are k. Found on the scores themselves, in index order.
-    std::vector<float> sorted(score);
-    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(), std::greater<float>());
-    float kth = sorted[k - 1];
-    uint64_t above = 0;
-    for (uint64_t r = 0; r < rows; ++r) above += score[r] > kth;
-    std::vector<uint32_t> order;
-    order.reserve(k);
-    for (uint64_t r = 0, ties = k - above; r < rows; ++r) {
-      bool take = score[r] > kth;
-      if (!take && score[r] == kth && ties > 0) {
-        take = true;
-        --ties;
-      }
-      if (take) order.push_back(uint32_t(r));
-    }
-    uint8_t* v = out + 4 * k;
-    for (uint64_t j = 0; j < k; ++j) {
-      uint32_t r = order[j];
-      std::memcpy(out + 4 * j, &r, 4);
-      for (uint64_t c = 0; c < w; ++c) {
-        float& e = x[uint64_t(r) * w + c];
-        std::memcpy(v + 4 * (j * w + c), &e, 4);
-        e -= e;
-      }
-    }
+    encodeTopk(s, round, x, nullptr, 1.0f, out);
   } else if (s.id == kCodecRandomk) {
     std::vector<uint64_t> idx(s.k());
     randomIndices(s.key, round, s.elements, s.k(), idx.data());
@@ -245,6 +318,10 @@ void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
   }
 }
 
+float topkThreshold(const CodecSpec& s, uint64_t round, const float* x) {
+  return candidateThreshold(s, round, x, nullptr, 1.0f);
+}
+
 void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* payload) {
   if (acc.empty()) {
     if (spare_.empty()) {
@@ -252,7 +329,6 @@ void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* paylo
     } else {
       acc = std::move(spare_.back());
       spare_.pop_back();
-      std::fill(acc.begin(), acc.end(), 0.0f);
     }
   }
   decodeAdd(spec_, round, payload, acc.data());
@@ -260,22 +336,28 @@ void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* paylo
 
 transport::Message CodecKey::close(std::vector<float>&& acc, uint64_t round, float scale) {
   if (residual_.empty()) residual_.assign(spec_.elements, 0.0f);
-  float* x = acc.data();
-  const float* residual = residual_.data();
-  if (scale != 1.0f) {
-    for (uint64_t i = 0; i < spec_.elements; ++i) x[i] = x[i] * scale + residual[i];
-  } else {
-    for (uint64_t i = 0; i < spec_.elements; ++i) x[i] += residual[i];
-  }
+  // x = acc * scale + residual is made in the residual's place, where encoding leaves the next residual; acc is
+  // zeroed in the same pass, for the next round.
+  float *x = residual_.data(), *a = acc.data();
   transport::Message out = transport::Message::ofSize(spec_.wireBytes);
-  encode(spec_, round, x, out.data());
-  std::swap(residual_, acc);  // x minus what was sent is the next round's feedback
-  giveBack(std::move(acc));
+  if (spec_.id == kCodecTopk) {
+    encodeTopk(spec_, round, x, a, scale, out.data());
+  } else {
+    for (uint64_t i = 0; i < spec_.elements; ++i) {
+      x[i] = a[i] * scale + x[i];
+      a[i] = 0;
+    }
+    encode(spec_, round, x, out.data());
+  }
+  spare_.push_back(std::move(acc));
   return out;
 }
 
 void CodecKey::giveBack(std::vector<float>&& acc) {
-  if (acc.size() == spec_.elements) spare_.push_back(std::move(acc));
+  if (acc.size() == spec_.elements) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    spare_.push_back(std::move(acc));
+  }
   acc = {};
 }
 

@@ -45,6 +45,9 @@ std::string checkPayload(const CodecSpec& spec, const uint8_t* payload, size_t s
 void decodeAdd(const CodecSpec& spec, uint64_t round, const uint8_t* payload, float* acc);
 // Encode x into `out` (spec.wireBytes), then leave x - decode(out) in x: the residual.
 void encode(const CodecSpec& spec, uint64_t round, float* x, uint8_t* out);
+// Top-k's candidate threshold for x in `round`: only the rows scoring at least it are sorted out for the k largest,
+// unless fewer than k reach it. For the tests, which hold both cases to the reference.
+float topkThreshold(const CodecSpec& spec, uint64_t round, const float* x);
 // Random-k's k distinct indices of round `round`: (a + i * s) mod n, a and s drawn from (key, round).
 void randomIndices(uint64_t key, uint64_t round, uint64_t n, uint64_t k, uint64_t* out);
 
@@ -62,7 +65,7 @@ class CodecKey {
  private:
   CodecSpec spec_;
   std::vector<float> residual_;
-  std::vector<std::vector<float>> spare_;
+  std::vector<std::vector<float>> spare_;  // zeroed accumulators
 };
 
 }  // namespace bps::server

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from torch_bps import _C
 from torch_bps._reference import codecs as ref
-from torch_bps.wire import Codec, Mode, Status, check_codec, codec_wire_bytes, codec_word, random_indices
+from torch_bps.wire import Codec, Mode, Status, _splitmix, check_codec, codec_wire_bytes, codec_word, random_indices
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,6 +111,95 @@ def test_random_indices_agree_and_are_distinct(key, rnd, n, data):
 @given(st.integers(0, 0x3FF), st.integers(0, 400), st.integers(0, 400))
 def test_declarations_are_checked_alike(word, dense, wire):
     assert check_codec(word, dense, wire) == _C._testing.codec_check_declaration(word, dense, wire)
+
+
+def _sampled_rows(rows: int, rnd: int) -> np.ndarray:
+    """The rows whose scores set the server's top-k threshold in round `rnd` (codecs.cpp, candidateThreshold)."""
+    m = min(rows, max(1024, min(rows // 64, 4096)))
+    return np.array([_splitmix(rnd * m + i) % rows for i in range(m)])
+
+
+def _topk_path(word: int, n: int, wire_bytes: int, rnd: int, x: np.ndarray) -> str:
+    """How the server sorts out top-k of x: among the rows reaching its sampled threshold ("candidates"), every row
+    because fewer than k reach it ("fallback"), or every row because every row reaches it ("every row")."""
+    spec = ref.Spec(word, 4 * n, wire_bytes)
+    t = _C._testing.codec_topk_threshold(word, 4 * n, wire_bytes, rnd, x.tobytes())
+    score = np.cumsum(np.abs(x.reshape(spec.rows, spec.width)), axis=1, dtype=np.float32)[:, -1]
+    reached = int(np.count_nonzero(~(score < t)))  # a NaN score counts as +inf
+    if reached == spec.rows:
+        return "every row"
+    return "candidates" if reached >= spec.k else "fallback"
+
+
+def _extremes(gen, spec, rnd):  # width 2: two of +-3e38 in a row score inf, a tie at the top
+    return gen.choice(np.array([3e38, -3e38, 1e-38, 0, 1, -1], np.float32), spec.elements)
+
+
+def _sample_alone(gen, spec, rnd):  # only the sampled rows nonzero: fewer than k rows reach the threshold
+    x = np.zeros(spec.elements, np.float32)
+    x.reshape(spec.rows, spec.width)[_sampled_rows(spec.rows, rnd)] = 1
+    return x
+
+
+def _with_nan(gen, spec, rnd):
+    x = gen.standard_normal(spec.elements).astype(np.float32)
+    x[gen.integers(0, spec.elements, 5)] = np.nan
+    return x
+
+
+TOPK_CASES = {  # name: (width, rows, k, x, the path the server takes)
+    "ties at the threshold": (1, 20000, 200, lambda gen, spec, rnd: gen.integers(-2, 3, spec.elements), "candidates"),
+    "ties, width 3": (3, 6000, 60, lambda gen, spec, rnd: gen.integers(-4, 5, spec.elements) / 2, "candidates"),
+    "all zero": (1, 5000, 50, lambda gen, spec, rnd: np.zeros(spec.elements), "every row"),
+    "fewer than k reach the threshold": (1, 50000, 2000, _sample_alone, "fallback"),
+    "k = rows": (1, 3000, 3000, lambda gen, spec, rnd: gen.standard_normal(spec.elements), "every row"),
+    "k = 1 among extremes": (1, 50000, 1, _extremes, "candidates"),
+    "rows scoring inf": (2, 20000, 100, _extremes, "candidates"),
+    "NaN counts as +inf": (1, 20000, 100, _with_nan, "candidates"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # rows scoring inf
+@pytest.mark.parametrize("case", list(TOPK_CASES))
+def test_topk_of_a_large_key_matches_the_reference_on_every_path(case):
+    width, rows, k, make, path = TOPK_CASES[case]
+    word, n = codec_word(Codec.TOPK, width), rows * width
+    wire_bytes = codec_wire_bytes(word, n, k)
+    spec = ref.Spec(word, 4 * n, wire_bytes, KEY)
+    x = np.asarray(make(np.random.default_rng(0), spec, 1), np.float32)
+    assert _topk_path(word, n, wire_bytes, 1, x) == path
+    out, residual = _C._testing.codec_encode(word, 4 * n, wire_bytes, KEY, 1, x.tobytes())
+    expected_x = x.copy()
+    assert out == ref.encode(spec, 1, expected_x)
+    assert residual == expected_x.tobytes()
+
+
+def test_topk_rounds_of_a_large_key_match_the_reference_on_every_path():
+    """The server's close, which makes x = acc + residual while it scores the rows: a fallback, then ties."""
+    rows, k, workers = 50000, 2000, 3
+    word = codec_word(Codec.TOPK)
+    wire_bytes = codec_wire_bytes(word, rows, k)
+    spec = ref.Spec(word, 4 * rows, wire_bytes, KEY)
+    native, reference = probe(word, rows, wire_bytes, workers), ref.CodecKey(spec)
+    gen = np.random.default_rng(1)
+    sampled = np.resize(_sampled_rows(rows, 0), k)  # round 0: every push on the sampled rows alone
+    paths = []
+    for rnd in range(3):
+        pushes = []
+        for _ in range(workers):
+            chosen = sampled if rnd == 0 else np.sort(gen.choice(rows, k, replace=False))
+            values = gen.choice([-2, -1, 1, 2], k) if rnd == 1 else gen.standard_normal(k)
+            pushes.append(chosen.astype(np.uint32).tobytes() + values.astype(np.float32).tobytes())
+        x = np.zeros(rows, np.float32)
+        for p in pushes:
+            ref.decode_add(spec, rnd, p, x)
+        paths.append(_topk_path(word, rows, wire_bytes, rnd, x + reference.residual))
+        for w, p in enumerate(pushes):
+            assert native.push(w, rnd, p, 0)[0] == 0
+        expected = reference.round(pushes, rnd)
+        for w in range(workers):
+            assert native.pull(w, rnd, w, 0, wire_bytes)[2] == [(w, Status.OK, expected, 0)], f"round {rnd}"
+    assert paths == ["fallback", "candidates", "candidates"]
 
 
 def _hostile(word, n, wire_bytes, payload, expected_text):
