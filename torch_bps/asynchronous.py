@@ -81,12 +81,15 @@ class AsyncTraining:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         bad = sorted({str(p.dtype) for p in self.params if p.dtype not in (torch.float32, torch.float64)})
-        if bad or any(p.device.type != "cpu" for p in self.params):
-            raise ValueError(f"AsyncTraining: CPU float32/float64 parameters only (got {', '.join(bad) or 'CUDA'})")
+        devices = sorted({str(p.device) for p in self.params})
+        if bad or len(devices) > 1:
+            raise ValueError(f"AsyncTraining: float32/float64 parameters on one device only (got "
+                             f"{', '.join(bad or devices)})")  # fmt: skip
         with torch.no_grad():
             for p in self.params:  # replicas start equal
                 dist.broadcast(p.data, dist.get_global_rank(self.group, 0), group=self.group)
-        # Per dtype: the parameters' flat layout, the initial model, and the parameters as last set.
+        # Per dtype: the parameters' flat layout, the initial model, and the parameters as last set (on the host,
+        # where the servers' total arrives; device parameters are copied out and back each step).
         self._groups = {}
         for p in self.params:
             self._groups.setdefault(p.dtype, []).append(p)
@@ -164,7 +167,7 @@ class AsyncTraining:
 
     @staticmethod
     def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in params])
+        return torch.cat([p.detach().reshape(-1) for p in params]).cpu()
 
 
 class _Round:

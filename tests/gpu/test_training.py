@@ -1,5 +1,5 @@
 """DDP on the device: training through "byteps" and through bps_hook equals gloo's, the optimizer stays on the
-device, and a failed bucket raises (nothing hangs).
+device, and a failed bucket raises (nothing hangs). AsyncTraining of device parameters keeps every update once.
 
 World 2 and 4 processes share the one GPU (tests.helpers.run_ranks), laid out as machines as in
 test_collectives.py. The reference is DDP on a gloo group of the
@@ -126,6 +126,37 @@ def test_ddp_on_device_matches_gloo(layout):
     failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
     print(f"{layout}: largest gradient deviation from gloo {max(max(w.values()) for _, w in results):.3g}")
+
+
+def _async(rank, world, gloo, device, address, overlap):
+    """AsyncTraining of a parameter on the device: rank r's gradient is world * (r + 1) on element r, SGD with
+    momentum 0.5 (its buffer on the device), so its t-th update is -(r + 1) * (2 - 2^-t): every sum exact in fp32."""
+    p = nn.Parameter(torch.zeros(world, device=device))
+    opt = torch.optim.SGD([p], lr=1.0, momentum=0.5)
+    config = torch_bps.Config.resolve(servers=(address,), placement="dedicated", failover=False, auth="off")
+    trainer = torch_bps.AsyncTraining(nn.ParameterList([p]), opt, staleness=1, overlap=overlap, config=config)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (world * (rank + 1) * p[rank]).backward()
+        trainer.step()
+    trainer.flush()
+    torch.distributed.barrier(group=gloo)
+    trainer.flush()
+    trainer.close()
+    return str(p.device), p.detach().cpu().tolist(), _optimizer_on_device(opt, device)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["wait", "overlap"])
+def test_async_training_of_device_parameters_keeps_every_update(overlap):
+    server = ServerProcess(auth=False)
+    try:
+        results = run_ranks(_async, 2, DEVICE, server.address, overlap, backend="gloo", timeout=200)
+    finally:
+        server.stop()
+    for where, model, wrong in results:
+        assert torch.device(where) == torch.device(DEVICE)
+        assert model == [-(r + 1) * sum(2 - 2.0**-t for t in range(STEPS)) for r in range(2)], model
+        assert not wrong, wrong
 
 
 # --- Faults: the summation server dies mid-training; every rank raises, none hangs ---------------------------
