@@ -11,10 +11,12 @@ measured in the same run.
   written, the kernel's against the copy's (target: >= 0.8).
 - device_local_stage: `torch_bps.local.device.DeviceLocalComm` between `world` processes on GPU 0 (CUDA IPC): a
   reduce-scatter (fp32 in, bf16 out, AVG) and an all-gather.
-- allreduce: `dist.all_reduce` on "byteps" with CUDA tensors against the same on CPU tensors and against gloo
-  with CUDA tensors; `world` processes share GPU 0.
-- ddp: one training step of an MLP with DDP on the device, over "byteps" (the summation service: an embedded
-  server on this machine), over gloo (no service), and without DDP in one process (no communication at all).
+- allreduce: `dist.all_reduce` on "byteps" with CUDA tensors (ranks as machines of their own; and as one machine,
+  k = 0, whose local stages run on the device: pg/device_local.py) against the same on CPU tensors and against
+  gloo with CUDA tensors; `world` processes share GPU 0.
+- ddp: one training step of an MLP with DDP on the device, over "byteps" as one machine (k = 0: the local stages
+  on the device; target: within 1.15x of no communication) and as machines of one rank (an embedded server each),
+  over gloo (no service), and without DDP in one process (no communication at all).
 
 Usage: python benchmarks/gpu.py [--quick] [--device cuda|cpu] [--json out.json]
 `--device cpu` is a dry run of the script (the staging and kernel sections need CUDA and are left out).
@@ -179,13 +181,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(fn, rank: int, world: int, port: int, backend: str, args: tuple, results) -> None:
+def _rank(fn, rank: int, world: int, port: int, backend: str, local: int, args: tuple, results) -> None:
     import torch.distributed as dist
 
     import torch_bps  # noqa: F401 - registers "byteps"
 
-    # Every rank a machine of its own, as torchrun says on N nodes: the sums go through the (embedded) servers.
-    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), GROUP_WORLD_SIZE=str(world))
+    # Machines of `local` ranks, as torchrun says: with 1 every rank is a machine of its own and the sums go through
+    # the (embedded) servers; with `world` the one machine's local stages make them (k = 0).
+    os.environ.update(LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
+                      GROUP_WORLD_SIZE=str(world // local))  # fmt: skip
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))  # fmt: skip
@@ -197,12 +201,14 @@ def _rank(fn, rank: int, world: int, port: int, backend: str, args: tuple, resul
         results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
 
 
-def _run(fn, world: int, backend: str, *args, timeout: float = 600) -> dict:
-    """Run fn(rank, world, *args) in `world` spawned processes on `backend`; return rank 0's result."""
+def _run(fn, world: int, backend: str, *args, local: int = 1, timeout: float = 600) -> dict:
+    """Run fn(rank, world, *args) in `world` spawned processes on `backend`, machines of `local` ranks; return rank
+    0's result."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(fn, r, world, port, backend, args, results)) for r in range(world)]
+    job = (port, backend, local, args, results)
+    procs = [ctx.Process(target=_rank, args=(fn, r, world, *job)) for r in range(world)]
     for p in procs:
         p.start()
     outs = {}
@@ -273,14 +279,28 @@ def _ddp_step(rank: int, world: int, device: str, width: int, depth: int, batch:
         opt.step()
 
     params = sum(p.numel() for p in model.parameters())
-    return {"s_per_step": _median_seconds(step, iters, device, warmup=3), "parameters": params}
+    out = {"s_per_step": _median_seconds(step, iters, device, warmup=3), "parameters": params}
+    return {**out, "local_stage": _local_stage_path(device)} if world > 0 else out
+
+
+def _local_stage_path(device: str) -> str:
+    """Where this rank's local stages ran on "byteps": on the device, on the host (CPU-assisted), or none."""
+    import torch_bps
+    from torch_bps.pg.device_local import stage_for
+
+    impl = torch_bps.implementation()
+    if impl is None or impl.runtime.topology.local_size == 1:
+        return "none"
+    return "device" if device.startswith("cuda") and stage_for(impl.runtime, torch.device(device)) else "host"
 
 
 def bench_allreduce(device: str, world: int, sizes_mb: list[int], iters: int) -> list[dict]:
-    """ms per all_reduce: "byteps" on `device` tensors, on host tensors, and gloo on `device` tensors."""
-    runs = {"byteps_device": ("byteps", device), "byteps_host": ("byteps", "cpu"), "gloo_device": ("gloo", device)}
-    timings = {name: _run(_allreduce_times, world, backend, dev, sizes_mb, iters)
-               for name, (backend, dev) in runs.items()}  # fmt: skip
+    """ms per all_reduce: "byteps" on `device` tensors (machines of one rank; and one machine, k = 0: the local
+    stages on the device), on host tensors, and gloo on `device` tensors."""
+    runs = {"byteps_device": ("byteps", device, 1), "byteps_device_one_machine": ("byteps", device, world),
+            "byteps_host": ("byteps", "cpu", 1), "gloo_device": ("gloo", device, 1)}  # fmt: skip
+    timings = {name: _run(_allreduce_times, world, backend, dev, sizes_mb, iters, local=local)
+               for name, (backend, dev, local) in runs.items()}  # fmt: skip
     rows = []
     for size in sizes_mb:
         t = {name: timings[name][size] for name in runs}
@@ -294,13 +314,20 @@ def bench_allreduce(device: str, world: int, sizes_mb: list[int], iters: int) ->
 
 
 def bench_ddp(device: str, world: int, width: int, depth: int, batch: int, iters: int) -> dict:
+    """One step: without DDP (no communication), DDP on "byteps" as one machine (k = 0: the local stages only, on
+    the device where the ranks share it) and as machines of one rank (the embedded servers), and on gloo."""
     alone = _ddp_step(0, 0, device, width, depth, batch, iters)  # this process, no DDP: no communication
+    one_machine = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters, local=world)
     byteps = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters)
     gloo = _run(_ddp_step, world, "gloo", device, width, depth, batch, iters)
     row = {"world": world, "parameters": alone["parameters"], "batch_per_rank": batch,
-           "no_ddp_s": alone["s_per_step"], "byteps_s": byteps["s_per_step"], "gloo_s": gloo["s_per_step"],
+           "no_ddp_s": alone["s_per_step"], "byteps_one_machine_s": one_machine["s_per_step"],
+           "one_machine_local_stage": one_machine["local_stage"],
+           "one_machine_vs_no_ddp": one_machine["s_per_step"] / alone["s_per_step"],
+           "byteps_s": byteps["s_per_step"], "gloo_s": gloo["s_per_step"],
            "byteps_vs_gloo": gloo["s_per_step"] / byteps["s_per_step"]}  # fmt: skip
-    print("ddp " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    print("ddp " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+          flush=True)  # fmt: skip
     return row
 
 

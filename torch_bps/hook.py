@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from torch_bps.config import Config
 from torch_bps.pg import sparse
-from torch_bps.pg.device import pipeline_for
+from torch_bps.pg.device_local import route
 from torch_bps.pg.staging import Staged
 from torch_bps.pg.work import Transfer, launch, launch_staged
 from torch_bps.process_group import implementation
@@ -149,13 +149,12 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         return sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size, launch_here, plain_sum,
                                  buffer, state.sparse_room).get_future()  # fmt: skip
     runs = state.segments(bucket, runtime.config)
-    if buffer.is_cuda and not any(compress for *_, compress in runs) and runtime.cannot_stage(buffer) is None:
-        # One partition at a time through pinned host memory on a side stream, copies overlapping pushes
+    stager = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
+    if stager is not None:
+        # The local stages on the device, or one partition at a time through pinned host memory on a side stream
         # (docs/gpu.md). DDP calls its hook from one thread, so buckets reach the engine in one order on every rank.
-        buffer.div_(runtime.world_size)  # on the caller's stream: the staging's copies wait for it
-        return launch_staged(runtime, "bps_hook", buffer, pipeline_for(runtime, buffer.device), buffer, where=where,
-                             timeout=runtime.config.timeout, priority=bucket.index(),
-                             device=buffer.device).get_future()  # fmt: skip
+        return launch_staged(runtime, "bps_hook", buffer, stager, buffer, average=True, where=where,
+                             timeout=runtime.config.timeout, priority=bucket.index()).get_future()  # fmt: skip
     staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     staged.flat.div_(runtime.world_size)
     transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 from torch_bps.pg import sparse, staging
-from torch_bps.pg.device import pipeline_for
+from torch_bps.pg.device_local import route
 from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import (
     BACKEND,
@@ -118,25 +118,20 @@ class BackendBPS:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
         if (stager := self._stager(t, op)) is not None:
-            return self._launch_staged(t, op, stager, tensors)
+            with self._launch_lock:
+                self._launched += 1
+                return launch_staged(self.runtime, "allreduce", t.detach().view(-1), stager, tensors,
+                                     average=op == "AVG", where=self._where(), timeout=self._timeout,
+                                     priority=self._launched)  # fmt: skip
         s = Staged("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
 
     def _stager(self, t: torch.Tensor, op: str):
-        """The PartitionPipeline that stages `t` one partition at a time (docs/gpu.md), or None: a contiguous CUDA
-        tensor of floats, summed or averaged, on a runtime that can take it (`Runtime.cannot_stage`)."""
+        """How a contiguous CUDA tensor of floats, summed or averaged, is staged (pg.device_local.route: the local
+        stages on the device, or a partition at a time; docs/gpu.md), or None: staged whole."""
         if not (t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point and op in ("SUM", "AVG")):
             return None
-        return pipeline_for(self.runtime, t.device) if self.runtime.cannot_stage(t.view(-1)) is None else None
-
-    def _launch_staged(self, t: torch.Tensor, op: str, stager, result) -> dist.Work:
-        flat = t.detach().view(-1)
-        if op == "AVG":
-            flat.div_(self.size())  # first, as `_reduction` does, on the caller's stream: the staging waits for it
-        with self._launch_lock:
-            self._launched += 1
-            return launch_staged(self.runtime, "allreduce", flat, stager, result, where=self._where(),
-                                 timeout=self._timeout, priority=self._launched, device=t.device)  # fmt: skip
+        return route(self.runtime, t)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""

@@ -74,6 +74,7 @@ class Runtime:
         self._engine = engine
         self._client = client
         self._local_channels = local_channels
+        self._device_channels: list = []  # DeviceLocalComm channels opened (open_device_channels)
         self._server_proc = server_proc
         self._secret = ""  # the job's secret, which its credentials derive from; set by create()
         # Bytes go to dedicated servers, which sets the default credit (Config.credit); set by create(). Chosen
@@ -208,9 +209,11 @@ class Runtime:
         items = tensors if mode == Mode.SUM else [Exchange(t, mode) for t in tensors]
         self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
-    def run_staged(self, tensor: torch.Tensor, stager, done, *, priority: int = 0) -> None:
+    def run_staged(self, tensor: torch.Tensor, stager, done, *, priority: int = 0, sliced: bool = False,
+                   prepare=None) -> None:  # fmt: skip
         """Sum a device tensor in place one partition at a time through `stager` (pg.device.PartitionPipeline), then
-        `done(error or None)`; see PushPullEngine.run_staged, and `cannot_stage` for what it takes."""
+        `done(error or None)`; see PushPullEngine.run_staged (`sliced`, `prepare`: the device local stage), and
+        `cannot_stage` for what it takes."""
 
         def finish(error: BaseException | None) -> None:
             if error is not None:
@@ -218,11 +221,38 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), priority=priority)
+        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), priority=priority,
+                                sliced=sliced, prepare=prepare)  # fmt: skip
 
-    def cannot_stage(self, tensor: torch.Tensor) -> str | None:
+    def cannot_stage(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
         """Why `run_staged` cannot take `tensor` (None: it can)."""
-        return self._engine.cannot_stage(tensor)
+        return self._engine.cannot_stage(tensor, sliced)
+
+    @property
+    def alone(self) -> bool:
+        """This machine is the whole job: its local stages make every sum, nothing goes to a server."""
+        return self._engine.alone
+
+    def open_device_channels(self, device: torch.device, capacity_bytes: int = 64 << 20):
+        """The machine's local ranks' channels on `device` (reduce-scatter, all-gather: local/device.py), or None:
+        one local rank per worker, or devices that cannot share memory (the CPU-assisted path; the log says which).
+        Collective among the machine's local ranks, each at its first collective on the device; closed with the
+        runtime."""
+        if self._local_channels is None:
+            return None
+        from torch_bps.local.device import open_local_stage
+
+        t = self.topology
+        channels = [open_local_stage(self._store, t.local_rank, t.local_size, f"{t.node_rank}-{stage}", device,
+                                     capacity_bytes=capacity_bytes, timeout=self.config.timeout)
+                    for stage in ("rs", "ag")]  # fmt: skip
+        if None in channels:
+            for channel in channels:
+                if channel is not None:
+                    channel.close()
+            return None
+        self._device_channels.extend(channels)
+        return tuple(channels)
 
     def take_behind(self) -> int:
         """Backup workers: how many rounds past one this worker pulled had already closed, since the last call."""
@@ -296,7 +326,7 @@ class Runtime:
             self._engine.router.close()
         self._timeline.close()
         self._client.close()
-        for channel in self._local_channels or ():
+        for channel in [*(self._local_channels or ()), *self._device_channels]:
             channel.close()
         for proc in [self._server_proc, *self._fallback_procs]:
             if proc is None:

@@ -30,7 +30,9 @@ def _staged_sums(rank, world, gloo):
     for step in range(3):
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
         assert rt.cannot_stage(staged) is None, rt.cannot_stage(staged)
-        work = launch_staged(rt, "allreduce", staged, pipe, [staged], where="in a test", timeout=60, priority=step)
+        work = launch_staged(
+            rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60, priority=step
+        )
         dist.all_reduce(plain)  # launched behind it, on the same runtime
         work.wait()
         for t, salt in ((staged, step), (plain, step + 10)):

@@ -13,6 +13,7 @@ Dry run on CPU: TORCH_BPS_TEST_DEVICE=cpu (not a GPU result).
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -82,6 +83,12 @@ def _reductions(rank, world, gloo, device):
         t = _data(rank, dtype).to(device)
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         _check(f"all_reduce AVG {dtype}", t, ref / world, device, failures)
+    if device.startswith("cuda") and int(os.environ["LOCAL_WORLD_SIZE"]) > 1:  # these took the device local stage
+        from torch_bps import implementation
+        from torch_bps.pg.device_local import stage_for
+
+        if stage_for(implementation().runtime, torch.device(device)) is None:
+            failures.append("the local stages took the host path: processes on one GPU must share its memory (IPC)")
     # Non-contiguous and complex on the device: staged through a copy / seen as real pairs.
     base = _data(rank, torch.float32, 2 * N).to(device)
     strided = base[::2]

@@ -109,6 +109,7 @@ class _Op:
     network_ended: bool = False
     pull_only: bool = False  # push nothing, pull the rounds' sums (a worker catching up on backup rounds)
     stage_span: Done | None = None  # closes the profiler span of the local stage under way (_run_stage)
+    sliced: bool = False  # a staged slice whose local stages run on the device (run_staged): none to gather here
 
 
 class PushPullEngine:
@@ -222,42 +223,53 @@ class PushPullEngine:
         if lead:  # outside the lock: another thread may launch the next collective meanwhile
             self._lead(op)
 
-    def run_staged(self, tensor: torch.Tensor, stager, done: Done, *, priority: int = 0) -> None:
+    def run_staged(self, tensor: torch.Tensor, stager, done: Done, *, priority: int = 0, sliced: bool = False,
+                   prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Sum a device tensor in place, one partition at a time through `stager` (a pg.device.PartitionPipeline):
         each partition is copied to a pinned slot, pushed and pulled on its own, and copied back, the copy of the
         next one overlapping its push; then `done(error or None)`. Returns at once.
 
-        One local rank per machine, a tensor that travels as its own dtype (no wire cast); every rank calls it for
-        the same collective. Collectives launched while partitions are still to be handed over wait behind them
+        A tensor that travels as its own dtype (no wire cast); every rank calls it for the same collective. One local
+        rank per machine, or with `sliced` several, whose local stages ran on the device (pg/device_local.py): then
+        only this local rank's slice goes out, already summed over the machine by `prepare`, which the stager runs
+        first on its thread. Collectives launched while partitions are still to be handed over wait behind them
         (`_schedule`), so every key's rounds reach the client in one order on every rank.
         """
-        if (why := self.cannot_stage(tensor)) is not None:
+        if (why := self.cannot_stage(tensor, sliced)) is not None:
             raise ValueError(f"run_staged: {why}")
         done = span(lambda: _span_name("collective (staged sum)", [Exchange(tensor)]), done)
         with self._lock:
             if self._stager is not None and self._stager is not stager:
                 raise ValueError("one PushPullEngine stages through one PartitionPipeline")
             self._stager = stager
-            plan = self.keys.plan(tensor.numel(), tensor.dtype, Mode.SUM)[0]
-            op = _Op([Exchange(tensor)], [plan], priority, done)
-            with self._state:
-                op.sent_at = time.monotonic()
-                self._in_network[id(op)] = op
-                self._start_stall_check()
+            mine = self.local_rank if sliced else 0
+            plan = self.keys.plan(tensor.numel(), tensor.dtype, Mode.SUM)[mine]
+            base = self._slice_range(tensor.numel())[0] if sliced else 0
+            op = _Op([Exchange(tensor)], [plan], priority, done, sliced=sliced)
 
             def push(i: int, host: torch.Tensor, pulled: Done) -> None:
+                if i == 0:  # the network stage begins (after `prepare`, which may wait for the local peers)
+                    with self._state:
+                        op.sent_at = time.monotonic()
+                        if not op.ending:
+                            self._in_network[id(op)] = op
+                        self._start_stall_check()
                 p = plan[i]
                 self._submit(
                     [Partition(host, p.key, p.server, host, Mode.SUM, p.numel, 0, 0)], priority, pulled, pulled
                 )
 
-            stager.start(tensor, [(p.start, p.start + p.numel) for p in plan], push,
-                         lambda error: self._network_done(op, error))  # fmt: skip
+            stager.start(tensor, [(base + p.start, base + p.start + p.numel) for p in plan], push,
+                         lambda error: self._network_done(op, error), prepare=prepare)  # fmt: skip
 
-    def cannot_stage(self, tensor: torch.Tensor) -> str | None:
-        """Why `run_staged` cannot take `tensor`, or None if it can."""
-        if self.local_channels is not None or self.alone:
-            return "it takes one local rank per machine, with servers to reach"
+    def cannot_stage(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
+        """Why `run_staged` cannot take `tensor` (with `sliced`: this local rank's slice of it), or None if it can."""
+        if self.alone:
+            return "the machine is the whole job: there are no servers to reach"
+        if self.local_channels is not None and not sliced:
+            return "with several local ranks a machine stages its slices, summed on the device, only (sliced)"
+        if sliced and self.local_channels is None:
+            return "sliced takes several local ranks per machine"
         if tensor.dim() != 1 or not tensor.is_contiguous():
             return f"it takes a 1-D contiguous tensor, got shape {tuple(tensor.shape)}, stride {tensor.stride()}"
         if travels_as(tensor, Mode.SUM, self.wire_dtype) != tensor.dtype:
@@ -520,7 +532,7 @@ class PushPullEngine:
             self._cast_back(op)  # before network_ended: a gatherer must find the sum in the caller's tensor
         with self._state:
             op.network_ended = True
-            if self.local_channels is None:
+            if self.local_channels is None or op.sliced:
                 gather = False
             elif threading.get_ident() == self._rs_holder:
                 return  # the holder of the reduce-scatter channel gathers it when it may (_lead, _after_reduce_scatter)

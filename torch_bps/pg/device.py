@@ -126,6 +126,7 @@ class _Job:
     push: Push
     done: Done
     ready: object  # the event recorded on the caller's stream at start
+    prepare: Callable[[], None] | None = None
     error: BaseException | None = None
     returned: int = 0  # partitions whose sums were queued for the copy back
     pushed: int = 0
@@ -160,9 +161,12 @@ class PartitionPipeline:
         self._thread = threading.Thread(target=self._loop, name="bps-stage-out", daemon=True)
         self._thread.start()
 
-    def start(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], push: Push, done: Done) -> None:
+    def start(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], push: Push, done: Done, *,
+              prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Queue `tensor` (1-D, contiguous, on `device`): each [lo, hi) of `bounds` is copied to a pinned slot,
-        pushed, and its pulled sum copied back into the tensor; then `done(error or None)`. Returns at once."""
+        pushed, and its pulled sum copied back into the tensor; then `done(error or None)`. Returns at once.
+        `prepare` runs first, on the staging thread with the side stream current, after the caller's stream's work
+        (the device local reduce-scatter: pg/device_local.py); if it raises, the tensor fails with its error."""
         for lo, hi in bounds:
             if (hi - lo) * tensor.element_size() > self.pool.slot_bytes:
                 raise ValueError(f"partition [{lo}, {hi}) of {hi - lo} x {tensor.element_size()} bytes exceeds the "
@@ -172,7 +176,7 @@ class PartitionPipeline:
         self._ops.record_stream(tensor, self._stream)  # the caller may drop it while copies are queued
         with self._lock:
             self._pending += 1
-        self._jobs.put(_Job(tensor, list(bounds), push, done, ready))
+        self._jobs.put(_Job(tensor, list(bounds), push, done, ready, prepare))
 
     def pending(self) -> int:
         """Tensors started (and `after` calls) whose partitions have not all been handed to `push` yet."""
@@ -208,6 +212,9 @@ class PartitionPipeline:
 
     def _stage_out(self, job: _Job) -> None:
         self._ops.wait_event(self._stream, job.ready)  # the copies see everything the caller's stream wrote
+        if job.prepare is not None:
+            with self._ops.on_stream(self.device, self._stream):
+                job.prepare()
         if not job.bounds:
             self._end(job, None)
             return

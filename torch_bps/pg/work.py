@@ -9,8 +9,8 @@ The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join cal
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
 the C++ future, so C++ consumers see an error rather than an exception object posing as a tensor.
 
-May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device;
-torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
+May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device,
+torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
 from torch_bps.pg.device import completion_context
+from torch_bps.pg.device_local import DeviceLocalStage
 from torch_bps.wire import Mode
 
 
@@ -74,23 +75,31 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
     return make_work(future, timeout, f"{op} {where}")
 
 
-def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, where: str, timeout: float,
-                  priority: int = 0, device: torch.device | None = None) -> dist.Work:  # fmt: skip
-    """Sum `tensor` (1-D, contiguous, on `device`) in place over the group, one partition at a time through `stager`
-    (pg.device.PartitionPipeline: copied to the host, pushed, pulled and copied back, overlapped), and complete the
-    Work's future with `result`. The caller holds the group's launch lock; `runtime.cannot_stage(tensor)` is None.
+def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, average: bool, where: str,
+                  timeout: float, priority: int = 0) -> dist.Work:  # fmt: skip
+    """Sum (`average`: average) `tensor` (1-D, contiguous, floats on a CUDA device) in place over the group through
+    `stager`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
+    (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
+    machine: copied to the host, pushed, pulled and copied back, a partition at a time, overlapped). The caller
+    holds the group's launch lock.
 
-    Example: `launch_staged(rt, "allreduce", grad.view(-1), pipe, [grad], where="on group 0", timeout=60,
-    device=grad.device)`.
+    Example: `launch_staged(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
+    where="on group 0", timeout=60)`.
     """
-    on_device = device is not None and device.type != "cpu"
-    future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
+    device = tensor.device
+    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()  # (tests: CPU)
 
     def done(error: BaseException | None) -> None:
-        with completion_context(device if on_device else None):  # the stager calls it with its side stream current
+        with completion_context(device):  # the stager calls it with its side stream current
             _settle(future, result, error, f"{op} {where}")
 
-    runtime.run_staged(tensor, stager, done, priority=priority)
+    scale = 1.0 / runtime.world_size if average else 1.0
+    if isinstance(stager, DeviceLocalStage):
+        stager.launch(tensor, scale, done, priority=priority)  # the scale fused into the local reduce-scatter
+    else:
+        if average:
+            tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
+        runtime.run_staged(tensor, stager, done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
 
 

@@ -1,0 +1,114 @@
+"""pg/device_local.py between real processes: machines of two local ranks whose local stages run "on the device"
+(DeviceLocalComm's CPU stand-in: /dev/shm buffers, no streams), each rank staging only its slice through a
+PartitionPipeline (a recording stand-in for torch.cuda) to real servers, beside ordinary collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+CAPACITY = 16 << 10  # bytes per channel: a slice of a few thousand fp32 takes several device rounds
+
+
+def _data(rank: int, n: int, salt: int) -> torch.Tensor:
+    return (torch.arange(n) % 11 * (rank + 1) + salt).float()  # every sum and the halving below are exact
+
+
+def _stage(rt, ops):
+    from tests.backend.test_device_staging import DEVICE
+    from torch_bps.local.device import DeviceLocalComm
+    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.pg.device_local import DeviceLocalStage
+
+    store, t = dist.distributed_c10d._get_default_store(), rt.topology
+    channels = [DeviceLocalComm(store, t.local_rank, t.local_size, f"test-{t.node_rank}-{c}", "cpu",
+                                capacity_bytes=CAPACITY, timeout=60) for c in ("rs", "ag")]  # fmt: skip
+    reduce_scatter, streams = channels[0].reduce_scatter, []
+
+    def recorded(*args, **kwargs):  # which stream the reduce-scatter ran under
+        streams.append(ops.current_stream(DEVICE))
+        return reduce_scatter(*args, **kwargs)
+
+    channels[0].reduce_scatter = recorded
+    pipe = PartitionPipeline(DEVICE, rt.config.partition_bytes, 2, ops=ops, timeout=60)
+    return DeviceLocalStage(rt, DEVICE, channels, pipe, ops=ops), channels, pipe, streams
+
+
+def _sums(rank, world, gloo):
+    import torch_bps
+    from tests.backend.test_device_staging import RecordingOps
+    from torch_bps.pg.work import launch_staged
+    from torch_bps.process_group import BackendBPS
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    ops = RecordingOps()
+    stage, channels, pipe, streams = _stage(rt, ops)
+    n = 3 * rt.config.partition_bytes // 2 + 5  # every slice several partitions, the last a few elements
+    failures, outcome = [], {}
+    for step in range(3):
+        op = ("SUM", "AVG")[step % 2]
+        staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
+        work = launch_staged(rt, "allreduce", staged, stage, [staged], average=op == "AVG", where="in a test",
+                             timeout=60, priority=step)  # fmt: skip
+        dist.all_reduce(plain)  # launched behind it, on the same runtime: the host local stages
+        work.wait()
+        want = sum(_data(r, n, step) for r in range(world)) / (world if op == "AVG" else 1)
+        want_plain = sum(_data(r, n, step + 10) for r in range(world))
+        for name, t, w in (("staged", staged, want), ("plain", plain, want_plain)):
+            if not torch.equal(t, w):
+                failures.append(f"step {step} {op} {name}: {(t - w).abs().max()}")
+    # Through the backend's own all_reduce, as a CUDA tensor would go.
+    BackendBPS._stager = lambda self, t, op: stage if op in ("SUM", "AVG") and t.dim() == 1 else None
+    t = _data(rank, n, 99)
+    dist.all_reduce(t, dist.ReduceOp.AVG)
+    if not torch.equal(t, sum(_data(r, n, 99) for r in range(world)) / world):
+        failures.append("backend all_reduce AVG")
+    outcome["staged"] = sum(e[3] for e in ops.log if e[:3] == ("copy", "side", "d2h"))
+    outcome["slice"] = 4 * channels[0].slice_range(n)[1] - 4 * channels[0].slice_range(n)[0]
+    outcome["streams"] = set(streams)
+    stage.close()
+    pipe.close()
+    return failures, outcome
+
+
+@pytest.mark.parametrize("machines", [2, 1], ids=["two-machines", "one-machine-alone"])
+def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_gets_the_whole_sum(machines):
+    results = run_ranks(_sums, 2 * machines, env={"LOCAL_WORLD_SIZE": "2"}, timeout=160)
+    for rank, (failures, outcome) in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+        assert outcome["streams"] == {"side"}, "the reduce-scatter runs on the stager's side stream"
+        # 4 collectives; alone, nothing goes to a server: nothing is staged at all.
+        want = 0 if machines == 1 else 4 * outcome["slice"] // 4
+        assert outcome["staged"] == want, f"rank {rank} staged {outcome['staged']} elements, its slices {want}"
+
+
+def _mismatch(rank, world, gloo):
+    import torch_bps
+    from tests.backend.test_device_staging import RecordingOps
+    from torch_bps.local import LocalInputError
+    from torch_bps.pg.work import launch_staged
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    # Tensors that are not on a GPU never share device memory: the machine takes the CPU-assisted path.
+    assert rt.open_device_channels(torch.device("cpu")) is None
+    stage, _, pipe, _ = _stage(rt, RecordingOps())
+    t = torch.ones(100 + rank)  # the local ranks disagree on the size
+    work = launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60)
+    try:
+        work.wait()
+    except LocalInputError as e:
+        return str(e)
+    finally:
+        stage.close()
+        pipe.close()
+    return "no error"
+
+
+def test_local_ranks_that_disagree_both_get_a_clear_error():
+    for message in run_ranks(_mismatch, 2, env={"LOCAL_WORLD_SIZE": "2"}, timeout=100):
+        assert "local ranks disagree" in message and "numel=100" in message and "numel=101" in message, message

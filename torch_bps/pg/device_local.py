@@ -1,0 +1,166 @@
+"""A collective's local stages on the device, when a machine's local ranks share device memory (paper, section 4.2).
+
+For a CUDA tensor summed or averaged over a group whose machines have several local ranks, on devices that can
+map each other's memory (local/device.py's `open_local_stage`):
+
+    reduce-scatter on the device (the fused kernel sums the peers' slices; an AVG's scale is fused into it)
+    -> this rank's slice staged one partition at a time to the servers and back (engine.run_staged, sliced)
+    -> all-gather on the device (copies from the peers' buffers) -> the Work completes
+
+Every local rank must meet the others in each channel in the same order. The reduce-scatters run on the stager's
+thread (its `prepare`: one thread, submission order, right before the slice's copies to the host); the
+all-gathers on this stage's thread, in submission order, each once its collective's network stage ended. Two
+threads and two channels: a rank waiting in an all-gather never holds up a reduce-scatter a peer's network stage
+needs. When the machine is the whole job nothing is staged: the two local stages make the sum.
+
+`route` picks a CUDA tensor's path: this stage, the one-rank `PartitionPipeline` (pg/device.py), or None (whole-
+tensor staging and the host local stages: the CPU-assisted path).
+May import: torch, torch_bps.errors, torch_bps.pg.cuda_ops, torch_bps.pg.device.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from torch_bps.errors import BpsError
+from torch_bps.pg.cuda_ops import CudaOps
+from torch_bps.pg.device import Done, PartitionPipeline, cuda_ops, pipeline_for
+
+_stages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: DeviceLocalStage | None}
+_stages_lock = threading.Lock()
+
+
+@dataclass
+class _Job:
+    flat: torch.Tensor
+    lo: int  # this local rank's slice [lo, hi)
+    hi: int
+    done: Done
+    ended: bool = False  # its network stage ended (or, alone, its reduce-scatter)
+    error: BaseException | None = None
+
+
+class DeviceLocalStage:
+    """Sum CUDA tensors over the group with the machine's local stages on the device.
+
+    Args:
+        runtime: the group's Runtime (`run_staged`, `alone`).
+        device: the tensors' device.
+        channels: (reduce-scatter, all-gather) DeviceLocalComm channels of the machine's local ranks.
+        stager: the PartitionPipeline of `device` (its thread runs the reduce-scatters).
+        ops: stream operations (default torch.cuda; tests pass CPU stand-ins).
+
+    Example: `stage.launch(grad.view(-1), 1 / world, done)`; `done(error or None)` runs on this stage's completion
+    thread with the side stream current, after the all-gather's copies were queued on it.
+    """
+
+    def __init__(self, runtime, device: torch.device, channels, stager: PartitionPipeline, ops: CudaOps | None = None):
+        self.device = torch.device(device)
+        self._runtime = runtime
+        self._rs, self._ag = channels
+        self._stager = stager
+        self._ops = ops or cuda_ops()
+        self._stream = self._ops.side_stream(self.device)
+        self._order: deque[_Job] = deque()  # launched, not yet gathered: submission order
+        self._cv = threading.Condition()
+        self._closed = False
+        self._completions: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._gather_loop, name="bps-device-ag", daemon=True),
+            threading.Thread(target=self._complete_loop, name="bps-device-done", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def launch(self, flat: torch.Tensor, scale: float, done: Done, *, priority: int = 0) -> None:
+        """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
+        Every rank calls it for the same collective, under the group's launch lock. Returns at once."""
+        lo, hi = self._rs.slice_range(flat.numel())
+        job = _Job(flat, lo, hi, done)
+        with self._cv:
+            if self._closed:
+                raise BpsError(f"the device local stage on {self.device} is closed")
+            self._order.append(job)
+        prepare = functools.partial(self._rs.reduce_scatter, flat, out=flat[lo:hi], scale=scale)
+        ended = functools.partial(self._network_ended, job)
+        try:
+            if self._runtime.alone:  # no slice to stage: the stager's thread runs the reduce-scatter, in order
+                self._stager.start(flat, [], None, ended, prepare=prepare)
+            else:
+                self._runtime.run_staged(flat, self._stager, ended, priority=priority, sliced=True, prepare=prepare)
+        except BaseException:
+            with self._cv:
+                self._order.remove(job)
+            raise
+
+    def close(self) -> None:
+        """Fail the collectives not yet gathered and stop the threads (the runtime closes the channels)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _network_ended(self, job: _Job, error: BaseException | None) -> None:
+        with self._cv:
+            job.ended, job.error = True, error
+            self._cv.notify_all()
+
+    def _gather_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not (self._order and self._order[0].ended):
+                    self._cv.wait()
+                if not (self._order and self._order[0].ended):  # closed
+                    left, self._order = list(self._order), deque()
+                    break
+                job = self._order.popleft()
+            error = job.error
+            if error is None:  # (a rank whose network stage failed skips it: its peers' all-gather times out)
+                try:
+                    with self._ops.on_stream(self.device, self._stream):
+                        self._ag.all_gather(job.flat[job.lo : job.hi], job.flat)
+                except BaseException as e:  # noqa: BLE001 - the collective fails with it
+                    error = e
+            self._completions.put((job, error))
+        for job in left:
+            self._completions.put((job, BpsError(f"the device local stage on {self.device} closed before the sum")))
+        self._completions.put(None)
+
+    def _complete_loop(self) -> None:
+        # Not on the gather thread: `done` runs the Future's callbacks, which may wait for a later collective.
+        while (item := self._completions.get()) is not None:
+            job, error = item
+            with self._ops.on_stream(self.device, self._stream):
+                job.done(error)
+
+
+def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline | None:
+    """How a contiguous CUDA tensor of floats is summed: the device local stage (several local ranks sharing device
+    memory), a PartitionPipeline (one local rank per machine), or None: staged whole through host memory.
+    Collective among a machine's local ranks the first time a device is seen."""
+    flat = tensor.view(-1)
+    stage = stage_for(runtime, tensor.device)
+    if stage is not None:
+        return stage if runtime.alone or runtime.cannot_stage(flat, sliced=True) is None else None
+    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(flat) is None else None
+
+
+def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:
+    """The runtime's DeviceLocalStage for `device`, opened on first use (None: one local rank, or the CPU-assisted
+    path); the decision is kept."""
+    with _stages_lock:
+        stages = _stages.setdefault(runtime, {})
+        if device not in stages:
+            channels = runtime.open_device_channels(device)
+            stage = None
+            if channels is not None:
+                stage = DeviceLocalStage(runtime, device, channels, pipeline_for(runtime, device))
+                weakref.finalize(runtime, stage.close)
+            stages[device] = stage
+        return stages[device]
