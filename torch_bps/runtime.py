@@ -36,7 +36,7 @@ from torch_bps.engine.exchange import Exchange
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
-from torch_bps.engine.precision import wire_dtype
+from torch_bps.engine.precision import travels_as, wire_dtype
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
@@ -227,6 +227,10 @@ class Runtime:
     def cannot_stage(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
         """Why `run_staged` cannot take `tensor` (None: it can)."""
         return self._engine.cannot_stage(tensor, sliced)
+
+    def travels_as(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype a sum of `tensor` travels in (Config.wire_dtype casts fp32)."""
+        return travels_as(tensor, Mode.SUM, self._engine.wire_dtype)
 
     @property
     def alone(self) -> bool:

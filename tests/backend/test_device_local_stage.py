@@ -48,6 +48,13 @@ def _sums(rank, world, gloo):
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     ops = RecordingOps()
     stage, channels, pipe, streams = _stage(rt, ops)
+    run_staged, wire = rt.run_staged, set()
+
+    def recorded(tensor, *args, **kwargs):  # the dtype each slice travels in
+        wire.add(str(tensor.dtype))
+        return run_staged(tensor, *args, **kwargs)
+
+    rt.run_staged = recorded
     n = 3 * rt.config.partition_bytes // 2 + 5  # every slice several partitions, the last a few elements
     failures, outcome = [], {}
     for step in range(3):
@@ -64,24 +71,28 @@ def _sums(rank, world, gloo):
                 failures.append(f"step {step} {op} {name}: {(t - w).abs().max()}")
     # Through the backend's own all_reduce, as a CUDA tensor would go.
     BackendBPS._stager = lambda self, t, op: stage if op in ("SUM", "AVG") and t.dim() == 1 else None
-    t = _data(rank, n, 99)
+    t = _data(rank, n, 5)
     dist.all_reduce(t, dist.ReduceOp.AVG)
-    if not torch.equal(t, sum(_data(r, n, 99) for r in range(world)) / world):
+    if not torch.equal(t, sum(_data(r, n, 5) for r in range(world)) / world):
         failures.append("backend all_reduce AVG")
     outcome["staged"] = sum(e[3] for e in ops.log if e[:3] == ("copy", "side", "d2h"))
     outcome["slice"] = 4 * channels[0].slice_range(n)[1] - 4 * channels[0].slice_range(n)[0]
-    outcome["streams"] = set(streams)
+    outcome["streams"], outcome["wire"] = set(streams), wire
     stage.close()
     pipe.close()
     return failures, outcome
 
 
-@pytest.mark.parametrize("machines", [2, 1], ids=["two-machines", "one-machine-alone"])
-def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_gets_the_whole_sum(machines):
-    results = run_ranks(_sums, 2 * machines, env={"LOCAL_WORLD_SIZE": "2"}, timeout=160)
+@pytest.mark.parametrize(("machines", "wire"), [(2, "fp32"), (2, "bf16"), (1, "fp32")],
+                         ids=["two-machines", "two-machines-bf16-wire", "one-machine-alone"])  # fmt: skip
+def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_gets_the_whole_sum(machines, wire):
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_WIRE_DTYPE": wire}  # the data's sums are integers below 256: exact in bf16
+    results = run_ranks(_sums, 2 * machines, env=env, timeout=160)
     for rank, (failures, outcome) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures}"
         assert outcome["streams"] == {"side"}, "the reduce-scatter runs on the stager's side stream"
+        travels = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[wire]
+        assert outcome["wire"] == (set() if machines == 1 else {travels}), "slices travel in the wire dtype"
         # 4 collectives; alone, nothing goes to a server: nothing is staged at all.
         want = 0 if machines == 1 else 4 * outcome["slice"] // 4
         assert outcome["staged"] == want, f"rank {rank} staged {outcome['staged']} elements, its slices {want}"

@@ -3,7 +3,7 @@
 For a CUDA tensor summed or averaged over a group whose machines have several local ranks, on devices that can
 map each other's memory (local/device.py's `open_local_stage`):
 
-    reduce-scatter on the device (the fused kernel sums the peers' slices; an AVG's scale is fused into it)
+    reduce-scatter on the device (the fused kernel sums the peers' slices, scales an AVG, casts to the wire dtype)
     -> this rank's slice staged one partition at a time to the servers and back (engine.run_staged, sliced)
     -> all-gather on the device (copies from the peers' buffers) -> the Work completes
 
@@ -43,6 +43,7 @@ class _Job:
     lo: int  # this local rank's slice [lo, hi)
     hi: int
     done: Done
+    wire: torch.Tensor | None  # the slice's sum in the wire dtype (in a tensor of flat's numel), or None: flat's own
     ended: bool = False  # its network stage ended (or, alone, its reduce-scatter)
     error: BaseException | None = None
 
@@ -83,18 +84,22 @@ class DeviceLocalStage:
         """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
         Every rank calls it for the same collective, under the group's launch lock. Returns at once."""
         lo, hi = self._rs.slice_range(flat.numel())
-        job = _Job(flat, lo, hi, done)
+        dtype = flat.dtype if self._runtime.alone else self._runtime.travels_as(flat)
+        # A wire dtype: the reduce-scatter casts the slice's sum into it in the same pass, and that is what is staged.
+        wire = None if dtype == flat.dtype else torch.empty(flat.numel(), dtype=dtype, device=flat.device)
+        job = _Job(flat, lo, hi, done, wire)
         with self._cv:
             if self._closed:
                 raise BpsError(f"the device local stage on {self.device} is closed")
             self._order.append(job)
-        prepare = functools.partial(self._rs.reduce_scatter, flat, out=flat[lo:hi], scale=scale)
+        staged = flat if wire is None else wire
+        prepare = functools.partial(self._rs.reduce_scatter, flat, out=staged[lo:hi], scale=scale)
         ended = functools.partial(self._network_ended, job)
         try:
             if self._runtime.alone:  # no slice to stage: the stager's thread runs the reduce-scatter, in order
                 self._stager.start(flat, [], None, ended, prepare=prepare)
             else:
-                self._runtime.run_staged(flat, self._stager, ended, priority=priority, sliced=True, prepare=prepare)
+                self._runtime.run_staged(staged, self._stager, ended, priority=priority, sliced=True, prepare=prepare)
         except BaseException:
             with self._cv:
                 self._order.remove(job)
@@ -124,7 +129,10 @@ class DeviceLocalStage:
             if error is None:  # (a rank whose network stage failed skips it: its peers' all-gather times out)
                 try:
                     with self._ops.on_stream(self.device, self._stream):
-                        self._ag.all_gather(job.flat[job.lo : job.hi], job.flat)
+                        mine = job.flat[job.lo : job.hi]
+                        if job.wire is not None:  # the pulled sum back from the wire dtype, on the device
+                            mine.copy_(job.wire[job.lo : job.hi])
+                        self._ag.all_gather(mine, job.flat)
                 except BaseException as e:  # noqa: BLE001 - the collective fails with it
                     error = e
             self._completions.put((job, error))
@@ -144,11 +152,10 @@ def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline
     """How a contiguous CUDA tensor of floats is summed: the device local stage (several local ranks sharing device
     memory), a PartitionPipeline (one local rank per machine), or None: staged whole through host memory.
     Collective among a machine's local ranks the first time a device is seen."""
-    flat = tensor.view(-1)
     stage = stage_for(runtime, tensor.device)
     if stage is not None:
-        return stage if runtime.alone or runtime.cannot_stage(flat, sliced=True) is None else None
-    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(flat) is None else None
+        return stage
+    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(tensor.view(-1)) is None else None
 
 
 def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:
