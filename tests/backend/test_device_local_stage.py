@@ -28,13 +28,17 @@ def _stage(rt, ops):
     store, t = dist.distributed_c10d._get_default_store(), rt.topology
     channels = [DeviceLocalComm(store, t.local_rank, t.local_size, f"test-{t.node_rank}-{c}", "cpu",
                                 capacity_bytes=CAPACITY, timeout=60) for c in ("rs", "ag")]  # fmt: skip
-    reduce_scatter, streams = channels[0].reduce_scatter, []
+    streams = []
 
-    def recorded(*args, **kwargs):  # which stream the reduce-scatter ran under
-        streams.append(ops.current_stream(DEVICE))
-        return reduce_scatter(*args, **kwargs)
+    def recorded(call, name):  # which stream each local stage ran under
+        def run(*args, **kwargs):
+            streams.append((name, ops.current_stream(DEVICE)))
+            return call(*args, **kwargs)
 
-    channels[0].reduce_scatter = recorded
+        return run
+
+    channels[0].reduce_scatter = recorded(channels[0].reduce_scatter, "reduce_scatter")
+    channels[1].all_gather = recorded(channels[1].all_gather, "all_gather")
     pipe = PartitionPipeline(DEVICE, rt.config.partition_bytes, 2, ops=ops, timeout=60)
     return DeviceLocalStage(rt, DEVICE, channels, pipe, ops=ops), channels, pipe, streams
 
@@ -90,7 +94,8 @@ def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_get
     results = run_ranks(_sums, 2 * machines, env=env, timeout=160)
     for rank, (failures, outcome) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures}"
-        assert outcome["streams"] == {"side"}, "the reduce-scatter runs on the stager's side stream"
+        want = {("reduce_scatter", "side"), ("all_gather", "side")}
+        assert outcome["streams"] == want, "both local stages run on the side stream, never the caller's"
         travels = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[wire]
         assert outcome["wire"] == (set() if machines == 1 else {travels}), "slices travel in the wire dtype"
         # 4 collectives; alone, nothing goes to a server: nothing is staged at all.
