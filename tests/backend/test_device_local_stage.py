@@ -1,6 +1,7 @@
 """pg/device_local.py between real processes: machines of two local ranks whose local stages run "on the device"
 (DeviceLocalComm's CPU stand-in: /dev/shm buffers, no streams), each rank staging only its slice through a
-PartitionPipeline (a recording stand-in for torch.cuda) to real servers, beside ordinary collectives."""
+PartitionPipeline (a recording stand-in for torch.cuda) to real servers, beside ordinary collectives; and a
+stage's lifetime, which its runtime's sets."""
 
 from __future__ import annotations
 
@@ -128,3 +129,33 @@ def _mismatch(rank, world, gloo):
 def test_local_ranks_that_disagree_both_get_a_clear_error():
     for message in run_ranks(_mismatch, 2, env={"LOCAL_WORLD_SIZE": "2"}, timeout=100):
         assert "local ranks disagree" in message and "numel=100" in message and "numel=101" in message, message
+
+
+def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_runtime_goes(monkeypatch):
+    import gc
+    import types
+
+    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from torch_bps.pg import device, device_local
+
+    monkeypatch.setattr(device, "_ops", RecordingOps())
+    opened = []
+
+    class Runtime:  # what stage_for reads of a Runtime
+        config = types.SimpleNamespace(partition_bytes=4096)
+
+        def open_device_channels(self, dev):
+            opened.append(dev)
+            return None if dev.index == 1 else (object(), object())  # cuda:1: the CPU-assisted path
+
+    runtime = Runtime()
+    stage = device_local.stage_for(runtime, DEVICE)
+    assert device_local.stage_for(runtime, DEVICE) is stage and isinstance(stage, device_local.DeviceLocalStage)
+    assert device_local.stage_for(runtime, torch.device("cuda", 1)) is None
+    assert device_local.stage_for(runtime, torch.device("cuda", 1)) is None
+    assert opened == [DEVICE, torch.device("cuda", 1)], "channels are opened once per device, whatever the answer"
+    del runtime
+    gc.collect()
+    for thread in stage._threads:
+        thread.join(5)
+        assert not thread.is_alive(), f"{thread.name} outlived its runtime"

@@ -267,7 +267,7 @@ class PushPullEngine:
         if self.alone:
             return "the machine is the whole job: there are no servers to reach"
         if self.local_channels is not None and not sliced:
-            return "with several local ranks a machine stages its slices, summed on the device, only (sliced)"
+            return "with several local ranks per machine only slices summed on the device are staged (sliced)"
         if sliced and self.local_channels is None:
             return "sliced takes several local ranks per machine"
         if tensor.dim() != 1 or not tensor.is_contiguous():

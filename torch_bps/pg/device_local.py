@@ -64,7 +64,7 @@ class DeviceLocalStage:
 
     def __init__(self, runtime, device: torch.device, channels, stager: PartitionPipeline, ops: CudaOps | None = None):
         self.device = torch.device(device)
-        self._runtime = runtime
+        self._runtime = weakref.proxy(runtime)  # the runtime keeps its stages (stage_for), not the other way round
         self._rs, self._ag = channels
         self._stager = stager
         self._ops = ops or cuda_ops()
