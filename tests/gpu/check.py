@@ -26,7 +26,8 @@ import time
 import xml.etree.ElementTree as ET
 
 # Seconds per step, 480 in all: the build (18 C++ files, in parallel with ninja) and the benchmark (a ~100 M-parameter
-# DDP model in three runs) are the long ones; none of these was measured on a GPU machine yet.
+# DDP model in four runs, first; its JSON is rewritten after every section, so a cut leaves what was measured) are
+# the long ones; none of these was measured on a GPU machine yet.
 LIMITS = {"preflight": 15, "build": 180, "test": 140, "bench": 140}
 NO_GPU = 3
 # The DDP model at the size: 4096 x 4096 x 6 linear layers, ~100 M parameters.
