@@ -129,3 +129,23 @@ def test_two_codecs_on_one_key_are_refused_naming_both(specs):
     assert all(errors), errors  # nobody gets a sum
     names = {"onebit": "onebit", "topk:0.1": "topk (width 1)", "": "uncompressed (no codec)", "randomk:0.1": "randomk"}
     assert any("KEY_MISMATCH" in e and all(names[s] in e for s in specs) for e in errors), errors
+
+
+def _same_size_parameters(rank, world, gloo, steps):
+    """Two parameters of one size in a bucket, one excluded from compression: a compressed and a plain run of the
+    same numel, many steps (so each meets the other's keys if they shared them). Returns whether replicas agree."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    ddp = DDP(model)
+    ddp.register_comm_hook(torch_bps.BpsHookState(module=model), torch_bps.bps_hook)
+    for step in range(steps):
+        ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(step * world + rank))).sum().backward()
+    params = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(everyone, params, group=gloo)
+    return all(torch.equal(everyone[0], p) for p in everyone)
+
+
+def test_a_compressed_and_a_plain_run_of_one_size_keep_their_own_keys():
+    env = {"BPS_COMPRESSOR": "topk:0.05", "BPS_COMPRESS_MIN_BYTES": "1024", "BPS_COMPRESS_EXCLUDE": "1.weight"}
+    assert all(run_ranks(_same_size_parameters, 2, 8, env=env, timeout=100))

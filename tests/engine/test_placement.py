@@ -27,6 +27,7 @@ from torch_bps.engine.placement import (
 )
 from torch_bps.errors import ConfigError
 from torch_bps.local.comm import split_range
+from torch_bps.wire import Mode
 
 
 def test_split_formula_special_cases():
@@ -236,3 +237,11 @@ def test_receive_buffers_follow_the_servers_shares():
     assert six[-1] == MIN_RECEIVE_WINDOW and six[0] > 30_000, six  # share alone: 4,967 bytes, 3 segments
     assert receive_buffers(4096, server_weights(["c"] * 8, ["d"] * 6))[-1] == 4096
     assert receive_buffers(0, server_weights(["c"] * 8, ["d"] * 2)) == [0] * 10
+
+
+def test_a_compressed_tensor_gets_keys_of_its_own():
+    servers = server_weights(["a:1", "b:1"], [])
+    book = KeyBook(Placement(servers), 4 << 20, lambda n: [(0, n)], slots=1)  # one slot: shapes alone part keys
+    plain, topk = book.plan(4096, torch.float32)[0], book.plan(4096, torch.float32, Mode.SUM, codec=2)[0]
+    assert {p.key for p in plain}.isdisjoint(p.key for p in topk), "a key's codec is fixed at its first INIT"
+    assert book.plan(4096, torch.float32)[0] == plain and book.plan(4096, torch.float32, Mode.SUM, codec=2)[0] == topk

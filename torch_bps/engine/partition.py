@@ -90,16 +90,16 @@ class KeyBook:
         self.middle_factor = middle_factor
         self.slices = slices
         self.slots = slots
-        self._calls: dict[tuple[int, torch.dtype, int], int] = {}
-        self._plans: dict[tuple[int, torch.dtype, int, int], list[list[Part]]] = {}
+        self._calls: dict[tuple[int, torch.dtype, int, int], int] = {}
+        self._plans: dict[tuple[int, torch.dtype, int, int, int], list[list[Part]]] = {}
 
     def plan(self, numel: int, dtype: torch.dtype, mode: int = 0, codec: int = 0) -> list[list[Part]]:
         """Return, for each local slice, its parts (keys, offsets within the slice, servers).
 
-        `mode` (torch_bps.wire.Mode) keeps summed and gathered tensors of one size on keys of their own: a
-        key's mode is fixed on the server by its first INIT.
+        `mode` (torch_bps.wire.Mode) and `codec` (a compressed key's codec word) keep summed, gathered and
+        compressed tensors of one size on keys of their own: the server fixes both at a key's first INIT.
         """
-        shape = (numel, dtype, int(mode))
+        shape = (numel, dtype, int(mode), codec)
         calls = self._calls.get(shape, 0)
         self._calls[shape] = calls + 1
         slot = 0 if mode == Mode.MODEL else calls % self.slots
