@@ -229,11 +229,11 @@ class PushPullEngine:
         each partition is copied to a pinned slot, pushed and pulled on its own, and copied back, the copy of the
         next one overlapping its push; then `done(error or None)`. Returns at once.
 
-        A tensor that travels as its own dtype (no wire cast); every rank calls it for the same collective. One local
-        rank per machine, or with `sliced` several, whose local stages ran on the device (pg/device_local.py): then
-        only this local rank's slice goes out, already summed over the machine by `prepare`, which the stager runs
-        first on its thread. Collectives launched while partitions are still to be handed over wait behind them
-        (`_schedule`), so every key's rounds reach the client in one order on every rank.
+        A tensor that travels as its own dtype (the caller casts to a wire dtype); every rank calls it for the same
+        collective. One local rank per machine, or with `sliced` several, whose local stages ran on the device
+        (pg/device_local.py): then only this local rank's slice goes out, already summed over the machine by
+        `prepare`, which the stager runs first on its thread. Collectives launched while partitions are still to be
+        handed over wait behind them (`_schedule`), so every key's rounds reach the client in one order on every rank.
         """
         if (why := self.cannot_stage(tensor, sliced)) is not None:
             raise ValueError(f"run_staged: {why}")

@@ -155,7 +155,9 @@ def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline
     stage = stage_for(runtime, tensor.device)
     if stage is not None:
         return stage
-    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(tensor.view(-1)) is None else None
+    wire = runtime.travels_as(tensor)  # launch_staged casts to the wire dtype on the device
+    staged = tensor.view(-1) if wire == tensor.dtype else torch.empty(0, dtype=wire, device=tensor.device)
+    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(staged) is None else None
 
 
 def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:

@@ -96,10 +96,23 @@ def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *
     scale = 1.0 / runtime.world_size if average else 1.0
     if isinstance(stager, DeviceLocalStage):
         stager.launch(tensor, scale, done, priority=priority)  # the scale fused into the local reduce-scatter
-    else:
-        if average:
-            tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
+        return make_work(future, timeout, f"{op} {where}")
+    if average:
+        tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
+    wire = runtime.travels_as(tensor)
+    if wire == tensor.dtype:
         runtime.run_staged(tensor, stager, done, priority=priority)
+        return make_work(future, timeout, f"{op} {where}")
+    # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
+    # stream, where the stager runs `done`, before the Future's event.
+    staged = tensor.to(wire)
+
+    def cast_back(error: BaseException | None) -> None:
+        if error is None:
+            tensor.copy_(staged)
+        done(error)
+
+    runtime.run_staged(staged, stager, cast_back, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
 
 
