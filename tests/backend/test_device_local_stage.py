@@ -159,3 +159,64 @@ def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_r
     for thread in stage._threads:
         thread.join(5)
         assert not thread.is_alive(), f"{thread.name} outlived its runtime"
+
+
+def _peer_killed(rank: int, port: int, environ: dict, results) -> None:
+    """One machine of two local ranks; local rank 1 dies by SIGKILL after one collective, rank 0 launches another."""
+    import datetime
+    import os
+    import signal
+    import time
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(environ, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                      BPS_TIMEOUT="60")  # fmt: skip
+    try:
+        import torch_bps
+        from tests.backend.test_device_staging import RecordingOps
+        from torch_bps.pg.work import launch_staged
+
+        dist.init_process_group("byteps", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        rt = torch_bps.implementation(dist.group.WORLD).runtime
+        stage, _, pipe, _ = _stage(rt, RecordingOps())
+        t = torch.ones(5000)
+        launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        try:
+            launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            results.put(("no error", "", time.monotonic() - start))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.put((type(e).__name__, str(e) + "".join(getattr(e, "__notes__", [])), time.monotonic() - start))
+    except BaseException:  # noqa: BLE001
+        results.put(("crash", traceback.format_exc(), 0.0))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # the job is broken: no teardown
+
+
+def test_a_local_peer_killed_fails_the_device_stage_fast_naming_it():
+    import os
+
+    from tests.helpers import _free_port, rank_context
+
+    ctx = rank_context()
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_peer_killed, args=(r, port, dict(os.environ), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        kind, message, took = results.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert kind not in ("no error", "crash"), message
+    assert "local rank 1" in message and "device local stage" in message, message
+    assert took < 20, f"{took:.1f} s: a dead peer must not cost the 60 s timeout"
