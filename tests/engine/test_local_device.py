@@ -125,3 +125,47 @@ def test_path_falls_back_to_the_host_without_peer_access_or_a_device_and_says_wh
     assert path == "host" and why == "no peer access from device b to device a"
     path, why = choose_path(["a", "!tensors on cpu"], lambda x, y: True)
     assert path == "host" and why == "local rank 1: tensors on cpu"
+
+
+def _child_cannot_map(rank, size, port, node, results):
+    """Local rank 1 cannot map its peers' buffers (as in a sandbox without CUDA IPC): every rank's set-up must raise
+    the same LocalInputError, rank 1's saying why, and leave nothing behind."""
+    try:
+        from torch_bps.local import LocalInputError
+        from torch_bps.local.device import DeviceLocalComm
+
+        if rank == 1:
+
+            def refuse(self, store, key, peer):
+                raise OSError("no IPC here")
+
+            DeviceLocalComm._open = refuse
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        try:
+            DeviceLocalComm(store, rank, size, node, "cpu", capacity_bytes=CAPACITY, timeout=60)
+        except LocalInputError as e:
+            results.put((rank, str(e)))
+            return
+        results.put((rank, "no error"))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, traceback.format_exc()))
+
+
+def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike():
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    node = f"dev-{uuid.uuid4().hex[:8]}"
+    procs = [ctx.Process(target=_child_cannot_map, args=(r, 2, store.port, node, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert "set-up: cannot map local rank 0's buffer (OSError: no IPC here)" in reports[1], reports[1]
+    assert r"local rank(s) [1] passed invalid input" in reports[0], reports[0]
+    assert not [f for f in os.listdir("/dev/shm") if "devstage" in f or node in f], "the set-up left files behind"

@@ -93,12 +93,31 @@ class DeviceLocalComm:
         prefix = f"torch_bps/device-local/{node_id}"
         key = f"{prefix}/{store.add(f'{prefix}/instances/{local_rank}', 1)}"
         self._buf = self._allocate()
-        store.set(f"{key}/{local_rank}", pickle.dumps(self._export()))
-        self._peers = [self._buf if p == local_rank else self._open(store, f"{key}/{p}", p) for p in range(L)]
-        self._barrier("set-up")  # every rank mapped every buffer: the stand-in's file may go
-        if self._file is not None:
-            os.unlink(self._file)
-            self._file = None
+        # Sharing may fail where the devices' peer access said it would not (a sandbox without CUDA IPC): then every
+        # rank learns it at the set-up barrier and raises the same LocalInputError (open_local_stage: the host path).
+        problem, handle = None, None
+        try:
+            handle = self._export()
+        except Exception as e:  # noqa: BLE001 - every rank hears of it at the barrier
+            problem = f"cannot share its buffer ({type(e).__name__}: {e})"
+        store.set(f"{key}/{local_rank}", pickle.dumps(handle))
+        self._peers = []
+        for p in range(L):
+            try:
+                self._peers.append(self._buf if p == local_rank else self._open(store, f"{key}/{p}", p))
+            except BpsTimeoutError:
+                raise
+            except Exception as e:  # noqa: BLE001 - likewise
+                problem = problem or f"cannot map local rank {p}'s buffer ({type(e).__name__}: {e})"
+        try:
+            self._barrier("set-up", -1 if problem else 0, problem)  # every rank mapped every buffer, or all raise
+        except LocalInputError:
+            self.close()
+            raise
+        finally:
+            if self._file is not None:  # mapped by every rank that could: the stand-in's file may go
+                os.unlink(self._file)
+                self._file = None
 
     # -- public operations -----------------------------------------------------------------------
     def slice_range(self, numel: int, local_rank: int | None = None) -> tuple[int, int]:
@@ -271,6 +290,8 @@ class DeviceLocalComm:
 
     def _open(self, store: dist.Store, key: str, peer: int) -> torch.Tensor:
         handle = pickle.loads(_store_get(store, key, self.timeout, f"local rank {peer}'s buffer"))
+        if handle is None:
+            raise ValueError(f"local rank {peer} could not share it")
         if self.device.type == "cuda":
             rebuild, args = handle
             return rebuild(*args)
@@ -382,5 +403,11 @@ def open_local_stage(store: dist.Store, local_rank: int, local_size: int, node_i
         log.info("torch_bps: node %r local rank %d: local stage CPU-assisted (host shared memory): %s",
                  node_id, local_rank, why)  # fmt: skip
         return None
+    try:
+        comm = DeviceLocalComm(store, local_rank, local_size, node_id, device, **kwargs)
+    except LocalInputError as e:  # every local rank raised it at the same barrier: all take the host path
+        log.info("torch_bps: node %r local rank %d: local stage CPU-assisted (host shared memory): %s",
+                 node_id, local_rank, e)  # fmt: skip
+        return None
     log.info("torch_bps: node %r local rank %d: local stage on the device (CUDA IPC): %s", node_id, local_rank, why)
-    return DeviceLocalComm(store, local_rank, local_size, node_id, device, **kwargs)
+    return comm
