@@ -131,7 +131,6 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     Divides first, then sums: the servers add in the bucket's own dtype, and under `fp16_compress_wrapper`
     a float16 sum of undivided gradients can overflow where the sum of divided ones does not. DDP's
     built-in path also scales each gradient by 1/world before summing, so results match DDP without a hook.
-    Later buckets (the first layers, needed first by the next forward pass) get the higher priority.
 
     Example: `ddp.register_comm_hook(BpsHookState(), bps_hook)`.
     """
@@ -141,7 +140,7 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     def launch_here(transfers, result, device):
         return launch(runtime, "bps_hook", transfers, result, where=where, timeout=runtime.config.timeout,
-                      priority=bucket.index(), device=device)  # fmt: skip
+                      device=device)  # fmt: skip
 
     if buffer.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its own bucket; DDP calls hooks from one thread
         buffer.div_(runtime.world_size)
@@ -154,7 +153,7 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         # The local stages on the device, or one partition at a time through pinned host memory on a side stream
         # (docs/gpu.md). DDP calls its hook from one thread, so buckets reach the engine in one order on every rank.
         return launch_staged(runtime, "bps_hook", buffer, stager, buffer, average=True, where=where,
-                             timeout=runtime.config.timeout, priority=bucket.index()).get_future()  # fmt: skip
+                             timeout=runtime.config.timeout).get_future()  # fmt: skip
     staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     staged.flat.div_(runtime.world_size)
     transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]

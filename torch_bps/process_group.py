@@ -78,7 +78,6 @@ class BackendBPS:
         self._rank, self._size = rank, size
         self._timeout = timeout.total_seconds()
         self._launch_lock = threading.RLock()  # a sparse all_reduce launches several
-        self._launched = 0  # collectives launched so far: the priority of the next one
         self._sparse_room = sparse.Room()
         self._group_name = ""
 
@@ -119,10 +118,8 @@ class BackendBPS:
         op = self._op("allreduce", opts, t)
         if (stager := self._stager(t, op)) is not None:
             with self._launch_lock:
-                self._launched += 1
                 return launch_staged(self.runtime, "allreduce", t.detach().view(-1), stager, tensors,
-                                     average=op == "AVG", where=self._where(), timeout=self._timeout,
-                                     priority=self._launched)  # fmt: skip
+                                     average=op == "AVG", where=self._where(), timeout=self._timeout)  # fmt: skip
         s = Staged("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
 
@@ -360,11 +357,10 @@ class BackendBPS:
     # -- helpers --------------------------------------------------------------------------------------------------
     def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> dist.Work:
         with self._launch_lock:
-            # Newest first: DDP all-reduces its buckets in gradient-arrival order, last layers first, so the
-            # latest bucket holds the earliest layers, which the next forward pass needs first.
-            self._launched += 1
+            # One priority for all: the client sends in submission order, the one order every worker shares
+            # (docs/design.md, "Scheduling").
             return launch(self.runtime, op, transfers, result, where=self._where(), timeout=self._timeout,
-                          priority=self._launched, device=device)  # fmt: skip
+                          device=device)  # fmt: skip
 
     def _where(self) -> str:
         return f"on '{BACKEND}' group {self._group_name!r} (rank {self.rank()} of {self.size()})"

@@ -66,7 +66,7 @@ def _sums(rank, world, gloo):
         op = ("SUM", "AVG")[step % 2]
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
         work = launch_staged(rt, "allreduce", staged, stage, [staged], average=op == "AVG", where="in a test",
-                             timeout=60, priority=step)  # fmt: skip
+                             timeout=60)  # fmt: skip
         dist.all_reduce(plain)  # launched behind it, on the same runtime: the host local stages
         work.wait()
         want = sum(_data(r, n, step) for r in range(world)) / (world if op == "AVG" else 1)

@@ -35,9 +35,7 @@ def _staged_sums(rank, world, gloo):
     rt.run_staged = recorded
     for step in range(3):
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
-        work = launch_staged(
-            rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60, priority=step
-        )
+        work = launch_staged(rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60)
         dist.all_reduce(plain)  # launched behind it, on the same runtime
         work.wait()
         for t, salt in ((staged, step), (plain, step + 10)):

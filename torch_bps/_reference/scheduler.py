@@ -7,8 +7,8 @@ tests/engine/test_scheduler.py checks that both send the same submissions in the
 At most `credit_bytes` of pushes are in flight (sent and not yet acknowledged by their server), and, if
 `destination_credit_bytes` is set, at most that many toward any one destination (a server); the rest wait
 in a priority queue per destination, so a partition submitted late with a higher priority overtakes the
-queued ones. This is what lets the first layers' gradients (needed first by the next forward pass) jump the
-queue. The next to go is the best head (higher priority, then first come) among the destinations whose credit
+queued ones (Runtime.push_pull's priority; the backend and bps_hook submit everything at one priority: docs/design.md,
+"Scheduling"). The next to go is the best head (higher priority, then first come) among the destinations whose credit
 admits it; a head whose destination holds its share lets heads for other destinations go past it. One
 partition is always allowed in flight, and one per destination, however large, so nothing starves.
 

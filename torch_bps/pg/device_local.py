@@ -80,7 +80,7 @@ class DeviceLocalStage:
         for t in self._threads:
             t.start()
 
-    def launch(self, flat: torch.Tensor, scale: float, done: Done, *, priority: int = 0) -> None:
+    def launch(self, flat: torch.Tensor, scale: float, done: Done) -> None:
         """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
         Every rank calls it for the same collective, under the group's launch lock. Returns at once."""
         lo, hi = self._rs.slice_range(flat.numel())
@@ -99,7 +99,7 @@ class DeviceLocalStage:
             if self._runtime.alone:  # no slice to stage: the stager's thread runs the reduce-scatter, in order
                 self._stager.start(flat, [], None, ended, prepare=prepare)
             else:
-                self._runtime.run_staged(staged, self._stager, ended, priority=priority, sliced=True, prepare=prepare)
+                self._runtime.run_staged(staged, self._stager, ended, sliced=True, prepare=prepare)
         except BaseException:
             with self._cv:
                 self._order.remove(job)

@@ -47,7 +47,7 @@ class Transfer:
 
 
 def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, where: str, timeout: float,
-           priority: int = 0, device: torch.device | None = None) -> dist.Work:  # fmt: skip
+           device: torch.device | None = None) -> dist.Work:  # fmt: skip
     """Sum every transfer's buffer over the group, run the finishes, complete the Work's future with `result`.
 
     The caller must hold the group's launch lock so that collectives stay in one order on every rank.
@@ -71,12 +71,12 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
                     error = e
             _settle(future, result, error, f"{op} {where}")
 
-    runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done, priority=priority)
+    runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done)
     return make_work(future, timeout, f"{op} {where}")
 
 
 def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, average: bool, where: str,
-                  timeout: float, priority: int = 0) -> dist.Work:  # fmt: skip
+                  timeout: float) -> dist.Work:  # fmt: skip
     """Sum (`average`: average) `tensor` (1-D, contiguous, floats on a CUDA device) in place over the group through
     `stager`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
     (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
@@ -95,13 +95,13 @@ def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *
 
     scale = 1.0 / runtime.world_size if average else 1.0
     if isinstance(stager, DeviceLocalStage):
-        stager.launch(tensor, scale, done, priority=priority)  # the scale fused into the local reduce-scatter
+        stager.launch(tensor, scale, done)  # the scale fused into the local reduce-scatter
         return make_work(future, timeout, f"{op} {where}")
     if average:
         tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
     wire = runtime.travels_as(tensor)
     if wire == tensor.dtype:
-        runtime.run_staged(tensor, stager, done, priority=priority)
+        runtime.run_staged(tensor, stager, done)
         return make_work(future, timeout, f"{op} {where}")
     # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
     # stream, where the stager runs `done`, before the Future's event.
@@ -112,7 +112,7 @@ def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *
             tensor.copy_(staged)
         done(error)
 
-    runtime.run_staged(staged, stager, cast_back, priority=priority)
+    runtime.run_staged(staged, stager, cast_back)
     return make_work(future, timeout, f"{op} {where}")
 
 
