@@ -378,10 +378,12 @@ class _FakeRuntime:
         self.hub, self.rank, self.world_size, self.name = hub, rank, hub.world, f"fake{rank}"
         self.config = torch_bps.Config.resolve()
         self.calls = 0
+        self.priorities: list[int] = []
 
     def run(self, tensors, done, *, priority: int = 0) -> None:
         """Like Runtime.run; `done` runs on a thread of its own, as the client's completion pool would give a
         callback that blocks (here every one does)."""
+        self.priorities.append(priority)
         futures = []
         for item in tensors:
             x = item if isinstance(item, Exchange) else Exchange(item)
@@ -489,6 +491,17 @@ def test_logic_on_threaded_ranks():
         return True
 
     assert _on_threads(groups, body) == [True] * 3
+
+
+def test_collectives_reach_the_client_at_one_priority():
+    """The client sends equal priorities in submission order, the one order every worker shares (docs/design.md,
+    "Scheduling"): a later collective that overtook an earlier one would do so at a different point on each worker,
+    and the sums would wait for the slowest to come back to it."""
+    (pg,) = _threaded_groups(1)
+    for n in (1 << 20, 1 << 10, 7):  # DDP's buckets, largest first
+        pg.allreduce([torch.ones(n)], _opts(dist.AllreduceOptions)).wait()
+    pg.broadcast([torch.ones(3)], _opts(dist.BroadcastOptions)).wait()
+    assert len(pg.runtime.priorities) == 4 and len(set(pg.runtime.priorities)) == 1
 
 
 def test_work_wait_timeout_and_failure_without_processes():
