@@ -209,8 +209,7 @@ class Runtime:
         items = tensors if mode == Mode.SUM else [Exchange(t, mode) for t in tensors]
         self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
-    def run_staged(self, tensor: torch.Tensor, stager, done, *, priority: int = 0, sliced: bool = False,
-                   prepare=None) -> None:  # fmt: skip
+    def run_staged(self, tensor: torch.Tensor, stager, done, *, sliced: bool = False, prepare=None) -> None:
         """Sum a device tensor in place one partition at a time through `stager` (pg.device.PartitionPipeline), then
         `done(error or None)`; see PushPullEngine.run_staged (`sliced`, `prepare`: the device local stage), and
         `cannot_stage` for what it takes."""
@@ -221,8 +220,7 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), priority=priority,
-                                sliced=sliced, prepare=prepare)  # fmt: skip
+        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), sliced=sliced, prepare=prepare)
 
     def cannot_stage(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
         """Why `run_staged` cannot take `tensor` (None: it can)."""
