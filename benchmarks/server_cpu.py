@@ -20,9 +20,10 @@ within every repeat, so machine load drifting hits all alike, and each ratio is 
 (docs/protocol.md, "Summation"); the floor's add is then torch's `add_` in that dtype.
 
 `--codec SPEC` (repeatable: onebit, topk:R, randomk:R) adds a variant per codec beside plain fp32 keys, alternated
-within every repeat: each key of S dense fp32 bytes is pushed encoded (torch_bps.engine.compress), and the server
-decodes, sums, and encodes the sum with its own error feedback (docs/protocol.md, "Compressed keys"). Its row
-gives the server's CPU per GiB on the wire and per dense GiB, each over plain fp32's per GiB in the same repeat.
+within every repeat: each key of S dense fp32 bytes is pushed encoded (torch_bps.engine.compress), a fresh random
+gradient every round, and the server decodes, sums, and encodes the sum with its own error feedback
+(docs/protocol.md, "Compressed keys"). Its row gives the server's CPU per GiB on the wire and per dense GiB, each
+over plain fp32's per GiB in the same repeat.
 With `--server`, each codec runs on each checkout (variant NAME:SPEC), over that checkout's plain fp32 keys.
 
 Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--codec SPEC ...] [--server NAME=DIR ...] [--json F]
@@ -173,24 +174,28 @@ def worker_main(argv: list[str]) -> int:
 
 def _codec_worker(address: str, job: str, codec: str, workers: int, size: int, keys: int, rounds: int,
                   index: int) -> int:  # fmt: skip
-    """A worker of `--codec`: each key's dense gradient encoded once, the same payload pushed every round."""
+    """A worker of `--codec`: every round a fresh dense gradient per key, all encoded (with this worker's error
+    feedback) before the timed rounds, so that the rows top-k sends change from round to round as a real gradient's
+    do; pushed one round at a time."""
     from torch_bps.client import Client, job_id_from_name
     from torch_bps.engine.compress import Compressor
     from torch_bps.wire import Mode, Partition
 
     compressor = Compressor(codec)
     torch.manual_seed(index)
-    dense = [torch.randn(size // 4) for _ in range(keys)]
-    payloads = [compressor.encode(key, d)[0] for key, d in enumerate(dense)]
-    outs = [torch.empty_like(p) for p in payloads]
-    parts = [Partition(p, key, 0, o, Mode.SUM, p.numel(), 0, 0, compressor.word, d.numel())
-             for key, (p, o, d) in enumerate(zip(payloads, outs, dense, strict=True))]  # fmt: skip
+    outs: list[torch.Tensor] = []
+    batches = []  # a warm-up round, then the timed ones
+    for _ in range(rounds + 1):
+        payloads = [compressor.encode(key, torch.randn(size // 4))[0] for key in range(keys)]
+        outs = outs or [torch.empty_like(p) for p in payloads]
+        batches.append([Partition(p, key, 0, outs[key], Mode.SUM, p.numel(), 0, 0, compressor.word, size // 4)
+                        for key, p in enumerate(payloads)])  # fmt: skip
     with Client([address], job_id_from_name(job), index, workers, timeout=STEP_TIMEOUT) as client:
-        client.push_pull_batch(parts).wait()
-        print(f"ready {payloads[0].numel() * 4}", flush=True)
+        client.push_pull_batch(batches[0]).wait()
+        print(f"ready {outs[0].numel() * 4}", flush=True)
         if sys.stdin.readline().strip() != "go":
             return 1
-        for _ in range(rounds):
+        for parts in batches[1:]:
             client.push_pull_batch(parts).wait()
         decoded = torch.empty(size // 4)
         compressor.decode(0, rounds, outs[0], decoded)

@@ -2,6 +2,7 @@
 #include "server/codecs.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -37,66 +38,73 @@ uint64_t onebitBytes(uint64_t n) { return 4 + 4 * ((n + 31) / 32); }
 
 unsigned long long ull(uint64_t v) { return static_cast<unsigned long long>(v); }
 
-// Top-k reads each element once: one pass makes x (close's acc * scale + residual), every row's score and the
-// candidate rows, those scoring at least a threshold read from a sample; only the candidates are then sorted out.
+// GCC's vector extension (SSE2 on x86-64, a target's own vectors elsewhere): the loops spelled in it do lane for lane
+// the scalar arithmetic, which the compiler left unvectorized.
+using F4 = float __attribute__((vector_size(16)));
+using I4 = int32_t __attribute__((vector_size(16)));
+using D2 = double __attribute__((vector_size(16)));
+using I2 = int64_t __attribute__((vector_size(16)));
+
+// Top-k reads each element once: one pass scores every row and collects the candidate rows, those scoring at least a
+// threshold read from a sample; only the candidates are then sorted out.
 
 struct Candidate {
   float score;
   uint32_t row;
 };
 
-// A row's score: the f32 sum of its |x| in column order, NaN counted as +inf. With acc, x is acc * scale + x.
-float rowScore(const float* x, const float* acc, float scale, uint64_t w) {
+// A row's score: the f32 sum of its |x| in column order, NaN counted as +inf.
+float rowScore(const float* x, uint64_t w) {
   float m = 0;
-  for (uint64_t c = 0; c < w; ++c) m += std::fabs(acc ? acc[c] * scale + x[c] : x[c]);
+  for (uint64_t c = 0; c < w; ++c) m += std::fabs(x[c]);
   return std::isnan(m) ? INFINITY : m;
 }
 
 // A score at least k rows reach with high probability, from a sample of rows: the rows scoring at least it hold
 // the k largest. 0 (every row) where a sample cannot narrow them. It decides how much is sorted, never the result.
-float candidateThreshold(const CodecSpec& s, uint64_t round, const float* x, const float* acc, float scale) {
+float candidateThreshold(const CodecSpec& s, uint64_t round, const float* x) {
   // A 64th of the rows, 1024 to 4096: a larger sample costs more random reads and leaves fewer candidates.
   uint64_t rows = s.rows(), w = s.width, m = std::min(rows, std::clamp<uint64_t>(rows / 64, 1024, 4096));
   double expected = double(s.k()) * double(m) / double(rows);  // sampled rows scoring above the k-th largest
   auto j = uint64_t(expected + 4 * std::sqrt(expected) + 4);  // 4 standard deviations over: rarely too few
   if (j >= m) return 0;
-  std::vector<float> sample(m);
+  // The rows first, each fetched as it is drawn, then their scores: the reads overlap instead of waiting in turn.
+  std::vector<uint64_t> at(m);
   for (uint64_t i = 0; i < m; ++i) {
-    uint64_t at = splitmix(round * m + i) % rows * w;
-    sample[i] = rowScore(x + at, acc ? acc + at : nullptr, scale, w);
+    at[i] = uint64_t((unsigned __int128)splitmix(round * m + i) * rows >> 64) * w;  // in [0, rows), no division
+    __builtin_prefetch(x + at[i]);
   }
+  std::vector<float> sample(m);
+  for (uint64_t i = 0; i < m; ++i) sample[i] = rowScore(x + at[i], w);
   std::nth_element(sample.begin(), sample.begin() + j, sample.end(), std::greater<float>());
   return sample[j];
 }
 
-// Append the rows scoring >= t to `out`, in row order; with acc, first x = acc * scale + x, acc left zeroed. A
-// block at a time, so that it is scored while in cache. A NaN score fails `m < t` as +inf does.
-void collectCandidates(const CodecSpec& s, float* x, float* acc, float scale, float t, std::vector<Candidate>& out) {
-  constexpr uint64_t kBlock = 1024, kGroup = 16;
-  uint64_t w = s.width, rows = s.rows(), block = std::max<uint64_t>(1, kBlock / w);
+// Append the rows scoring >= t to `out`, in row order. A NaN score fails `m < t` as +inf does.
+void collectCandidates(const CodecSpec& s, const float* x, float t, std::vector<Candidate>& out) {
+  constexpr uint64_t kGroup = 16;
+  uint64_t w = s.width, rows = s.rows(), r = 0;
   auto take = [&](uint64_t r, float m) {
     if (!(m < t)) out.push_back({std::isnan(m) ? INFINITY : m, uint32_t(r)});
   };
-  for (uint64_t r0 = 0; r0 < rows; r0 += block) {
-    uint64_t r1 = std::min(rows, r0 + block);
-    if (acc) {
-      for (uint64_t i = r0 * w; i < r1 * w; ++i) {
-        x[i] = acc[i] * scale + x[i];
-        acc[i] = 0;
+  if (w == 1) {  // the dense case: 16 scores compared at once (in vectors), only those passing taken
+    const F4 ts = {t, t, t, t};
+    const I4 lanes = {1, 2, 4, 8};
+    for (; r + kGroup <= rows; r += kGroup) {
+      uint32_t passed = 0;  // bit j: row r + j scores >= t (or NaN)
+      for (uint64_t q = 0; q < kGroup / 4; ++q) {
+        F4 v;
+        std::memcpy(&v, x + r + 4 * q, 16);
+        I4 bits = ~((F4)((I4)v & INT32_MAX) < ts) & lanes;
+        passed |= uint32_t(bits[0] | bits[1] | bits[2] | bits[3]) << (4 * q);
+      }
+      for (; passed; passed &= passed - 1) {
+        uint64_t j = r + uint64_t(__builtin_ctz(passed));
+        take(j, std::fabs(x[j]));
       }
     }
-    uint64_t r = r0;
-    if (w == 1) {  // the dense case: a group of scores compared at once (vectorized), scanned only if one passes
-      for (; r + kGroup <= r1; r += kGroup) {
-        int hits = 0;
-        for (uint64_t j = 0; j < kGroup; ++j) hits += !(std::fabs(x[r + j]) < t);
-        if (hits) {
-          for (uint64_t j = 0; j < kGroup; ++j) take(r + j, std::fabs(x[r + j]));
-        }
-      }
-    }
-    for (; r < r1; ++r) take(r, rowScore(x + r * w, nullptr, 1.0f, w));
   }
+  for (; r < rows; ++r) take(r, rowScore(x + r * w, w));
 }
 
 // The k rows of largest score, the lower index on a tie, in index order: every candidate above the k-th largest
@@ -121,14 +129,14 @@ std::vector<uint32_t> chooseRows(const std::vector<Candidate>& c, uint64_t k) {
   return rows;
 }
 
-// Top-k of x, or with acc of acc * scale + x (acc left zeroed); x is left holding the residual.
-void encodeTopk(const CodecSpec& s, uint64_t round, float* x, float* acc, float scale, uint8_t* out) {
+// Top-k of x; x is left holding the residual.
+void encodeTopk(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
   uint64_t k = s.k(), w = s.width;
   std::vector<Candidate> candidates;
-  collectCandidates(s, x, acc, scale, candidateThreshold(s, round, x, acc, scale), candidates);
+  collectCandidates(s, x, candidateThreshold(s, round, x), candidates);
   if (candidates.size() < k) {  // the sample misjudged: every row is a candidate
     candidates.clear();
-    collectCandidates(s, x, nullptr, 1.0f, 0, candidates);
+    collectCandidates(s, x, 0, candidates);
   }
   std::vector<uint32_t> rows = chooseRows(candidates, k);
   uint8_t* v = out + 4 * k;
@@ -141,6 +149,91 @@ void encodeTopk(const CodecSpec& s, uint64_t round, float* x, float* acc, float 
       e -= e;
     }
   }
+}
+
+// Onebit's second pass: the scale (the mean |x|, from its lanes: encode), then a sign bit per element, x left the
+// residual x - decode(out).
+void encodeSigns(const CodecSpec& s, const double (&lanes)[8], float* x, uint8_t* out) {
+  double total = lanes[0];
+  for (int j = 1; j < 8; ++j) total += lanes[j];
+  float scale = static_cast<float>(total / double(s.elements));
+  std::memcpy(out, &scale, 4);
+  uint8_t* bits = out + 4;
+  std::memset(bits, 0, s.wireBytes - 4);
+  // In vectors: x < 0 is a lane's sign bit, and x -= (negative ? -scale : scale).
+  const I4 scaleBits = (I4)F4{scale, scale, scale, scale}, low = {1, 2, 4, 8}, high = {16, 32, 64, 128};
+  uint64_t full = s.elements / 8;
+  for (uint64_t b = 0; b < full; ++b) {
+    F4 xl, xh;
+    std::memcpy(&xl, x + 8 * b, 16);
+    std::memcpy(&xh, x + 8 * b + 4, 16);
+    I4 nl = xl < 0, nh = xh < 0;  // -1 where negative
+    xl -= (F4)(scaleBits ^ (nl & INT32_MIN));
+    xh -= (F4)(scaleBits ^ (nh & INT32_MIN));
+    std::memcpy(x + 8 * b, &xl, 16);
+    std::memcpy(x + 8 * b + 4, &xh, 16);
+    I4 set = (nl & low) | (nh & high);
+    bits[b] = uint8_t(set[0] | set[1] | set[2] | set[3]);
+  }
+  for (uint64_t i = 8 * full; i < s.elements; ++i) {
+    bool negative = x[i] < 0;
+    bits[i >> 3] |= uint8_t(negative) << (i & 7);
+    x[i] -= negative ? -scale : scale;
+  }
+}
+
+// A onebit round in two passes over x (the residual): x = (the pushes summed in order) * scale + x, its |x| summed
+// into encode's lanes on the way, then encodeSigns. The same arithmetic as decodeAdd of each push into a zeroed
+// accumulator followed by encode of acc * scale + x, element by element; `pushes` are `count` payloads end to end.
+void closeOnebit(const CodecSpec& s, const uint8_t* pushes, uint64_t count, float scale, float* x, uint8_t* out) {
+  // Each push's 4 values of each half byte looked up, so the adds vectorize: the same adds as element by element.
+  std::vector<std::array<std::array<float, 4>, 16>> nibbles(count);
+  for (uint64_t w = 0; w < count; ++w) {
+    float sc = loadFloat(pushes + w * s.wireBytes);
+    for (int v = 0; v < 16; ++v) {
+      for (int j = 0; j < 4; ++j) nibbles[w][v][j] = (v >> j) & 1 ? -sc : sc;
+    }
+  }
+  const uint8_t* bits = pushes + 4;
+  // In vectors: 8 elements a step, their |x| into the lanes as doubles.
+  D2 sums[4] = {};  // encode's lanes 0-1, 2-3, 4-5, 6-7
+  const F4 scales = {scale, scale, scale, scale};
+  auto addAbs = [](D2& lane, D2 v) { lane += (D2)((I2)v & I2{INT64_MAX, INT64_MAX}); };
+  uint64_t full = s.elements / 8;
+  for (uint64_t b = 0; b < full; ++b) {
+    F4 lo = {}, hi = {};
+    for (uint64_t w = 0; w < count; ++w) {
+      uint8_t byte = bits[w * s.wireBytes + b];
+      F4 l, h;
+      std::memcpy(&l, nibbles[w][byte & 15].data(), 16);
+      std::memcpy(&h, nibbles[w][byte >> 4].data(), 16);
+      lo += l;
+      hi += h;
+    }
+    F4 xl, xh;
+    std::memcpy(&xl, x + 8 * b, 16);
+    std::memcpy(&xh, x + 8 * b + 4, 16);
+    xl = lo * scales + xl;
+    xh = hi * scales + xh;
+    std::memcpy(x + 8 * b, &xl, 16);
+    std::memcpy(x + 8 * b + 4, &xh, 16);
+    addAbs(sums[0], D2{xl[0], xl[1]});
+    addAbs(sums[1], D2{xl[2], xl[3]});
+    addAbs(sums[2], D2{xh[0], xh[1]});
+    addAbs(sums[3], D2{xh[2], xh[3]});
+  }
+  double lanes[8];
+  for (int j = 0; j < 8; ++j) lanes[j] = sums[j / 2][j % 2];
+  for (uint64_t i = 8 * full; i < s.elements; ++i) {
+    float a = 0;
+    for (uint64_t w = 0; w < count; ++w) {
+      float sc = loadFloat(pushes + w * s.wireBytes);
+      a += (bits[w * s.wireBytes + (i >> 3)] >> (i & 7)) & 1 ? -sc : sc;
+    }
+    x[i] = a * scale + x[i];
+    lanes[i & 7] += std::fabs(double(x[i]));
+  }
+  encodeSigns(s, lanes, x, out);
 }
 
 }  // namespace
@@ -245,24 +338,10 @@ void randomIndices(uint64_t key, uint64_t round, uint64_t n, uint64_t k, uint64_
 }
 
 void decodeAdd(const CodecSpec& s, uint64_t round, const uint8_t* p, float* acc) {
-  if (s.id == kCodecOnebit) {
-    float scale = loadFloat(p);
-    const uint8_t* bits = p + 4;
-    // Each byte's 8 values looked up, so the adds vectorize: the same adds as element by element.
-    float table[256][8];
-    for (int b = 0; b < 256; ++b) {
-      for (int j = 0; j < 8; ++j) table[b][j] = (b >> j) & 1 ? -scale : scale;
-    }
-    uint64_t full = s.elements / 8;
-    for (uint64_t b = 0; b < full; ++b) {
-      const float* t = table[bits[b]];
-      float* a = acc + 8 * b;
-      for (int j = 0; j < 8; ++j) a[j] += t[j];
-    }
-    for (uint64_t i = 8 * full; i < s.elements; ++i) acc[i] += (bits[i >> 3] >> (i & 7)) & 1 ? -scale : scale;
-  } else if (s.id == kCodecTopk) {
+  if (s.id == kCodecTopk) {
     uint64_t k = s.k(), w = s.width;
     const uint8_t* v = p + 4 * k;
+    for (uint64_t j = 0; j < k; ++j) __builtin_prefetch(acc + uint64_t(loadU32(p + 4 * j)) * w, 1);  // overlapped
     for (uint64_t j = 0; j < k; ++j) {
       float* row = acc + uint64_t(loadU32(p + 4 * j)) * w;
       for (uint64_t c = 0; c < w; ++c) row[c] += loadFloat(v + 4 * (j * w + c));
@@ -284,29 +363,9 @@ void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
       for (int j = 0; j < 8; ++j) lanes[j] += std::fabs(double(x[8 * b + j]));
     }
     for (uint64_t i = 8 * full; i < s.elements; ++i) lanes[i & 7] += std::fabs(double(x[i]));
-    double total = lanes[0];
-    for (int j = 1; j < 8; ++j) total += lanes[j];
-    float scale = static_cast<float>(total / double(s.elements));
-    std::memcpy(out, &scale, 4);
-    uint8_t* bits = out + 4;
-    std::memset(bits, 0, s.wireBytes - 4);
-    for (uint64_t b = 0; b < full; ++b) {
-      float* xb = x + 8 * b;
-      uint8_t byte = 0;
-      for (int j = 0; j < 8; ++j) {
-        bool negative = xb[j] < 0;
-        byte |= uint8_t(negative) << j;
-        xb[j] -= negative ? -scale : scale;
-      }
-      bits[b] = byte;
-    }
-    for (uint64_t i = 8 * full; i < s.elements; ++i) {
-      bool negative = x[i] < 0;
-      bits[i >> 3] |= uint8_t(negative) << (i & 7);
-      x[i] -= negative ? -scale : scale;
-    }
+    encodeSigns(s, lanes, x, out);
   } else if (s.id == kCodecTopk) {
-    encodeTopk(s, round, x, nullptr, 1.0f, out);
+    encodeTopk(s, round, x, out);
   } else if (s.id == kCodecRandomk) {
     std::vector<uint64_t> idx(s.k());
     randomIndices(s.key, round, s.elements, s.k(), idx.data());
@@ -319,42 +378,75 @@ void encode(const CodecSpec& s, uint64_t round, float* x, uint8_t* out) {
 }
 
 float topkThreshold(const CodecSpec& s, uint64_t round, const float* x) {
-  return candidateThreshold(s, round, x, nullptr, 1.0f);
+  return candidateThreshold(s, round, x);
 }
 
 void CodecKey::add(std::vector<float>& acc, uint64_t round, const uint8_t* payload) {
-  if (acc.empty()) {
-    if (spare_.empty()) {
-      acc.assign(spec_.elements, 0.0f);
-    } else {
-      acc = std::move(spare_.back());
-      spare_.pop_back();
-    }
+  if (acc.empty() && !spare_.empty()) {
+    acc = std::move(spare_.back());
+    spare_.pop_back();
   }
+  if (keepsPushes()) {  // kept as it came (wireBytes is a multiple of 4), for close
+    size_t at = acc.size();
+    acc.resize(at + spec_.wireBytes / 4);
+    std::memcpy(acc.data() + at, payload, spec_.wireBytes);
+    return;
+  }
+  if (acc.empty()) acc.assign(spec_.elements, 0.0f);
   decodeAdd(spec_, round, payload, acc.data());
 }
 
 transport::Message CodecKey::close(std::vector<float>&& acc, uint64_t round, float scale) {
   if (residual_.empty()) residual_.assign(spec_.elements, 0.0f);
-  // x = acc * scale + residual is made in the residual's place, where encoding leaves the next residual; acc is
-  // zeroed in the same pass, for the next round.
-  float *x = residual_.data(), *a = acc.data();
+  // x = acc * scale + residual is made in the residual's place, where encoding leaves the next residual.
+  float* x = residual_.data();
   transport::Message out = transport::Message::ofSize(spec_.wireBytes);
-  if (spec_.id == kCodecTopk) {
-    encodeTopk(spec_, round, x, a, scale, out.data());
+  const auto* pushes = reinterpret_cast<const uint8_t*>(acc.data());
+  uint64_t count = keepsPushes() ? acc.size() * 4 / spec_.wireBytes : 0;
+  if (spec_.id == kCodecOnebit) {
+    closeOnebit(spec_, pushes, count, scale, x, out.data());
+  } else if (spec_.id == kCodecTopk) {
+    foldTopk(round, pushes, count, scale, x);
+    encodeTopk(spec_, round, x, out.data());
   } else {
+    float* a = acc.data();
     for (uint64_t i = 0; i < spec_.elements; ++i) {
       x[i] = a[i] * scale + x[i];
-      a[i] = 0;
+      a[i] = 0;  // for the next round
     }
     encode(spec_, round, x, out.data());
   }
+  if (keepsPushes()) acc.clear();
   spare_.push_back(std::move(acc));
   return out;
 }
 
+// x = (the round's pushes summed in order) * scale + x on the rows they name, summed in sum_, which is left zeroed;
+// a dense pass would read and write every row for the 1% named. Elsewhere the sum is +0, and +0 * scale + x is x:
+// x is never -0 (it starts at +0, a sum begun at +0 never makes -0, and encoding leaves x - x), the one x it changes.
+void CodecKey::foldTopk(uint64_t round, const uint8_t* pushes, uint64_t count, float scale, float* x) {
+  if (sum_.empty()) sum_.assign(spec_.elements, 0.0f);
+  uint64_t k = spec_.k(), w = spec_.width;
+  auto row = [&](uint64_t p, uint64_t j) { return uint64_t(loadU32(pushes + p * spec_.wireBytes + 4 * j)) * w; };
+  for (uint64_t p = 0; p < count; ++p) {
+    for (uint64_t j = 0; j < k; ++j) __builtin_prefetch(x + row(p, j), 1);  // x is read next; decodeAdd fetches sum_
+    decodeAdd(spec_, round, pushes + p * spec_.wireBytes, sum_.data());
+  }
+  for (uint64_t p = 0; p < count; ++p) {
+    for (uint64_t j = 0; j < k; ++j) {  // a row named twice: its sum is +0 the second time, and x + 0 is x
+      for (uint64_t c = row(p, j), end = c + w; c < end; ++c) {
+        x[c] = sum_[c] * scale + x[c];
+        sum_[c] = 0;
+      }
+    }
+  }
+}
+
 void CodecKey::giveBack(std::vector<float>&& acc) {
-  if (acc.size() == spec_.elements) {
+  if (keepsPushes()) {
+    acc.clear();
+    spare_.push_back(std::move(acc));
+  } else if (acc.size() == spec_.elements) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     spare_.push_back(std::move(acc));
   }

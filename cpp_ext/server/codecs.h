@@ -41,7 +41,8 @@ std::string codecName(uint32_t word);
 std::string checkDeclaration(const CodecSpec& spec);
 // Why this push payload is malformed (length, an index out of range, a value or scale not finite), or "".
 std::string checkPayload(const CodecSpec& spec, const uint8_t* payload, size_t size);
-// acc[i] += the push's decoded value at i, in the payload's order.
+// acc[i] += the push's decoded value at i, in the payload's order: top-k and random-k (a onebit round's pushes are
+// decoded together, by CodecKey::close).
 void decodeAdd(const CodecSpec& spec, uint64_t round, const uint8_t* payload, float* acc);
 // Encode x into `out` (spec.wireBytes), then leave x - decode(out) in x: the residual.
 void encode(const CodecSpec& spec, uint64_t round, float* x, uint8_t* out);
@@ -56,16 +57,22 @@ class CodecKey {
  public:
   explicit CodecKey(CodecSpec spec) : spec_(spec) {}
   const CodecSpec& spec() const { return spec_; }
-  // Add a checked push into the round's accumulator (`acc` empty: a zeroed one is taken first).
+  // Add a checked push into the round's accumulator (`acc` empty: a zeroed one is taken first). Onebit and top-k
+  // rounds keep their pushes there as they came instead, for close: onebit decodes them all in one pass over the
+  // key where each push would make one, top-k adds them into x on the rows they name alone.
   void add(std::vector<float>& acc, uint64_t round, const uint8_t* payload);
   // The round's result: (acc * scale + residual) encoded; the residual becomes what that encoding dropped.
   transport::Message close(std::vector<float>&& acc, uint64_t round, float scale);
   void giveBack(std::vector<float>&& acc);  // a failed round's accumulator
 
  private:
+  bool keepsPushes() const { return spec_.id == kCodecOnebit || spec_.id == kCodecTopk; }
+  void foldTopk(uint64_t round, const uint8_t* pushes, uint64_t count, float scale, float* x);
+
   CodecSpec spec_;
   std::vector<float> residual_;
-  std::vector<std::vector<float>> spare_;  // zeroed accumulators
+  std::vector<float> sum_;  // top-k: where foldTopk adds up a round's pushes; zeroed between rounds
+  std::vector<std::vector<float>> spare_;  // zeroed accumulators (onebit, top-k: emptied)
 };
 
 }  // namespace bps::server

@@ -147,7 +147,7 @@ class KeyRounds {
     uint32_t contributors = 0;  // how many pushes the result holds
     Message total;
     std::vector<Piece> pieces;  // COPY
-    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers, or a compressed key: the sum so far in fp32
+    std::vector<float> wide;  // fp16/bf16 SUM of 3+ workers: the sum so far in fp32; a compressed key: CodecKey::add
   };
 
   Round& live(uint64_t rnd, uint32_t worker, const char* what);

@@ -116,7 +116,7 @@ def test_declarations_are_checked_alike(word, dense, wire):
 def _sampled_rows(rows: int, rnd: int) -> np.ndarray:
     """The rows whose scores set the server's top-k threshold in round `rnd` (codecs.cpp, candidateThreshold)."""
     m = min(rows, max(1024, min(rows // 64, 4096)))
-    return np.array([_splitmix(rnd * m + i) % rows for i in range(m)])
+    return np.array([_splitmix(rnd * m + i) * rows >> 64 for i in range(m)])  # the high word of the product
 
 
 def _topk_path(word: int, n: int, wire_bytes: int, rnd: int, x: np.ndarray) -> str:
