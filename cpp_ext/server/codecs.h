@@ -1,5 +1,6 @@
-// Compressed SUM keys on the server: decode each push into an fp32 accumulator, and when the round closes encode
-// the sum (plus this key's error feedback) once, which every pull reads. docs/protocol.md ("Compressed keys")
+// Compressed SUM keys on the server: sum the round's decoded pushes in fp32, in arrival order, and when the round
+// closes encode the sum (plus this key's error feedback) once, which every pull reads. Random-k decodes each push as
+// it comes; onebit and top-k keep their pushes and decode them when the round closes (CodecKey::add). docs/protocol.md ("Compressed keys")
 // states the layouts and the arithmetic; torch_bps/_reference/codecs.py states them again in numpy, and
 // tests/server/test_codecs.py holds the two to the same bits.
 //

@@ -17,6 +17,12 @@ namespace {
 
 std::string hex(uint64_t value) { return formatText("0x%llx", static_cast<unsigned long long>(value)); }
 
+uint64_t monotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ULL + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 }  // namespace
 
 double monotonicSeconds() {
@@ -136,7 +142,9 @@ void KeyRounds::close(Round& r, uint64_t rnd) {
     r.failed = !r.failure.empty();
   } else if (codec_) {  // --- compressed key: the sum (scaled for a backup round) encoded once
     float scale = static_cast<float>(static_cast<double>(job_.numWorkers) / r.contributors);
+    uint64_t start = monotonicNs();
     r.total = codec_->close(std::move(r.wide), rnd, scale);
+    counters_.sumNs += monotonicNs() - start;  // onebit and top-k decode their pushes here (CodecKey::add)
     r.hasTotal = true;
   } else if (r.contributors < job_.numWorkers && r.hasTotal && !(widened_ && r.contributors > 1)) {
     // A backup round: the sum of c pushes, scaled to stand for n (every reader divides by n for a mean). A widened
@@ -179,11 +187,9 @@ std::vector<Answer> KeyRounds::push(uint32_t worker, uint64_t rnd, Message&& dat
       for (auto& a : refuse(worker, rnd, message)) released_.push_back(std::move(a));
       throw RoundError{kKeyMismatch, std::move(message)};
     }
-    timespec start, end;
-    clock_gettime(CLOCK_MONOTONIC, &start);
+    uint64_t start = monotonicNs();
     codec_->add(r.wide, rnd, data.data());
-    clock_gettime(CLOCK_MONOTONIC, &end);
-    counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+    counters_.sumNs += monotonicNs() - start;
     counters_.bytesSummed += data.size();
   } else {
     add(r, std::move(data), r.numPushed + 1);  // this worker has not pushed it yet
@@ -332,8 +338,7 @@ void KeyRounds::add(Round& r, Message&& data, uint32_t contributors) {
     r.hasTotal = true;
     return;
   }
-  timespec start, end;
-  clock_gettime(CLOCK_MONOTONIC, &start);
+  uint64_t start = monotonicNs();
   uint8_t* total = r.total.data();
   bool closing = contributors >= needed();
   // A backup round's sum stands for n pushes (close); a widened one is scaled here, in fp32, before its rounding.
@@ -352,8 +357,7 @@ void KeyRounds::add(Round& r, Message&& data, uint32_t contributors) {
   } else {
     addWidened(dtype_, r.wide.data(), data.data(), r.wide.size());
   }
-  clock_gettime(CLOCK_MONOTONIC, &end);
-  counters_.sumNs += static_cast<uint64_t>((end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec));
+  counters_.sumNs += monotonicNs() - start;
   counters_.bytesSummed += data.size();
 }
 
