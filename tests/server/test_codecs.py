@@ -202,6 +202,35 @@ def test_topk_rounds_of_a_large_key_match_the_reference_on_every_path():
     assert paths == ["fallback", "candidates", "candidates"]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_topk_rounds_of_a_large_key_carry_their_residual_alike():
+    """Twelve rounds on one key: a push on the rows that scored least lifts them into the top k, and a sum that
+    overflows leaves a NaN residual, scored +inf and sent in every round after."""
+    rows, k, workers = 20000, 200, 3
+    word = codec_word(Codec.TOPK)
+    wire_bytes = codec_wire_bytes(word, rows, k)
+    spec = ref.Spec(word, 4 * rows, wire_bytes, KEY)
+    native, reference = probe(word, rows, wire_bytes, workers), ref.CodecKey(spec)
+    gen = np.random.default_rng(2)
+    for rnd in range(12):
+        chosen = [np.sort(gen.choice(rows, k, replace=False)) for _ in range(workers)]
+        values = [gen.standard_normal(k) for _ in range(workers)]
+        if rnd == 5:  # the rows scoring least, far below every watched row
+            chosen[0] = np.sort(np.argsort(np.abs(reference.residual), kind="stable")[:k])
+            values[0] = np.full(k, 1e3)
+        if rnd == 8:  # one row's sum overflows to inf; sent, it leaves inf - inf
+            chosen[1][0] = chosen[2][0] = 0
+            values[1][0] = values[2][0] = 3e38
+        pairs = zip(chosen, values, strict=True)
+        pushes = [c.astype(np.uint32).tobytes() + v.astype(np.float32).tobytes() for c, v in pairs]
+        for w, p in enumerate(pushes):
+            assert native.push(w, rnd, p, 0)[0] == 0
+        expected = reference.round(pushes, rnd)
+        for w in range(workers):
+            assert native.pull(w, rnd, w, 0, wire_bytes)[2] == [(w, Status.OK, expected, 0)], f"round {rnd}"
+    assert np.isnan(reference.residual[0])
+
+
 def _hostile(word, n, wire_bytes, payload, expected_text):
     """Worker 1's malformed push is refused naming key, round and why; the round fails for worker 0's waiting
     pull, and the key serves the next round."""
