@@ -27,10 +27,12 @@ class DdpSpec:
 
     `wrap`: "ddp" (DistributedDataParallel) or "fsdp" (`fully_shard` on every Linear and the root).
     `hook`: "" or "fp16" (DDP with torch's `fp16_compress_hook`).
+    `bucket_view`: DDP's `gradient_as_bucket_view` (gradients live in its buckets: no gradient allocated per step).
     """
 
     wrap: str = "ddp"
     hook: str = ""
+    bucket_view: bool = False
     hidden: int = 2048
     layers: int = 6
     batch: int = 16
@@ -61,6 +63,7 @@ def run_ddp(
                 "--store", store, "--hidden", str(spec.hidden), "--layers", str(spec.layers),
                 "--batch", str(spec.batch), "--steps", str(spec.steps), "--warmup", str(spec.warmup),
                 "--timeout", str(spec.timeout_s), "--wrap", spec.wrap, "--hook", spec.hook,
+                *(["--bucket-view"] if spec.bucket_view else []),
             ],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env_of(r, h) if env_of else {})},
         )

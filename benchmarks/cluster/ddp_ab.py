@@ -6,7 +6,8 @@
 
 Each variant is NAME=[VAR=VALUE,...]: environment variables for its ranks; ROOT=DIR runs them from another
 checkout of this repository (its torch_bps, built, and its benchmarks), so two builds meet in one run;
-BACKEND=gloo trains on gloo instead of "byteps"; HOOK=fp16 registers torch's fp16_compress_hook. With no gloo
+BACKEND=gloo trains on gloo instead of "byteps"; HOOK=fp16 registers torch's fp16_compress_hook; VIEW=1 wraps the
+model with DDP's gradient_as_bucket_view (no gradient allocated per step, none copied out of a bucket). With no gloo
 variant, gloo runs once before and once after. On this shared machine one run differs from the next by about ±5%:
 alternating variants within one cluster, and reading every run rather than one, is what makes a few percent
 visible. Prints s/step, samples/s, the bytes each worker link carried per step (both ways, headers included), the
@@ -56,10 +57,11 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _run(cluster: Cluster, spec: DdpSpec, port: int, k: int, env: dict[str, str]) -> dict:
-    """One DDP run of a variant: its backend and hook (BACKEND, HOOK), the rest of `env` for its ranks."""
+    """One DDP run of a variant: its backend, hook and buckets (BACKEND, HOOK, VIEW), the rest of `env` for its
+    ranks."""
     env = dict(env)
-    backend, hook = env.pop("BACKEND", "byteps"), env.pop("HOOK", "")
-    spec = dataclasses.replace(spec, hook=hook)
+    backend, hook, view = env.pop("BACKEND", "byteps"), env.pop("HOOK", ""), env.pop("VIEW", "") == "1"
+    spec = dataclasses.replace(spec, hook=hook, bucket_view=view)
     with _variant(env):
         return run_ddp_byteps(cluster, spec, port, k) if backend == "byteps" else run_ddp(cluster, backend, spec, port)
 
@@ -67,7 +69,7 @@ def _run(cluster: Cluster, spec: DdpSpec, port: int, k: int, env: dict[str, str]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="+", type=parse_variant,
-                   help="NAME=[VAR=VALUE,...] (ROOT=DIR: a checkout; BACKEND=gloo; HOOK=fp16)")  # fmt: skip
+                   help="NAME=[VAR=VALUE,...] (ROOT=DIR: a checkout; BACKEND=gloo; HOOK=fp16; VIEW=1)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="runs per variant, alternated (default 3)")
     p.add_argument("-n", "--workers", type=int, default=4)
     p.add_argument("-k", "--servers", type=int, default=4, help="dedicated server hosts (default 4)")

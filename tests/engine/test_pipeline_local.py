@@ -29,8 +29,8 @@ from torch_bps.client import Client
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights
-from torch_bps.errors import BpsTimeoutError
-from torch_bps.local import LocalComm, shm
+from torch_bps.errors import BpsError, BpsTimeoutError
+from torch_bps.local import LocalComm, LocalPeerFailedError, shm
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -111,6 +111,28 @@ def _network_stage_stopped(engine: PushPullEngine, local_rank: int):
         return type(e).__name__, str(e), time.monotonic() - started
 
 
+def _network_refused_once(engine: PushPullEngine, local_rank: int):
+    """Local rank 1's client refuses its first batch (as a closed client does); then two collectives on each rank."""
+    if local_rank == 1:
+        submit = engine.client.push_pull_batch
+
+        def refuse(*args, **kwargs):
+            engine.client.push_pull_batch = submit
+            raise BpsError("planted: the client refused the batch")
+
+        engine.client.push_pull_batch = refuse
+    outcomes = []
+    for step in range(2):
+        started = time.monotonic()
+        try:
+            got = _finish(engine.push_pull(_data(local_rank, step, 100_000, torch.float32)))
+            want = _data(0, step, 100_000, torch.float32) + _data(1, step, 100_000, torch.float32)
+            outcomes.append(("ok", torch.equal(got, want), time.monotonic() - started))
+        except Exception as e:  # noqa: BLE001 - reported to the test process, which decides
+            outcomes.append((type(e).__name__, str(e), time.monotonic() - started))
+    return outcomes
+
+
 def _alone_bursts(engine: PushPullEngine, local_rank: int):
     """Bursts of collectives on a machine that is the whole job, local rank 1 late to every fourth: some gathered on
     the thread that reduce-scattered them, some on a completion thread, every sum exact. Returns (collectives, handed
@@ -135,6 +157,7 @@ SCENARIOS = {
     "all_gather_never_met": _all_gather_never_met,
     "slow_network": _slow_network,
     "network_stage_stopped": _network_stage_stopped,
+    "network_refused_once": _network_refused_once,
 }
 
 
@@ -247,3 +270,18 @@ def test_a_network_stage_that_stopped_fails_the_collective_in_time(server, job_i
         assert stage in message, message
         assert "no partition was sent or acknowledged in the last 8.0 s" in message, message
         assert TIMEOUT + 5 <= elapsed < TIMEOUT + 5 + 3, (rank, elapsed)
+
+
+def test_a_local_rank_whose_network_stage_fails_fails_its_peers_at_once(server, job_id):
+    """Rank 1's client refuses its partitions: rank 1's collective fails with that error, and rank 0's, its sum back
+    from the server, fails at the all-gather at once, naming rank 1, instead of waiting for it until the timeout;
+    the local channels stay usable and the next collective sums on both."""
+    out = run("network_refused_once", server, job_id)
+    (kind, message, elapsed), ok = out[1]
+    assert kind == BpsError.__name__ and "planted: the client refused the batch" in message, message
+    assert elapsed < 1.0, elapsed
+    (kind, message, elapsed), ok0 = out[0]
+    assert kind == LocalPeerFailedError.__name__, message
+    assert "local rank 0: all_gather call #1: local rank(s) [1] came with nothing to give" in message, message
+    assert elapsed < 1.0, f"{elapsed:.1f} s: rank 0 waited for rank 1 (timeout {TIMEOUT} s)"
+    assert ok[:2] == ok0[:2] == ("ok", True), (ok, ok0)

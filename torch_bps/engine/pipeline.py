@@ -585,7 +585,10 @@ class PushPullEngine:
 
     def _all_gather_steps(self, op: _Op, patience: float | None):
         """op's local all-gather as LocalComm steps; with `patience`, they pause as _reduce_scatter_steps' do."""
-        if op.error is not None:  # failed before or in the network stage: nothing to gather
+        if op.error is not None:  # failed: nothing to gather
+            if op.slices and len(op.slices) == len(op.items):  # after the reduce-scatter: the peers come, tell them
+                comm = self.local_channels[1]
+                yield from comm.all_gather_steps(op.slices[0], op.items[0].tensor, patience=patience, failed=True)
             return
         for slice_, x in zip(op.slices, op.items, strict=True):
             yield from self.local_channels[1].all_gather_steps(slice_, x.tensor, patience=patience)
@@ -597,7 +600,7 @@ class PushPullEngine:
         try:
             return self._run_stage(op, "local_all_gather", steps)
         except BaseException as e:  # noqa: BLE001
-            op.error = e
+            op.error = op.error or e  # a failed collective keeps its own error; its peers get this one
             return True
 
     @staticmethod

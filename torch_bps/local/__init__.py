@@ -5,7 +5,7 @@ rounds, reduce.py the one local-sum function a fused kernel can replace.
 May import: torch, torch.distributed, torch_bps.errors.
 """
 
-from torch_bps.local.comm import LocalComm, LocalInputError, split_range
+from torch_bps.local.comm import LocalComm, LocalInputError, LocalPeerFailedError, split_range
 from torch_bps.local.reduce import local_sum
 
-__all__ = ["LocalComm", "LocalInputError", "local_sum", "split_range"]
+__all__ = ["LocalComm", "LocalInputError", "LocalPeerFailedError", "local_sum", "split_range"]

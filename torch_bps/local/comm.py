@@ -16,8 +16,9 @@ or more at the default capacity.
 The first round of every call also carries a descriptor (call number, op, dtype, numel, input error)
 per rank. Every rank checks them after that round's barrier, so bad input on one rank (mismatched numel
 or dtype, a non-contiguous tensor) raises LocalInputError on every rank, and the LocalComm stays
-usable. Any other failure (a dead or departed peer, a timeout, an interrupt) marks it broken: this rank
-raises, its peers see it ABORTED within ~50 ms and raise too, and later calls raise at once.
+usable; so does an all-gather a rank joins with nothing to give (`failed`: LocalPeerFailedError). Any
+other failure (a dead or departed peer, a timeout, an interrupt) marks it broken: this rank raises, its
+peers see it ABORTED within ~50 ms and raise too, and later calls raise at once.
 
 May import: torch, torch.distributed (the Store), torch_bps.errors, torch_bps.wire (dtype codes) and torch_bps.local.*.
 """
@@ -49,6 +50,11 @@ _ALIGN = 64  # bytes: every chunk region starts on a cache line
 
 class LocalInputError(BpsError, ValueError):
     """A local rank passed an invalid tensor, or the local ranks passed tensors that do not match."""
+
+
+class LocalPeerFailedError(BpsError):
+    """A local rank came to an all-gather with nothing to give: its collective had failed before it (its own error
+    says why). Raised on every local rank alike, at once; the LocalComm stays usable."""
 
 
 def _tensor_problem(t, name: str) -> str | None:
@@ -304,8 +310,11 @@ class LocalComm:
         """
         finish(self.all_gather_steps(slice_, out))
 
-    def all_gather_steps(self, slice_: torch.Tensor, out: torch.Tensor, *, patience: float | None = None) -> Steps:
-        """`all_gather` as steps, pausing as `reduce_scatter_steps` does."""
+    def all_gather_steps(self, slice_: torch.Tensor, out: torch.Tensor, *, patience: float | None = None,
+                         failed: bool = False) -> Steps:  # fmt: skip
+        """`all_gather` as steps, pausing as `reduce_scatter_steps` does. `failed`: this rank's collective failed before
+        its all-gather, so it has no slice to give: it meets its peers, and every rank raises LocalPeerFailedError
+        (peers would otherwise wait for it until their timeout)."""
         call = self._begin()
         problem = _tensor_problem(out, "out") or _tensor_problem(slice_, "slice_")
         if problem is None and slice_.dtype != out.dtype:
@@ -315,11 +324,14 @@ class LocalComm:
                        f"is {self.slice_range(out.numel())}")  # fmt: skip
         if self.local_size == 1:
             self._raise_if(problem, "all_gather", call)
+            if failed:
+                raise LocalPeerFailedError(f"{self._who()}: all_gather call #{call}: this rank's collective failed")
             if slice_.data_ptr() != out.data_ptr():
                 out.view(-1).copy_(slice_.view(-1))
             return
-        ok = problem is None
+        ok = problem is None and not failed
         numel, dtype = (out.numel(), out.dtype) if ok else (0, torch.float32)
+        flag = 2 if failed else 0 if problem is None else 1  # the descriptor's input error: failed, invalid input
         with self._failure_guard():
             me = self.local_rank
             bounds = self._bounds(numel)
@@ -332,14 +344,14 @@ class LocalComm:
                 k = self._round + 1
                 blocks = layout.ag_blocks[k % 2]  # one block per source rank in this round's half
                 if j == 0:
-                    self._board.write_desc(k, call, _ALL_GATHER, DTYPE_CODES[dtype], numel, 0 if ok else 1)
+                    self._board.write_desc(k, call, _ALL_GATHER, DTYPE_CODES[dtype], numel, flag)
                 lo = j * chunk
                 if ok and lo < mine.numel():
                     n = min(mine.numel() - lo, chunk)
                     blocks[me][:n].copy_(mine[lo : lo + n])
                 yield from self._meet(k, "all_gather", call, j, rounds, patience)
                 if j == 0:
-                    self._agree(k, call, _ALL_GATHER, problem)
+                    self._agree(k, call, _ALL_GATHER, problem, failed)
                     lo_me, hi_me = bounds[me]
                     if mine.data_ptr() != y[lo_me:hi_me].data_ptr():  # not already in place
                         y[lo_me:hi_me].copy_(mine)
@@ -410,15 +422,22 @@ class LocalComm:
         self._board.wait_all(k, what)
         self._round = k
 
-    def _agree(self, k: int, call: int, op: int, problem: str | None) -> None:
-        """Check every rank's descriptor of this call; raise the same LocalInputError on every rank."""
+    def _agree(self, k: int, call: int, op: int, problem: str | None, failed: bool = False) -> None:
+        """Check every rank's descriptor of this call; raise the same LocalInputError (or LocalPeerFailedError) on
+        every rank."""
         where = f"{self._who()}: {_OP_NAMES[op]} call #{call}"
         descs = [self._board.read_desc(p, k) for p in range(self.local_size)]
         if problem is not None:
             raise LocalInputError(f"{where}: {problem}")
-        bad = [p for p, d in enumerate(descs) if d[4]]
+        bad = [p for p, d in enumerate(descs) if d[4] == 1]
         if bad:
             raise LocalInputError(f"{where}: local rank(s) {bad} passed invalid input (their errors say why)")
+        if failed:
+            raise LocalPeerFailedError(f"{where}: this rank's collective failed before it")
+        gone = [p for p, d in enumerate(descs) if d[4] == 2]
+        if gone:
+            raise LocalPeerFailedError(f"{where}: local rank(s) {gone} came with nothing to give: their collective "
+                                       "failed before it (their errors say why)")  # fmt: skip
         if any(d != descs[0] for d in descs):
             seen = "; ".join(f"rank {p}: {_OP_NAMES.get(d[1], d[1])} call #{d[0]} {_DTYPE_OF.get(d[2])} numel={d[3]}"
                              for p, d in enumerate(descs))  # fmt: skip
@@ -426,10 +445,11 @@ class LocalComm:
 
     @contextlib.contextmanager
     def _failure_guard(self):
-        """Mark this LocalComm broken on any failure but an agreed LocalInputError, and re-raise."""
+        """Mark this LocalComm broken on any failure but an agreed LocalInputError or LocalPeerFailedError, and
+        re-raise."""
         try:
             yield
-        except LocalInputError:
+        except (LocalInputError, LocalPeerFailedError):
             raise
         except BaseException as e:
             self._abort(e)

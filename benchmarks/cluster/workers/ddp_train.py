@@ -8,7 +8,8 @@ gradients per step against ~2 GFLOP of compute for a batch of 16, so the links, 
 the pace. `--backend byteps` needs `import torch_bps` to register a "byteps" process group (servers from
 BPS_SERVERS); until it does, the rank exits with code 3 and says so.
 
-`--hook fp16` registers torch's `fp16_compress_hook` on the DDP model (gradients summed as fp16, any backend).
+`--hook fp16` registers torch's `fp16_compress_hook` on the DDP model (gradients summed as fp16, any backend);
+`--bucket-view` wraps it with `gradient_as_bucket_view=True` (the gradients are views of DDP's buckets).
 
 `--wrap fsdp` shards every Linear and the root with `fully_shard` instead of wrapping the model in DDP,
 and counts bytes over the timed steps: this host's link (both backends), and on "byteps" the servers'
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp", help="DDP, or FSDP2 fully_shard")
     p.add_argument("--hook", choices=["", "fp16"], default="", help="DDP: torch's fp16_compress_hook")
+    p.add_argument("--bucket-view", action="store_true", help="DDP: gradient_as_bucket_view=True")
     args = p.parse_args(argv)
 
     import torch
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 fully_shard(layer)
         fully_shard(model)
     else:
-        model = DDP(model)
+        model = DDP(model, gradient_as_bucket_view=args.bucket_view)
         if args.hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
