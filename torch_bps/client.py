@@ -324,8 +324,8 @@ class Client:
 
         The client's IO thread sends the parts of every batch in priority order (higher first, then
         submission order) with at most `credit_bytes` of pushes unacknowledged; a part's credit returns when
-        its server acknowledged the push. After a part failed, parts not yet sent are not sent; the batch
-        completes once, with the first part's error.
+        its server acknowledged the push. After a part failed, parts not yet sent are not sent and those in flight
+        end at once (OUTCOME_NOT_RUN); the batch completes once, with the first part's error.
 
         Args:
             parts: a `torch_bps.wire.Partition` per part (or a tuple of its fields, in order): `push_pull`'s
@@ -333,8 +333,8 @@ class Client:
             priority: the batch's, for all its parts.
             on_done: instead of the future, a callable run with None or the error on a completion thread.
             outcomes: a uint8 tensor of len(parts): each part's outcome is written there before the batch completes
-                (OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN). With `failover`, every part runs
-                whatever the others do.
+                (OUTCOME_OK, OUTCOME_SERVER_LOST, OUTCOME_FAILED, OUTCOME_NOT_RUN). With `failover`, a part whose
+                server was lost does not fail the batch: the other parts run on.
 
         Example: `client.push_pull_batch([Partition(g[:n], key=0), ...], priority=3).wait()`
         """

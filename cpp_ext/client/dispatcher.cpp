@@ -125,7 +125,7 @@ void Dispatcher::sendQueued() {
 }
 
 void Dispatcher::start(const OpPtr& op) {
-  if (op->batch && !op->batch->error.ok() && !options_.failover) {
+  if (op->batch && batchFailed(*op->batch)) {
     op->error = {ErrorKind::kClosed, 0, "not sent: an earlier part of its batch failed"};
     finishOp(op);  // do not push the rest
     return;

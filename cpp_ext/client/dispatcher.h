@@ -69,6 +69,10 @@ class Dispatcher : public transport::LinkListener {
   // A push's credit returns (once); `acknowledged`: its server has it.
   void pushEnded(const OpPtr& op, bool acknowledged);
   void endPart(const OpPtr& op);
+  // Whether a batch has failed for good (not only lost a server that failover replaces), and ending its parts
+  // in flight once it has.
+  bool batchFailed(const Batch& batch) const;
+  void abandonParts(const std::shared_ptr<Batch>& batch);
   void failEverything(const std::string& why);
   // How error messages name an op: its job, its key and round (a push_pull), and this worker.
   std::string describe(const Op& op) const;

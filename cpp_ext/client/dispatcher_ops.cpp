@@ -51,14 +51,41 @@ void Dispatcher::endPart(const OpPtr& op) {
                                                                                                        : kPartFailed;
     batch.outcomes.data_ptr<uint8_t>()[op->partIndex] = outcome;
   }
-  if (!op->error.ok() && batch.error.ok()) batch.error = op->error;
+  bool first = !op->error.ok() && batch.error.ok();
+  if (first) batch.error = op->error;
   batch.ended.push_back(op);
-  if (--batch.remaining > 0) return;
+  if (--batch.remaining > 0) {
+    if (first && batchFailed(batch)) abandonParts(op->batch);
+    return;
+  }
   // One completion per batch. The parts (and their tensor references) die on the pool thread, after it ran;
   // moving them out of the batch also breaks the part -> batch -> part cycle.
   pool_.post([this, token = batch.token, error = batch.error, ended = std::move(batch.ended)] {
     onComplete_(token, error);
   });
+}
+
+bool Dispatcher::batchFailed(const Batch& batch) const {
+  // With failover, a part whose server was lost is sent again elsewhere: only another error fails the batch.
+  return !batch.error.ok() && (!options_.failover || batch.error.kind != ErrorKind::kTransport);
+}
+
+void Dispatcher::abandonParts(const std::shared_ptr<Batch>& batch) {
+  // The batch has failed, so its parts in flight end now instead of each at its reply or deadline: a part whose
+  // round another worker never pushes (its keys cut otherwise, its INIT refused) would wait out the whole
+  // timeout. A part whose reply is being placed ends with that reply; the parts not yet sent never go (start).
+  std::vector<OpPtr> parts;  // a part with several requests in flight comes once per request: failOp ends it once
+  for (auto& entry : requests_.all()) {
+    const OpPtr& part = entry.second.op;
+    if (part->batch != batch) continue;
+    uint64_t placing = part->link != nullptr ? part->link->placing() : 0;
+    if (placing == 0 || std::find(part->requests.begin(), part->requests.end(), placing) == part->requests.end()) {
+      parts.push_back(part);
+    }
+  }
+  for (auto& part : parts) {
+    failOp(part, {ErrorKind::kClosed, 0, "abandoned: another part of its batch failed (" + describe(*part) + ")"});
+  }
 }
 
 void Dispatcher::finishOp(const OpPtr& op) {

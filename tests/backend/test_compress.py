@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_bps
-from tests.helpers import run_ranks
+from tests.helpers import ServerProcess, run_ranks
 from torch_bps.config import Config
 
 pytestmark = pytest.mark.timeout(200)
@@ -110,25 +112,38 @@ def test_error_feedback_delivers_every_coordinate_of_a_fixed_gradient(spec):
 
 
 def _mixed(rank, world, gloo, specs):
-    """bps_hook over gloo with each rank's own compressor on one model: returns the error, if any."""
+    """bps_hook over gloo with each rank's own compressor on one model: returns the error, if any, and the seconds
+    the backward pass took to end."""
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     ddp = DDP(model, process_group=gloo)
     config = Config.resolve(compressor=specs[rank], compress_min_bytes=1024, timeout=20)
     ddp.register_comm_hook(torch_bps.BpsHookState(process_group=gloo, config=config), torch_bps.bps_hook)
+    start = time.monotonic()
     try:
         ddp(torch.randn(4, 64)).sum().backward()
     except Exception as e:  # noqa: BLE001 - the error is the result
-        return str(e)
-    return ""
+        return str(e), time.monotonic() - start
+    return "", time.monotonic() - start
 
 
-@pytest.mark.parametrize("specs", [("onebit", "topk:0.1"), ("", "randomk:0.1")])
-def test_two_codecs_on_one_key_are_refused_naming_both(specs):
-    errors = run_ranks(_mixed, 2, specs, backend="gloo", timeout=120)
+@pytest.mark.parametrize(("specs", "dedicated"), [(("onebit", "topk:0.1"), False), (("", "randomk:0.1"), False),
+                                                  (("", "topk:0.1"), True)],
+                         ids=["onebit-topk", "plain-randomk", "plain-topk-dedicated"])  # fmt: skip
+def test_two_codecs_on_one_key_are_refused_naming_both(specs, dedicated):
+    server = ServerProcess() if dedicated else None  # with failover on: the refusal is not a lost server
+    try:
+        env = {"BPS_SERVERS": server.address} if server else {}
+        results = run_ranks(_mixed, 2, specs, backend="gloo", env=env, timeout=120)
+    finally:
+        if server:
+            server.stop()
+    errors = [e for e, _ in results]
     assert all(errors), errors  # nobody gets a sum
     names = {"onebit": "onebit", "topk:0.1": "topk (width 1)", "": "uncompressed (no codec)", "randomk:0.1": "randomk"}
     assert any("KEY_MISMATCH" in e and all(names[s] in e for s in specs) for e in errors), errors
+    # At once, not after the 20 s timeout: a rank whose INIT was refused has other keys the other rank never pushes.
+    assert all(took < 10 for _, took in results), results
 
 
 def _same_size_parameters(rank, world, gloo, steps):

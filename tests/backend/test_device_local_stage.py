@@ -91,7 +91,13 @@ def _sums(rank, world, gloo):
 @pytest.mark.parametrize(("machines", "wire"), [(2, "fp32"), (2, "bf16"), (1, "fp32")],
                          ids=["two-machines", "two-machines-bf16-wire", "one-machine-alone"])  # fmt: skip
 def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_gets_the_whole_sum(machines, wire):
-    env = {"LOCAL_WORLD_SIZE": "2", "BPS_WIRE_DTYPE": wire}  # the data's sums are integers below 256: exact in bf16
+    # The data's sums are integers below 256: exact in bf16. Partitions of 32 KiB: each slice (~100 KB) is several.
+    env = {
+        "LOCAL_WORLD_SIZE": "2",
+        "BPS_WIRE_DTYPE": wire,
+        "BPS_PARTITION_BYTES": "32768",
+        "BPS_MIN_PARTITION_BYTES": "16384",
+    }
     results = run_ranks(_sums, 2 * machines, env=env, timeout=160)
     for rank, (failures, outcome) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures}"
@@ -129,6 +135,58 @@ def _mismatch(rank, world, gloo):
 def test_local_ranks_that_disagree_both_get_a_clear_error():
     for message in run_ranks(_mismatch, 2, env={"LOCAL_WORLD_SIZE": "2"}, timeout=100):
         assert "local ranks disagree" in message and "numel=100" in message and "numel=101" in message, message
+
+
+def _refused_once(rank, world, gloo):
+    """Each machine's local rank 1 has its client refuse its first batch (as a closed client does); then two
+    collectives on every rank: (error type, message, seconds) or ("ok", exact, seconds) per collective."""
+    import time
+
+    import torch_bps
+    from tests.backend.test_device_staging import RecordingOps
+    from torch_bps.errors import BpsError
+    from torch_bps.pg.work import launch_staged
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    stage, _, pipe, _ = _stage(rt, RecordingOps())
+    client = rt._engine.client
+    if rt.topology.local_rank == 1:  # on both machines: nobody pushes the keys of local rank 1's slice this round
+        submit = client.push_pull_batch
+
+        def refuse(*args, **kwargs):
+            client.push_pull_batch = submit
+            raise BpsError("planted: the client refused the batch")
+
+        client.push_pull_batch = refuse
+    n = 3 * rt.config.partition_bytes // 2 + 5
+    outcomes = []
+    for step in range(2):
+        t, started = _data(rank, n, step), time.monotonic()
+        try:
+            launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            outcomes.append(("ok", torch.equal(t, sum(_data(r, n, step) for r in range(world))), 0.0))
+        except Exception as e:  # noqa: BLE001 - reported to the test, which decides
+            outcomes.append((type(e).__name__, str(e), time.monotonic() - started))
+    stage.close()
+    pipe.close()
+    return outcomes
+
+
+def test_a_local_rank_whose_network_stage_fails_fails_its_peers_at_once():
+    """Local rank 1's collective fails before its all-gather: it keeps its error, and local rank 0, its own sum back,
+    fails at the all-gather at once, naming it, instead of waiting until the channel's timeout (60 s); the
+    channels stay usable and the next collective sums exactly on every rank."""
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_PARTITION_BYTES": "32768", "BPS_MIN_PARTITION_BYTES": "16384"}
+    for rank, (first, second) in enumerate(run_ranks(_refused_once, 4, env=env, timeout=160)):
+        kind, message, took = first
+        if rank % 2:
+            assert kind == "BpsError" and "planted: the client refused the batch" in message, (rank, first)
+        else:
+            assert kind == "LocalPeerFailedError", (rank, first)
+            assert "all_gather call #1 round 1/" in message, (rank, message)
+            assert "local rank(s) [1] came with nothing to give" in message, (rank, message)
+        assert took < 10, (rank, first)
+        assert second == ("ok", True, 0.0), (rank, second)
 
 
 def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_runtime_goes(monkeypatch):

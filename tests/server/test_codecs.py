@@ -174,13 +174,28 @@ def test_topk_of_a_large_key_matches_the_reference_on_every_path(case):
     assert residual == expected_x.tobytes()
 
 
+def _topk_key(rows: int, k: int, workers: int):
+    """A top-k key of `rows` rows of width 1 on the native core, and the reference's key beside it."""
+    word = codec_word(Codec.TOPK)
+    wire_bytes = codec_wire_bytes(word, rows, k)
+    return probe(word, rows, wire_bytes, workers), ref.CodecKey(ref.Spec(word, 4 * rows, wire_bytes, KEY))
+
+
+def _serve_round(native, reference, pushes: list[bytes], rnd: int) -> None:
+    """Every worker pushes, then pulls; each pull gets the reference's sum of the round."""
+    for w, p in enumerate(pushes):
+        assert native.push(w, rnd, p, 0)[0] == 0
+    expected = reference.round(pushes, rnd)
+    for w in range(len(pushes)):
+        answer = native.pull(w, rnd, w, 0, reference.spec.wire_bytes)[2]
+        assert answer == [(w, Status.OK, expected, 0)], f"round {rnd}"
+
+
 def test_topk_rounds_of_a_large_key_match_the_reference_on_every_path():
     """The server's close, which makes x = acc + residual while it scores the rows: a fallback, then ties."""
     rows, k, workers = 50000, 2000, 3
-    word = codec_word(Codec.TOPK)
-    wire_bytes = codec_wire_bytes(word, rows, k)
-    spec = ref.Spec(word, 4 * rows, wire_bytes, KEY)
-    native, reference = probe(word, rows, wire_bytes, workers), ref.CodecKey(spec)
+    native, reference = _topk_key(rows, k, workers)
+    spec = reference.spec
     gen = np.random.default_rng(1)
     sampled = np.resize(_sampled_rows(rows, 0), k)  # round 0: every push on the sampled rows alone
     paths = []
@@ -193,12 +208,8 @@ def test_topk_rounds_of_a_large_key_match_the_reference_on_every_path():
         x = np.zeros(rows, np.float32)
         for p in pushes:
             ref.decode_add(spec, rnd, p, x)
-        paths.append(_topk_path(word, rows, wire_bytes, rnd, x + reference.residual))
-        for w, p in enumerate(pushes):
-            assert native.push(w, rnd, p, 0)[0] == 0
-        expected = reference.round(pushes, rnd)
-        for w in range(workers):
-            assert native.pull(w, rnd, w, 0, wire_bytes)[2] == [(w, Status.OK, expected, 0)], f"round {rnd}"
+        paths.append(_topk_path(spec.word, rows, spec.wire_bytes, rnd, x + reference.residual))
+        _serve_round(native, reference, pushes, rnd)
     assert paths == ["fallback", "candidates", "candidates"]
 
 
@@ -207,15 +218,12 @@ def test_topk_rounds_of_a_large_key_carry_their_residual_alike():
     """Twelve rounds on one key: a push on the rows that scored least lifts them into the top k, and a sum that
     overflows leaves a NaN residual, scored +inf and sent in every round after."""
     rows, k, workers = 20000, 200, 3
-    word = codec_word(Codec.TOPK)
-    wire_bytes = codec_wire_bytes(word, rows, k)
-    spec = ref.Spec(word, 4 * rows, wire_bytes, KEY)
-    native, reference = probe(word, rows, wire_bytes, workers), ref.CodecKey(spec)
+    native, reference = _topk_key(rows, k, workers)
     gen = np.random.default_rng(2)
     for rnd in range(12):
         chosen = [np.sort(gen.choice(rows, k, replace=False)) for _ in range(workers)]
         values = [gen.standard_normal(k) for _ in range(workers)]
-        if rnd == 5:  # the rows scoring least, far below every watched row
+        if rnd == 5:  # the rows scoring least, pushed far above every other row
             chosen[0] = np.sort(np.argsort(np.abs(reference.residual), kind="stable")[:k])
             values[0] = np.full(k, 1e3)
         if rnd == 8:  # one row's sum overflows to inf; sent, it leaves inf - inf
@@ -223,11 +231,7 @@ def test_topk_rounds_of_a_large_key_carry_their_residual_alike():
             values[1][0] = values[2][0] = 3e38
         pairs = zip(chosen, values, strict=True)
         pushes = [c.astype(np.uint32).tobytes() + v.astype(np.float32).tobytes() for c, v in pairs]
-        for w, p in enumerate(pushes):
-            assert native.push(w, rnd, p, 0)[0] == 0
-        expected = reference.round(pushes, rnd)
-        for w in range(workers):
-            assert native.pull(w, rnd, w, 0, wire_bytes)[2] == [(w, Status.OK, expected, 0)], f"round {rnd}"
+        _serve_round(native, reference, pushes, rnd)
     assert np.isnan(reference.residual[0])
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import ServerProcess, exact_floats
 from torch_bps import _C
-from torch_bps.client import Client, job_id_from_name
+from torch_bps.client import OUTCOME_FAILED, OUTCOME_NOT_RUN, Client, job_id_from_name
 from torch_bps.config import Config
 from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Mode, Status
@@ -683,6 +683,27 @@ def test_batch_failure_names_server_key_round_and_sends_no_more(server, job_id):
             assert word in str(calls[0]), (word, str(calls[0]))
         s = b.scheduler_stats()
         assert s["parts_sent"] == 4 and s["credit_in_flight"] == 0 and s["queued"] == 0, s  # parts 0-3, no more
+
+
+@pytest.mark.parametrize("failover", [False, True], ids=["", "failover"])
+def test_a_refused_part_ends_its_batch_at_once_though_its_other_parts_wait(server, job_id, failover):
+    """The other parts of a batch whose last part is refused wait for worker 1, who never pushes their keys: they end
+    with the refusal, not at the timeout. With failover too: a refusal is not a lost server."""
+    with (
+        Client([server.address], job_id, 1, 2, timeout=30) as a,
+        Client([server.address], job_id, 0, 2, timeout=30, failover=failover) as b,
+    ):
+        a.push_pull(torch.ones(10), 3)  # declares key 3: 10 float32
+        deadline = time.monotonic() + 10
+        while a.server_stats(0)["pushes"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        parts = [*_parts(torch.ones(100), 10, 10), (torch.ones(12), 3, None, None, Mode.SUM, None, 0, 0)]
+        outcomes = torch.zeros(len(parts), dtype=torch.uint8)
+        start = time.monotonic()
+        with pytest.raises(ServerError, match="key 3"):
+            _wait_batches(b, [b.push_pull_batch(parts, outcomes=outcomes)], seconds=60)
+        assert time.monotonic() - start < 5
+        assert outcomes.tolist() == [OUTCOME_NOT_RUN] * 10 + [OUTCOME_FAILED]
 
 
 def test_close_fails_queued_batch_parts_and_never_hangs(server, job_id):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.errors import BpsTimeoutError, ConfigError
-from torch_bps.local.comm import LocalComm, LocalInputError, split_range
+from torch_bps.local.comm import LocalComm, LocalInputError, LocalPeerFailedError, split_range
 from torch_bps.wire import DTYPE_CODES
 
 log = logging.getLogger("torch_bps.local")
@@ -48,6 +48,7 @@ _ALIGN = 256  # bytes: every region starts on a boundary vector loads like
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_MAX_INPUTS = 8
 _REDUCE_SCATTER, _ALL_GATHER = 1, 2
+_FAILED = -2  # a barrier's descriptor: this rank's collective failed before its all-gather (-1: invalid input)
 _OP_NAMES = {_REDUCE_SCATTER: "reduce_scatter", _ALL_GATHER: "all_gather"}
 _DTYPE_OF = {code: dt for dt, code in DTYPE_CODES.items()}
 
@@ -167,11 +168,15 @@ class DeviceLocalComm:
                     self._sum(parts, out[j * chunk : j * chunk + n], scale)
         return out
 
-    def all_gather(self, slice_: torch.Tensor, out: torch.Tensor) -> None:
+    def all_gather(self, slice_: torch.Tensor, out: torch.Tensor, *, failed: bool = False) -> None:
         """Write every local rank's slice into `out` (1-D contiguous on `device`, same numel everywhere): device
-        copies from the peers' buffers. `slice_` may be this rank's slice of `out` itself."""
+        copies from the peers' buffers. `slice_` may be this rank's slice of `out` itself. `failed`: this rank's
+        collective failed before its all-gather, so it has no slice to give: it meets its peers, and every rank
+        raises LocalPeerFailedError (as LocalComm.all_gather_steps)."""
         self._calls += 1
         L, me = self.local_size, self.local_rank
+        if failed:
+            self._barrier(f"all_gather call #{self._calls}", _FAILED, failed=True)
         problem = _problem(lambda: (_check(out, self.device, "out"), _check(slice_, self.device, "slice_")))
         bounds = [self.slice_range(out.numel() if problem is None else 0, p) for p in range(L)]
         if problem is None and (slice_.numel() != bounds[me][1] - bounds[me][0] or slice_.dtype != out.dtype):
@@ -229,9 +234,11 @@ class DeviceLocalComm:
         total = torch.stack(parts).sum(0, dtype=parts[0].dtype if not parts[0].dtype.is_floating_point else None)
         out.copy_(total * scale if scale != 1.0 else total)
 
-    def _barrier(self, what: str, descriptor: int | None = None, problem: str | None = None) -> None:
+    def _barrier(self, what: str, descriptor: int | None = None, problem: str | None = None,
+                 failed: bool = False) -> None:  # fmt: skip
         """Every rank's queued work on its buffer is done, then every rank is here. With descriptors (a call's first
-        round), every rank checks that all passed the same call, and raises the same LocalInputError if not."""
+        round), every rank checks that all passed the same call, and raises the same LocalInputError if not (or
+        LocalPeerFailedError, if a rank came `failed`)."""
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -254,6 +261,12 @@ class DeviceLocalComm:
         if -1 in flags:
             raise LocalInputError(f"{where}: local rank(s) {[p for p, f in enumerate(flags) if f == -1]} passed "
                                   "invalid input (their errors say why)")  # fmt: skip
+        if failed:
+            raise LocalPeerFailedError(f"{where}: this rank's collective failed before it")
+        if _FAILED in flags:
+            gone = [p for p, f in enumerate(flags) if f == _FAILED]
+            raise LocalPeerFailedError(f"{where}: local rank(s) {gone} came with nothing to give: their collective "
+                                       "failed before it (their errors say why)")  # fmt: skip
         if len(set(flags)) > 1:
             seen = "; ".join(f"rank {p}: {_describe(f)}" for p, f in enumerate(flags))
             raise LocalInputError(f"{where}: local ranks disagree ({seen})")

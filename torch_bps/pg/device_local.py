@@ -126,15 +126,14 @@ class DeviceLocalStage:
                     break
                 job = self._order.popleft()
             error = job.error
-            if error is None:  # (a rank whose network stage failed skips it: its peers' all-gather times out)
-                try:
-                    with self._ops.on_stream(self.device, self._stream):
-                        mine = job.flat[job.lo : job.hi]
-                        if job.wire is not None:  # the pulled sum back from the wire dtype, on the device
-                            mine.copy_(job.wire[job.lo : job.hi])
-                        self._ag.all_gather(mine, job.flat)
-                except BaseException as e:  # noqa: BLE001 - the collective fails with it
-                    error = e
+            try:  # a rank whose network stage failed comes with nothing to give: its peers fail at once, naming it
+                with self._ops.on_stream(self.device, self._stream):
+                    mine = job.flat[job.lo : job.hi]
+                    if error is None and job.wire is not None:  # the pulled sum back from the wire dtype
+                        mine.copy_(job.wire[job.lo : job.hi])
+                    self._ag.all_gather(mine, job.flat, failed=error is not None)
+            except BaseException as e:  # noqa: BLE001 - the collective fails with it (a failed one keeps its own)
+                error = error or e
             self._completions.put((job, error))
         for job in left:
             self._completions.put((job, BpsError(f"the device local stage on {self.device} closed before the sum")))
