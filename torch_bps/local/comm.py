@@ -57,6 +57,16 @@ class LocalPeerFailedError(BpsError):
     says why). Raised on every local rank alike, at once; the LocalComm stays usable."""
 
 
+def raise_if_peer_failed(where: str, failed: bool, gone: list[int]) -> None:
+    """An all-gather this rank came to `failed`, or local ranks `gone` did: raise LocalPeerFailedError, on every rank
+    alike (a failed rank's own error says why; this one names it to its peers)."""
+    if failed:
+        raise LocalPeerFailedError(f"{where}: this rank's collective failed before it")
+    if gone:
+        raise LocalPeerFailedError(f"{where}: local rank(s) {gone} came with nothing to give: their collective "
+                                   "failed before it (their errors say why)")  # fmt: skip
+
+
 def _tensor_problem(t, name: str) -> str | None:
     if not isinstance(t, torch.Tensor):
         return f"{name} is a {type(t).__name__}, not a torch.Tensor"
@@ -324,8 +334,7 @@ class LocalComm:
                        f"is {self.slice_range(out.numel())}")  # fmt: skip
         if self.local_size == 1:
             self._raise_if(problem, "all_gather", call)
-            if failed:
-                raise LocalPeerFailedError(f"{self._who()}: all_gather call #{call}: this rank's collective failed")
+            raise_if_peer_failed(f"{self._who()}: all_gather call #{call}", failed, [])
             if slice_.data_ptr() != out.data_ptr():
                 out.view(-1).copy_(slice_.view(-1))
             return
@@ -432,12 +441,7 @@ class LocalComm:
         bad = [p for p, d in enumerate(descs) if d[4] == 1]
         if bad:
             raise LocalInputError(f"{where}: local rank(s) {bad} passed invalid input (their errors say why)")
-        if failed:
-            raise LocalPeerFailedError(f"{where}: this rank's collective failed before it")
-        gone = [p for p, d in enumerate(descs) if d[4] == 2]
-        if gone:
-            raise LocalPeerFailedError(f"{where}: local rank(s) {gone} came with nothing to give: their collective "
-                                       "failed before it (their errors say why)")  # fmt: skip
+        raise_if_peer_failed(where, failed, [p for p, d in enumerate(descs) if d[4] == 2])
         if any(d != descs[0] for d in descs):
             seen = "; ".join(f"rank {p}: {_OP_NAMES.get(d[1], d[1])} call #{d[0]} {_DTYPE_OF.get(d[2])} numel={d[3]}"
                              for p, d in enumerate(descs))  # fmt: skip

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.errors import BpsTimeoutError, ConfigError
-from torch_bps.local.comm import LocalComm, LocalInputError, LocalPeerFailedError, split_range
+from torch_bps.local.comm import LocalComm, LocalInputError, raise_if_peer_failed, split_range
 from torch_bps.wire import DTYPE_CODES
 
 log = logging.getLogger("torch_bps.local")
@@ -176,7 +176,7 @@ class DeviceLocalComm:
         self._calls += 1
         L, me = self.local_size, self.local_rank
         if failed:
-            self._barrier(f"all_gather call #{self._calls}", _FAILED, failed=True)
+            self._barrier(f"all_gather call #{self._calls}", _FAILED)
         problem = _problem(lambda: (_check(out, self.device, "out"), _check(slice_, self.device, "slice_")))
         bounds = [self.slice_range(out.numel() if problem is None else 0, p) for p in range(L)]
         if problem is None and (slice_.numel() != bounds[me][1] - bounds[me][0] or slice_.dtype != out.dtype):
@@ -234,11 +234,10 @@ class DeviceLocalComm:
         total = torch.stack(parts).sum(0, dtype=parts[0].dtype if not parts[0].dtype.is_floating_point else None)
         out.copy_(total * scale if scale != 1.0 else total)
 
-    def _barrier(self, what: str, descriptor: int | None = None, problem: str | None = None,
-                 failed: bool = False) -> None:  # fmt: skip
+    def _barrier(self, what: str, descriptor: int | None = None, problem: str | None = None) -> None:
         """Every rank's queued work on its buffer is done, then every rank is here. With descriptors (a call's first
         round), every rank checks that all passed the same call, and raises the same LocalInputError if not (or
-        LocalPeerFailedError, if a rank came `failed`)."""
+        LocalPeerFailedError, if a rank came with the descriptor _FAILED)."""
         if self._stream is not None:
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -261,12 +260,7 @@ class DeviceLocalComm:
         if -1 in flags:
             raise LocalInputError(f"{where}: local rank(s) {[p for p, f in enumerate(flags) if f == -1]} passed "
                                   "invalid input (their errors say why)")  # fmt: skip
-        if failed:
-            raise LocalPeerFailedError(f"{where}: this rank's collective failed before it")
-        if _FAILED in flags:
-            gone = [p for p, f in enumerate(flags) if f == _FAILED]
-            raise LocalPeerFailedError(f"{where}: local rank(s) {gone} came with nothing to give: their collective "
-                                       "failed before it (their errors say why)")  # fmt: skip
+        raise_if_peer_failed(where, descriptor == _FAILED, [p for p, f in enumerate(flags) if f == _FAILED])
         if len(set(flags)) > 1:
             seen = "; ".join(f"rank {p}: {_describe(f)}" for p, f in enumerate(flags))
             raise LocalInputError(f"{where}: local ranks disagree ({seen})")
