@@ -3,13 +3,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+XDIST_STAMP := $(VENV)/.xdist
 EXT    := $(shell find cpp_ext -name '*.cpp' -o -name '*.h')
 PYTEST ?= $(PY) -m pytest
+# Tests at once (pytest-xdist): most of the suite's time is processes waiting (start-ups, timeouts, heartbeats), so
+# two fill 2 cores. No test may depend on another having run before it in the same process.
+TEST_JOBS ?= 2
 
 .PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check
 
-test: install deploy-tools
-	$(PYTEST) -q tests -m "not slow"
+test: install deploy-tools $(XDIST_STAMP)
+	$(PYTEST) -q -n $(TEST_JOBS) tests -m "not slow"
 
 stress: install
 	$(PYTEST) -q tests -m slow
@@ -36,6 +40,11 @@ $(STAMP): setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q "pyzmq>=25" numpy "triton==3.9.0" pytest pytest-timeout hypothesis ruff matplotlib
+	touch $@
+
+# pytest-xdist for `make test`, in a stamp of its own: a venv made before it came gets it without a rebuild.
+$(XDIST_STAMP): $(STAMP)
+	$(PIP) install -q pytest-xdist
 	touch $@
 
 # What tests/deploy needs besides the package (docs/deploy.md): TorchX and a Kubernetes schema validator in the venv,

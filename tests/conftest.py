@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -16,6 +18,7 @@ from torch_bps.security import new_secret  # noqa: E402
 os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
 
 _reaper: subprocess.Popen | None = None
+_children_tmp: str | None = None
 
 
 def pytest_configure(config):
@@ -28,6 +31,11 @@ def pytest_configure(config):
     _reaper = subprocess.Popen([sys.executable, "-m", "tests.reaper", token], stdin=subprocess.PIPE, cwd=REPO,
                                start_new_session=True)  # fmt: skip
     os.environ[reaper.ENV] = token  # after the reaper started, so it does not carry the token itself
+    # What the started processes leave in their temporary folder (torchrun's `torchelastic_*` log folders, which
+    # torch never removes) goes with the session: their TMPDIR is one folder, deleted at the end.
+    global _children_tmp
+    tempfile.gettempdir()  # this process keeps its own (pytest's tmp_path lives there)
+    _children_tmp = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="bps-tests-")
 
 
 def _lives_with_pytest(cmd: str) -> bool:
@@ -58,6 +66,8 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.get_terminal_writer().line(
             f"conftest: killed {len(left)} process(es) the tests left running:{lines}", yellow=True
         )
+    if _children_tmp:
+        shutil.rmtree(_children_tmp, ignore_errors=True)
 
 
 def pytest_unconfigure(config):

@@ -1,7 +1,7 @@
 """Thin wrappers over `ip` and `tc`, the naming scheme of namespaces, and removal of leftovers of crashed runs.
 
 Every namespace this package creates is named `bps-<role>-<run id>` (`bps-br-1a2b3c`, `bps-w0-1a2b3c`,
-`bps-s1-1a2b3c`), and a live run keeps `<tmp>/bps-cluster-<run id>.pid` holding its pid, so that
+`bps-s1-1a2b3c`), and a live run keeps `/run/bps-cluster/<run id>.pid` holding its pid, so that
 `cleanup_leftovers` removes only what crashed runs left behind and never a run in progress.
 May import: the standard library and benchmarks.cluster (its errors).
 """
@@ -14,7 +14,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 
 from benchmarks.cluster import NamespaceError
@@ -22,6 +21,9 @@ from benchmarks.cluster import NamespaceError
 # `ip` and `tc` answer in milliseconds; a command that takes this long is stuck, not slow.
 COMMAND_TIMEOUT_S = 20.0
 NAMESPACE_RE = re.compile(r"^bps-(?:br|w\d+|s\d+)-(?P<run_id>[0-9a-f]{6})$")
+# Namespaces are the machine's, so their runs' pid files are too: one fixed folder, whatever TMPDIR a run has.
+PID_DIR = "/run/bps-cluster"
+PID_RE = re.compile(r"(?P<run_id>[0-9a-f]{6})\.pid")
 
 
 def new_run_id() -> str:
@@ -35,7 +37,13 @@ def namespace_name(role: str, run_id: str) -> str:
 
 
 def pidfile_path(run_id: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"bps-cluster-{run_id}.pid")
+    return os.path.join(PID_DIR, f"{run_id}.pid")
+
+
+def _pidfiles() -> list[tuple[str, str]]:
+    """(run id, path) of every pid file."""
+    names = os.listdir(PID_DIR) if os.path.isdir(PID_DIR) else []
+    return [(m.group("run_id"), os.path.join(PID_DIR, n)) for n in names if (m := PID_RE.fullmatch(n))]
 
 
 def unavailable_reason() -> str | None:
@@ -123,18 +131,14 @@ def delete_namespace(netns: str) -> None:
 def live_run_ids() -> set[str]:
     """Return the run ids whose pid file names a process that is still alive."""
     live = set()
-    tmp = tempfile.gettempdir()
-    for name in os.listdir(tmp):
-        m = re.fullmatch(r"bps-cluster-([0-9a-f]{6})\.pid", name)
-        if not m:
-            continue
+    for run_id, path in _pidfiles():
         try:
-            with open(os.path.join(tmp, name)) as f:
+            with open(path) as f:
                 pid = int(f.read().strip())
         except (OSError, ValueError):
             continue
         if _alive(pid):
-            live.add(m.group(1))
+            live.add(run_id)
     return live
 
 
@@ -153,11 +157,10 @@ def cleanup_leftovers(verbose: bool = True) -> list[str]:
         removed.append(netns)
         if verbose:
             print(f"removed leftover namespace {netns}", flush=True)
-    for name in os.listdir(tempfile.gettempdir()):
-        m = re.fullmatch(r"bps-cluster-([0-9a-f]{6})\.pid", name)
-        if m and m.group(1) not in live:
+    for run_id, path in _pidfiles():
+        if run_id not in live:
             try:
-                os.unlink(os.path.join(tempfile.gettempdir(), name))
+                os.unlink(path)
             except OSError:
                 pass
     return removed

@@ -230,6 +230,7 @@ class Cluster:
     # -- tearing down -----------------------------------------------------------------------------------
 
     def _install_guards(self) -> None:
+        os.makedirs(netns.PID_DIR, exist_ok=True)
         with open(netns.pidfile_path(self.run_id), "w") as f:
             f.write(str(os.getpid()))
         atexit.register(self.close)

@@ -155,42 +155,37 @@ class Fuzzing:
         self.server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fuzzing():
     f = Fuzzing()
     yield f
     f.close()
 
 
-def _run(fuzzing: Fuzzing, data, count: int) -> None:
-    for _ in range(count):
-        fuzzing.send(*data.draw(messages(fuzzing.server.incarnation)))
+_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False, database=None)
 
 
-_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-                 derandomize=False, database=None)  # fmt: skip
+def _fuzz_then_check(fuzzing: Fuzzing, examples: int, per_example: int) -> None:
+    """Throw `examples` hypothesis examples of `per_example` messages each at the server, then check it: one test,
+    so that the check never runs without the fuzzing before it (alone, or on another xdist worker)."""
+
+    @settings(max_examples=examples, **_SETTINGS)
+    @given(data=st.data())
+    def fuzz(data):
+        for _ in range(per_example):
+            fuzzing.send(*data.draw(messages(fuzzing.server.incarnation)))
+
+    fuzz()
+    assert fuzzing.sent >= examples * per_example
+    fuzzing.check()
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=150, **_SETTINGS)
-@given(data=st.data())
-def test_fuzzed_frames_leave_the_server_alive_bounded_and_summing(fuzzing, data):
-    _run(fuzzing, data, 10)
-
-
-def test_after_fuzzing_the_server_is_alive_bounded_and_sums(fuzzing):
-    assert fuzzing.sent >= 1500
-    fuzzing.check()
+def test_fuzzed_frames_leave_the_server_alive_bounded_and_summing(fuzzing):
+    _fuzz_then_check(fuzzing, 150, 10)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@settings(max_examples=2000, **_SETTINGS)
-@given(data=st.data())
-def test_fuzz_stress(fuzzing, data):
-    _run(fuzzing, data, 25)
-
-
-@pytest.mark.slow
-def test_after_the_stress_fuzz_the_server_is_alive_bounded_and_sums(fuzzing):
-    fuzzing.check()
+def test_fuzz_stress(fuzzing):
+    _fuzz_then_check(fuzzing, 2000, 25)
