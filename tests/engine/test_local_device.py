@@ -169,7 +169,5 @@ def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike
     assert "set-up: cannot map local rank 0's buffer (OSError: no IPC here)" in reports[1], reports[1]
     assert r"local rank(s) [1] passed invalid input" in reports[0], reports[0]
     # Only these ranks' files (the name carries the creator's pid): other tests may run beside this one.
-    pids = {str(p.pid) for p in procs}
-    mine = [f for f in os.listdir("/dev/shm") if f.startswith("torch_bps_devstage_") and f.split("_")[3] in pids]
-    ours = mine + [f for f in os.listdir("/dev/shm") if node in f]
-    assert not ours, "the set-up left files behind"
+    mine = tuple(f"torch_bps_devstage_{p.pid}_" for p in procs)
+    assert not [f for f in os.listdir("/dev/shm") if node in f or f.startswith(mine)], "the set-up left files behind"
