@@ -441,7 +441,7 @@ def _create(opts, pg_options):
     is_default = len(opts.global_ranks_in_group) == 0  # torch passes no ranks for the default group
     name = "default" if is_default else f"group-{opts.group_id}"
     runtime = Runtime.create(opts.store, opts.group_rank, opts.group_size, name=name, config=_config(pg_options))
-    p2p = GlooSide(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    p2p = GlooSide(opts.store, opts.group_rank, opts.group_size, opts.timeout, runtime.launch.attempt)
     impl = BackendBPS(runtime, opts.group_rank, opts.group_size, timeout=opts.timeout, p2p=p2p)
     impl.setGroupName(opts.group_id)  # the debug wrapper below does not pass torch's group name on
     backend = _C.make_backend(impl, opts.group_rank, opts.group_size)

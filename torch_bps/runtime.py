@@ -42,7 +42,7 @@ from torch_bps.futures import completer
 from torch_bps.registry import claim_standby, connect, registered, registered_servers
 from torch_bps.security import JOB_SECRET_ENV, ClientCredentials, new_secret
 from torch_bps.timeline.recorder import Recorder, TimelineSpec
-from torch_bps.topology import Topology
+from torch_bps.topology import Launch, Topology
 from torch_bps.wire import Mode
 
 log = logging.getLogger("torch_bps")
@@ -62,8 +62,9 @@ class Runtime:
 
     def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
                  client, local_channels, server_proc: subprocess.Popen | None, addresses: list[str],
-                 colocated: list[str], dedicated: list[str]):  # fmt: skip
+                 colocated: list[str], dedicated: list[str], launch: Launch):  # fmt: skip
         self.name = name
+        self.launch = launch
         self.config = config
         self.topology = topology
         self.rank = topology.rank
@@ -83,7 +84,8 @@ class Runtime:
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._fallback_colocated: list[str] = []  # and their addresses
-        self._timeline = Recorder.create(config.trace, client, int(os.environ.get("RANK", self.rank)), name)
+        self._timeline = Recorder.create(config.trace, client, self.rank if launch.rank is None else launch.rank,
+                                         name)  # fmt: skip
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -104,11 +106,14 @@ class Runtime:
         """
         config = config or Config.resolve()
         timeout = timeout or config.connect_timeout
-        topology = _topology(name, rank, world_size)
+        launch = Launch.from_env()
+        topology = _topology(name, rank, world_size, launch)
         _check_backups(config, topology)
-        ns = dist.PrefixStore(f"torch_bps/{name}/{_attempt()}", raw_store(store))
+        ns = dist.PrefixStore(f"torch_bps/{name}/{launch.attempt}", raw_store(store))
         job_id = _agree_job_id(ns, rank, timeout)
-        secret, colocated, dedicated, server_proc = _find_servers(name, store, ns, topology, config, timeout)
+        store_host = _store_host(store, launch)
+        secret, colocated, dedicated, server_proc = _find_servers(name, store_host, store, ns, topology, config,
+                                                                  timeout)  # fmt: skip
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
@@ -120,15 +125,16 @@ class Runtime:
                          connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
                          on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
                          if failover else None)  # fmt: skip
-        channels = _local_comms(ns, topology, job_id, config) if hierarchical else None
+        channels = _local_comms(ns, topology, job_id, config, launch.run_id) if hierarchical else None
         engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
                                 local_rank=topology.local_rank, timeout=config.timeout,
                                 alone=client.num_workers == 1, wire_dtype=wire_dtype(config.wire_dtype),
                                 compressor=Compressor(config.compressor) if config.compressor else None)  # fmt: skip
-        rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated)
+        rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated,
+                 launch)  # fmt: skip
         rt._secret, rt._with_dedicated = secret, with_dedicated
         if failover:
-            engine.router = rt._router(weights, worker, num_workers, _store_host(store), job_id)
+            engine.router = rt._router(weights, worker, num_workers, store_host, job_id)
             router_box.append(engine.router)
         if rank == 0:
             _log_split(name, topology, colocated, dedicated, weights)
@@ -340,16 +346,17 @@ class Runtime:
                 proc.kill()
 
 
-def _topology(name: str, rank: int, world_size: int) -> Topology:
+def _topology(name: str, rank: int, world_size: int, launch: Launch) -> Topology:
     """The group's machines: torchrun's for the default group (or the whole job's first group), else every rank its
     own machine (torchrun's variables describe the whole job, not a subgroup)."""
-    whole_job = world_size == int(os.environ.get("WORLD_SIZE", world_size))
+    whole_job = launch.world_size in (None, world_size)
     if name == "default" or (_RUNTIMES.get("default") is None and whole_job):
         return Topology.from_env(rank, world_size)
     return Topology(rank, world_size, 0, 1, rank, world_size)
 
 
-def _find_servers(name: str, store: dist.Store, ns: dist.Store, topology: Topology, config: Config, timeout: float):
+def _find_servers(name: str, store_host: str, store: dist.Store, ns: dist.Store, topology: Topology, config: Config,
+                  timeout: float):  # fmt: skip
     """Return (the job's secret, colocated addresses, dedicated addresses, the embedded server this rank started or
     None): a group other than the default one reuses the default Runtime's servers and secret (its embedded servers
     accept the default group's key only); else dedicated ones come from BPS_SERVERS and the registry, and each
@@ -367,11 +374,11 @@ def _find_servers(name: str, store: dist.Store, ns: dist.Store, topology: Topolo
     )
     if not needs_colocated:
         return secret, [], dedicated, None
-    server_proc, colocated = _colocated_servers(ns, topology, config, timeout, _store_host(store), secret)
+    server_proc, colocated = _colocated_servers(ns, topology, config, timeout, store_host, secret)
     return secret, colocated, dedicated, server_proc
 
 
-def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config):
+def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config, run_id: str):
     """The machine's two shared-memory channels (reduce-scatter, all-gather) among its local ranks."""
     from torch_bps.local import LocalComm
 
@@ -386,6 +393,7 @@ def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config
             f"{node}-{stage}",
             timeout=config.timeout,
             capacity_bytes=16 << 20,
+            job=run_id,
         )
         for stage in ("rs", "ag")
     )
@@ -429,11 +437,6 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   receive_buffer_bytes=receive_buffers(config.socket_buffer_bytes, weights) if weights else (),
                   backups=config.backup_workers, window=config.backup_window if config.backup_workers else 2,
                   staleness=config.staleness, **failover)  # fmt: skip
-
-
-def _attempt() -> str:
-    # torchrun restarts reuse the store: keep each attempt's keys apart.
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def _agree_job_id(ns: dist.Store, rank: int, timeout: float) -> int:
@@ -508,9 +511,8 @@ def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tup
     return proc, listening[0]
 
 
-def _store_host(store: dist.Store) -> str:
-    raw = raw_store(store)
-    return getattr(raw, "host", "") or os.environ.get("MASTER_ADDR", "127.0.0.1")
+def _store_host(store: dist.Store, launch: Launch) -> str:
+    return getattr(raw_store(store), "host", "") or launch.master_addr or "127.0.0.1"
 
 
 def _advertised_host(config: Config, store_host: str) -> str:

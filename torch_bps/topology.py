@@ -1,8 +1,10 @@
-"""Where this rank sits: its machine (node) and its index among the machine's local ranks.
+"""Where this rank sits (its machine and its index among the machine's local ranks), and what the launcher says
+of the whole job: the one place torchrun's variables are read.
 
 torchrun exports LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node) and GROUP_WORLD_SIZE (nodes); tests
 and other launchers may set the same variables to emulate several machines on one. Without them every
-rank is taken to share one machine.
+rank is taken to share one machine. RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT and
+TORCHELASTIC_RUN_ID describe the job (Launch).
 May import: the standard library and torch_bps.errors.
 """
 
@@ -12,6 +14,39 @@ import os
 from dataclasses import dataclass
 
 from torch_bps.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher says of the whole job, read once per group (Runtime.create).
+
+    rank, world_size: the process's place in the whole job (RANK, WORLD_SIZE), None where the launcher set none.
+    master_addr: the store's host as the launcher named it (MASTER_ADDR), "" if unset.
+    attempt: which of torchrun's restarts this is (TORCHELASTIC_RESTART_COUNT, "0" without torchrun): restarts reuse
+        the store, so each attempt's keys are kept apart under it.
+    run_id: names the job's shared-memory segments on a machine (TORCHELASTIC_RUN_ID, "job" without torchrun).
+    Example: Launch.from_env({"RANK": "3", "WORLD_SIZE": "8"}).attempt == "0".
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    master_addr: str = ""
+    attempt: str = "0"
+    run_id: str = "job"
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> Launch:
+        """Resolve the launcher's variables; a RANK or WORLD_SIZE that is not a number is a ConfigError."""
+
+        def number(name: str) -> int | None:
+            raw = env.get(name)
+            try:
+                return None if raw is None else int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a number (set by the launcher)") from None
+
+        return cls(number("RANK"), number("WORLD_SIZE"), env.get("MASTER_ADDR", ""),
+                   env.get("TORCHELASTIC_RESTART_COUNT", "0"), env.get("TORCHELASTIC_RUN_ID", "job"))  # fmt: skip
 
 
 @dataclass(frozen=True)

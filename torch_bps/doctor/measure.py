@@ -113,7 +113,7 @@ def _local(rt: Runtime, nbytes: int, repeats: int) -> float:
     store = dist.PrefixStore("torch_bps/doctor", dist.distributed_c10d._get_default_store())
     tensor = torch.ones(max(1, nbytes // 4))
     with LocalComm(store, topo.local_rank, topo.local_size, f"doctor-{topo.node_rank}", timeout=rt.config.timeout,
-                   capacity_bytes=16 << 20) as comm:  # fmt: skip
+                   capacity_bytes=16 << 20, job=rt.launch.run_id) as comm:  # fmt: skip
 
         def once() -> None:
             comm.all_gather(comm.reduce_scatter(tensor), tensor)

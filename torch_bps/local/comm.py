@@ -117,6 +117,8 @@ class LocalComm:
         capacity_bytes: size of the data area; larger tensors are processed in several rounds. Local
             rank 0's value is used by everyone.
         wait_mode: "auto" (futex where available), "futex" or "poll" (sleep with backoff).
+        job: names the job in its shared segment's file name (torchrun's run id: Launch.run_id), for whoever lists
+            /dev/shm.
 
     Every local rank must make the same calls in the same order; one call at a time per LocalComm. A call's steps
     (`reduce_scatter_steps`, `all_gather_steps`) may pause where its peers are late and go on on another thread.
@@ -128,7 +130,8 @@ class LocalComm:
     """
 
     def __init__(self, store: dist.Store, local_rank: int, local_size: int, node_id: str, *,
-                 timeout: float = 300.0, capacity_bytes: int = 64 << 20, wait_mode: str = "auto"):  # fmt: skip
+                 timeout: float = 300.0, capacity_bytes: int = 64 << 20, wait_mode: str = "auto",
+                 job: str = "job"):  # fmt: skip
         if local_size < 1 or not 0 <= local_rank < local_size:
             raise ConfigError(f"local_rank={local_rank} must lie in [0, local_size={local_size})")
         if timeout <= 0:
@@ -153,10 +156,10 @@ class LocalComm:
             raise ConfigError(
                 f"capacity_bytes={capacity_bytes} is below {minimum}, the least for local_size={local_size}"
             )
-        self._set_up(store, capacity_bytes, wait_mode)
+        self._set_up(store, capacity_bytes, wait_mode, job)
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _set_up(self, store: dist.Store, capacity_bytes: int, wait_mode: str) -> None:
+    def _set_up(self, store: dist.Store, capacity_bytes: int, wait_mode: str, job: str) -> None:
         L, me = self.local_size, self.local_rank
         prefix = f"torch_bps/local/{self.node_id}"
         # The n-th LocalComm of this node on every rank shares keys with the n-th on the others.
@@ -170,7 +173,7 @@ class LocalComm:
                 header = SegmentHeader(L, data_offset, data_bytes, os.getpid(), process_start_time(os.getpid()) or 0,
                                        time.time() + self.timeout)  # fmt: skip
                 try:
-                    segment = Segment.create(segment_name(os.environ.get("TORCHELASTIC_RUN_ID", "job"), self.node_id),
+                    segment = Segment.create(segment_name(job, self.node_id),
                                              header, reserve=True)  # fmt: skip
                 except OSError as e:
                     store.set(f"{key}/segment", f"!{e}")  # peers fail now rather than at their timeout

@@ -11,7 +11,6 @@ May import: torch, torch_bps.futures, torch_bps.pg.
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
 
@@ -28,10 +27,9 @@ _PREFIX = "torch_bps/p2p"
 class GlooSide:
     """The gloo group beside one "byteps" group: created collectively, by every rank of the group."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta):
-        # torchrun restarts reuse the store: each attempt's gloo meets under keys of its own, never the last
-        # attempt's addresses.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, attempt: str):
+        # torchrun restarts reuse the store: each attempt (Launch.attempt) meets under keys of its own, never the
+        # last attempt's addresses.
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}/{attempt}", store), rank, size, timeout)
         self._timeout = timeout.total_seconds()
 
