@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.75, help="held-out accuracy to reach (default 0.75)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternated (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    p.add_argument("--queue-ms", type=float, default=20.0, help="every link's queue, in ms at the rate (default 20)")
+    p.add_argument("--host-queue-ms", type=float, help="the hosts' own egress queues apart (default: --queue-ms)")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--json", default="", help="write every run here")
     args = p.parse_args(argv)
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     every: dict[str, dict] = {}
     for rate in (float(r) for r in args.rates.split(",")):
         runs: dict[str, list[dict]] = {m: [] for m in modes}
-        with Cluster(args.workers, args.servers, rate) as cluster:
+        with Cluster(
+            args.workers, args.servers, rate, queue_ms=args.queue_ms, host_queue_ms=args.host_queue_ms
+        ) as cluster:
             server_procs, addresses = byteps.start_servers(cluster, cluster.servers[: args.servers], 9500)
             try:
                 port = 29800

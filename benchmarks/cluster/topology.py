@@ -64,23 +64,31 @@ class Shaping:
 
     rate_mbit: float
     burst_bytes: int
-    limit_bytes: int
+    limit_bytes: int  # the switch port's queue (bridge -> host)
+    host_limit_bytes: int  # the host's own egress queue (host -> bridge)
 
     @classmethod
-    def for_rate(cls, rate_mbit: float) -> Shaping:
-        """Pick burst and queue limit so that one TCP stream reaches the rate.
+    def for_rate(cls, rate_mbit: float, queue_ms: float = 20.0, host_queue_ms: float | None = None) -> Shaping:
+        """Pick burst and queue limits so that one TCP stream reaches the rate.
 
         burst: a veth hands tbf GSO super-packets of up to 64 KiB; a bucket smaller than one makes tbf
         split it (CPU) or stall, so it holds at least 128 KiB, or 2 ms of traffic at high rates.
         limit: 20 ms of queue at the rate absorbs the incast of n workers pushing to one server at
         once without tail drops that would cost TCP its window (RTT here is ~0.1 ms without queueing).
+        host_queue_ms (default: queue_ms) sizes the hosts' own egress queues apart: a real NIC's queue is deeper,
+        and TCP small queues keep a host's flows from overflowing it, which a tbf on a veth does not.
         """
         rate_bytes = rate_mbit * 1e6 / 8
         burst = max(128 * 1024, int(rate_bytes * 0.002))
-        return cls(rate_mbit, burst, burst + int(rate_bytes * 0.020))
+        host_ms = queue_ms if host_queue_ms is None else host_queue_ms
+        return cls(
+            rate_mbit, burst, burst + int(rate_bytes * queue_ms / 1000), burst + int(rate_bytes * host_ms / 1000)
+        )
 
-    def tbf_args(self) -> list[str]:
-        return ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(self.burst_bytes), "limit", str(self.limit_bytes)]
+    def tbf_args(self, host: bool = False) -> list[str]:
+        """tc's tbf arguments of a switch port, or with `host`, of a host's egress."""
+        limit = self.host_limit_bytes if host else self.limit_bytes
+        return ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(self.burst_bytes), "limit", str(limit)]
 
 
 class Cluster:
@@ -92,15 +100,18 @@ class Cluster:
     """
 
     def __init__(self, n_workers: int, n_servers: int, rate_mbit: float = 500.0, subnet: str = "10.77.0",
-                 rates: dict[str, float] | None = None, tcp_congestion: str = ""):  # fmt: skip
+                 rates: dict[str, float] | None = None, tcp_congestion: str = "", queue_ms: float = 20.0,
+                 host_queue_ms: float | None = None):  # fmt: skip
         """rates: host name ("w1", "s0") -> its link's rate in Mbit/s, where it differs from rate_mbit.
+        queue_ms, host_queue_ms: the links' queues at the rate (Shaping.for_rate).
         tcp_congestion: every host's TCP congestion control (net.ipv4.tcp_congestion_control of its namespace);
         "": the machine's. A namespace may only choose one of the machine's tcp_allowed_congestion_control."""
         if not 1 <= n_workers <= 99 or not 0 <= n_servers <= 99:
             raise ValueError(f"need 1..99 workers and 0..99 servers, got {n_workers} and {n_servers}")
         self.run_id = netns.new_run_id()
-        self.shaping = Shaping.for_rate(rate_mbit)
-        self._shapings = {name: Shaping.for_rate(rate) for name, rate in (rates or {}).items()}
+        self._queues = (queue_ms, host_queue_ms)
+        self.shaping = Shaping.for_rate(rate_mbit, *self._queues)
+        self._shapings = {name: Shaping.for_rate(rate, *self._queues) for name, rate in (rates or {}).items()}
         self.bridge_ns = netns.namespace_name("br", self.run_id)
         self.workers = [self._host(f"w{i}", "worker", f"{subnet}.{1 + i}") for i in range(n_workers)]
         self.servers = [self._host(f"s{j}", "server", f"{subnet}.{101 + j}") for j in range(n_servers)]
@@ -170,16 +181,17 @@ class Cluster:
         self._shape(host)
 
     def _shape(self, host: Host) -> None:
-        tbf = self._shapings.get(host.name, self.shaping).tbf_args()
-        netns.tc("qdisc", "replace", "dev", IFNAME, "root", *tbf, netns=host.netns)  # host -> bridge
-        netns.tc("qdisc", "replace", "dev", _bridge_port(host), "root", *tbf, netns=self.bridge_ns)  # bridge -> host
+        shaping = self._shapings.get(host.name, self.shaping)
+        host_egress, port_egress = shaping.tbf_args(host=True), shaping.tbf_args()
+        netns.tc("qdisc", "replace", "dev", IFNAME, "root", *host_egress, netns=host.netns)  # host -> bridge
+        netns.tc("qdisc", "replace", "dev", _bridge_port(host), "root", *port_egress, netns=self.bridge_ns)  # -> host
 
     def set_rate(self, host: Host, rate_mbit: float | None) -> None:
         """Shape `host`'s link, both ways, at `rate_mbit` from now on (None: the cluster's rate again)."""
         if rate_mbit is None:
             self._shapings.pop(host.name, None)
         else:
-            self._shapings[host.name] = Shaping.for_rate(rate_mbit)
+            self._shapings[host.name] = Shaping.for_rate(rate_mbit, *self._queues)
         self._shape(host)
 
     def _set_congestion_control(self, host: Host) -> None:

@@ -7,6 +7,7 @@ everywhere. Together well under a minute.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -33,7 +34,7 @@ from benchmarks.cluster import (
 )
 from benchmarks.cluster import report as report_mod
 from benchmarks.cluster.calibrate import calibrate
-from benchmarks.cluster.topology import Cluster, Shaping
+from benchmarks.cluster.topology import IFNAME, Cluster, Shaping, _bridge_port
 from benchmarks.cluster.workers import ddp_train
 from tests.helpers import REPO
 
@@ -110,6 +111,23 @@ def test_every_host_runs_the_congestion_control_asked_for_and_a_refused_one_is_n
     with pytest.raises(NamespaceError, match="'no-such-cc' cannot be set in bps-w0-.*tcp_allowed_congestion_control"):
         with Cluster(n_workers=1, n_servers=0, tcp_congestion="no-such-cc"):
             pass
+
+
+@needs_netns
+def test_the_hosts_egress_queues_may_be_deeper_than_the_switch_ports():
+    """tbf reports a queue as the latency it adds at the rate: a host's egress at host_queue_ms, its switch port's
+    at queue_ms; by default both at 20 ms."""
+
+    def latencies_ms(cluster: Cluster) -> tuple[float, float]:
+        host = cluster.workers[0]
+        egress = json.loads(netns.tc("-j", "qdisc", "show", "dev", IFNAME, netns=host.netns))[0]
+        port = json.loads(netns.tc("-j", "qdisc", "show", "dev", _bridge_port(host), netns=cluster.bridge_ns))[0]
+        return egress["options"]["lat"] / 1000, port["options"]["lat"] / 1000
+
+    with Cluster(n_workers=1, n_servers=0, rate_mbit=100, host_queue_ms=120) as cluster:
+        assert latencies_ms(cluster) == (120, 20)
+    with Cluster(n_workers=1, n_servers=0, rate_mbit=100) as cluster:
+        assert latencies_ms(cluster) == (20, 20)
 
 
 @needs_netns
