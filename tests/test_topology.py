@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from torch_bps.errors import ConfigError
@@ -22,6 +27,21 @@ def test_launch_reads_torchruns_variables():
 def test_a_launch_number_that_is_not_one_names_its_variable(name):
     with pytest.raises(ConfigError, match=f"{name}='two'"):
         Launch.from_env({name: "two"})
+
+
+def test_a_process_whose_launcher_set_a_bad_rank_fails_at_init_naming_it():
+    """A real process: init_process_group("byteps") with RANK garbled in its environment raises the ConfigError at
+    once, before any server or store wait."""
+    code = textwrap.dedent("""
+        import torch.distributed as dist, torch_bps
+        try:
+            dist.init_process_group("byteps", store=dist.HashStore(), rank=0, world_size=1)
+        except torch_bps.ConfigError as e:
+            print("ConfigError:", e)
+    """)
+    env = {**os.environ, "RANK": "two"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "ConfigError: RANK='two' is not a number" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 def test_topology_from_torchruns_variables():
