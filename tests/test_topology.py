@@ -48,6 +48,7 @@ def test_topology_from_torchruns_variables():
     env = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
     assert Topology.from_env(3, 4, env) == Topology(3, 4, 1, 2, 1, 2)
     assert Topology.from_env(3, 4, {}) == Topology(3, 4, 3, 4, 0, 1)  # no launcher: one machine
+    assert Topology.one_per_machine(3, 4) == Topology(3, 4, 0, 1, 3, 4)  # a subgroup's
 
 
 def test_an_inconsistent_topology_names_every_variable():

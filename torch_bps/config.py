@@ -303,9 +303,6 @@ class Config:
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         parse_transport(self.transport)
         parse_compressor(self.compressor)
-        if self.compressor.startswith("randomk") and self.failover and (self.servers or self.num_servers):
-            raise ConfigError("compressor randomk and failover do not go together yet: a failed-over key restarts its "
-                              "rounds, and random-k's indices follow them (set BPS_FAILOVER=0)")  # fmt: skip
         if self.compressor and self.backup_workers:
             raise ConfigError("compressor and backup_workers do not go together yet: a worker catching up pulls rounds "
                               "whose encodings it did not make")  # fmt: skip

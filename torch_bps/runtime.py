@@ -348,11 +348,11 @@ class Runtime:
 
 def _topology(name: str, rank: int, world_size: int, launch: Launch) -> Topology:
     """The group's machines: torchrun's for the default group (or the whole job's first group), else every rank its
-    own machine (torchrun's variables describe the whole job, not a subgroup)."""
+    own machine."""
     whole_job = launch.world_size in (None, world_size)
     if name == "default" or (_RUNTIMES.get("default") is None and whole_job):
         return Topology.from_env(rank, world_size)
-    return Topology(rank, world_size, 0, 1, rank, world_size)
+    return Topology.one_per_machine(rank, world_size)
 
 
 def _find_servers(name: str, store_host: str, store: dist.Store, ns: dist.Store, topology: Topology, config: Config,

@@ -78,3 +78,8 @@ class Topology:
                 "(torch_bps needs the same number of ranks on every machine, ranks numbered machine by machine)"
             )
         return topo
+
+    @classmethod
+    def one_per_machine(cls, rank: int, world_size: int) -> Topology:
+        """Every rank its own machine: a subgroup's topology, as torchrun's variables describe the whole job."""
+        return cls(rank, world_size, 0, 1, rank, world_size)

@@ -90,6 +90,4 @@ def test_compressor_settings_resolve():
     assert parse_compressor(config.compressor) == (Codec.RANDOMK, 0.01)
     with pytest.raises(ConfigError, match="backup_workers"):
         Config.resolve(compressor="onebit", backup_workers=1)
-    with pytest.raises(ConfigError, match="BPS_FAILOVER=0"):
-        Config.resolve(compressor="randomk:0.1", servers=("10.0.0.1:9000",))
-    assert Config.resolve(compressor="randomk:0.1", servers=("10.0.0.1:9000",), failover=False).compressor
+    assert Config.resolve(compressor="randomk:0.1", servers=("10.0.0.1:9000",)).failover  # failover keeps its rounds

@@ -1,6 +1,6 @@
 """DDP training for tests/faults/test_failover.py, run by torchrun: deterministic data, and rank 0 may SIGKILL a
 summation server at a chosen moment of a chosen step. Rank 0 saves the final parameters and what every
-failover did to --out.
+failover did to --out, and the initial ones to --out.init.pt; every rank its final parameters to --out.rankR.pt.
 
 --kill PID:STEP:WHEN[:stop], WHEN one of
   start     before the step's forward (no collective in flight)
@@ -49,6 +49,8 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    if rank == 0:
+        torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, args.out + ".init.pt")
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     if args.hook:
         ddp.register_comm_hook(torch_bps.BpsHookState(), torch_bps.bps_hook)
@@ -91,6 +93,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         say(f"rank {rank} step {step}")
+    torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")
     if rank == 0:
         runtimes = [rt for rt in _RUNTIMES.values() if rt._engine.router is not None]
         torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, args.out + ".pt")

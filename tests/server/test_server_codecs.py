@@ -54,6 +54,27 @@ def test_rounds_of_a_compressed_key_are_the_references(server, job_id, codec, ti
             assert h.status == Status.OK and rest == [want], rest
 
 
+def test_a_random_k_sum_is_the_same_whatever_round_the_server_counts(server, job_id):
+    """A key that a failover moved starts again at round 0 on its new server while the workers' count of its rounds
+    goes on, so the server derives other indices than the workers encoded at. Nothing changes: a random-k round
+    sums each value into one element and sends every element it summed (its residual stays zero), so the sum is
+    the pushes' values added in place, which each worker decodes at its own indices."""
+    word = codec_word(Codec.RANDOMK)
+    wire = codec_wire_bytes(word, N, 50)
+    a, b = peers(server, job_id, 2)
+    assert all(h.status == Status.OK for h, _ in _init([a, b], 6, word, wire))
+    spec, gen = ref.Spec(word, 4 * N, wire, key=6), np.random.default_rng(1)
+    for rnd in range(3):  # the workers' rounds 41 to 43 of the key, the server's 0 to 2
+        payloads = [ref.encode(spec, 41 + rnd, gen.standard_normal(N).astype(np.float32)) for _ in "ab"]
+        for p, payload in zip((a, b), payloads, strict=True):
+            assert _push(p, 6, rnd, word, payload)[0].status == Status.OK
+        values = [np.frombuffer(x, np.float32) for x in payloads]
+        for p in (a, b):
+            h, rest = _pull(p, 6, rnd, word, wire)
+            assert h.status == Status.OK
+            np.testing.assert_array_equal(np.frombuffer(rest[0], np.float32), values[0] + values[1])
+
+
 def test_a_request_in_another_codec_is_refused_naming_both(server, job_id):
     a, b = peers(server, job_id, 2)
     onebit, topk = codec_word(Codec.ONEBIT), codec_word(Codec.TOPK)
