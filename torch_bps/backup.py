@@ -21,7 +21,10 @@ one size over 4 slots of keys, so about 4 x (window - 1) steps).
 (BackupWorkers registers itself as DDP's comm hook; DDP's own group may be gloo). Every rank is one worker to the
 servers. Replicas must start equal (DDP broadcasts them; otherwise seed them alike).
 
-May import: torch, torch_bps.config, torch_bps.errors and torch_bps.group_runtime.
+With a compressor (Config.compressor: onebit or topk), the rounds' large fp32 gradients travel compressed, as
+bps_hook sends them (engine/compress.py); a worker catching up pulls and decodes the rounds' encoded sums.
+
+May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors and torch_bps.group_runtime.
 """
 
 # No `from __future__ import annotations`: DDP checks its comm hook's annotations against the real types.
@@ -33,6 +36,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from torch_bps.config import Config
+from torch_bps.engine.compress import compressible_runs
+from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import ConfigError
 from torch_bps.group_runtime import GroupRuntime
 
@@ -81,6 +86,7 @@ class BackupWorkers:
         self.config = dataclasses.replace(config or Config.resolve(), **changes)
         self.config._check()
         self.model, self.optimizer = model, optimizer
+        self._names = {id(p): n for n, p in model.named_parameters()}  # for Config.compress_exclude
         self.steps = 0  # steps taken
         self.caught_up = 0  # of them, rounds applied without computing them
         self._behind = 0
@@ -102,7 +108,7 @@ class BackupWorkers:
         if self.compute():
             if not self._ddp:
                 self._buckets = self._plain_buckets()
-                self._futures = [self._push(runtime, self._gather(b)) for b in self._buckets]
+                self._futures = [self._push(runtime, b, self._gather(b)) for b in self._buckets]
             if len(self._futures) != len(self._buckets):
                 raise RuntimeError("BackupWorkers.step() without a backward pass through the DDP model this step")
             sums = [f.wait() for f in self._futures]
@@ -125,17 +131,22 @@ class BackupWorkers:
         self._connection.close()
 
     # -- the rounds
-    def _push(self, runtime, flat: torch.Tensor) -> torch.futures.Future:
+    def _push(self, runtime, bucket: _Bucket, flat: torch.Tensor) -> torch.futures.Future:
         # Divided first, as DDP does: the servers sum, scale by n / contributors, and the mean comes back.
         flat.div_(self.group.size())
-        return runtime.push_pull(flat, priority=0)
+        return self._round(runtime, bucket, flat, pull_only=False)
 
     def _pull(self, runtime, bucket: _Bucket) -> torch.Tensor:
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+        return self._round(runtime, bucket, torch.empty(bucket.numel, dtype=bucket.dtype), pull_only=True).wait()
+
+    def _round(self, runtime, bucket: _Bucket, flat: torch.Tensor, pull_only: bool) -> torch.futures.Future:
+        grads = [(start, numel, self._names.get(id(p), "")) for p, start, numel in bucket.params]
+        runs = compressible_runs(self.config, flat.dtype, flat.numel(), grads)
         future = torch.futures.Future()
-        runtime.run([flat], lambda error: future.set_exception(error) if error else future.set_result(flat),
-                    pull_only=True)  # fmt: skip
-        return future.wait()
+        runtime.run([Exchange(flat[a:b], compress=compress) for a, b, compress in runs if b > a],
+                    lambda error: future.set_exception(error) if error else future.set_result(flat),
+                    pull_only=pull_only)  # fmt: skip
+        return future
 
     def _plain_buckets(self) -> list[_Bucket]:
         """One bucket per dtype of the trainable parameters, in parameter order."""
@@ -169,7 +180,7 @@ class BackupWorkers:
             params.append((p, start, p.numel()))
             start += p.numel()
         self._buckets.append(_Bucket(buffer.numel(), buffer.dtype, params))
-        future = self._push(self._connection.get(), buffer)
+        future = self._push(self._connection.get(), self._buckets[-1], buffer)
         self._futures.append(future)
         return future
 

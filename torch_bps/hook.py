@@ -11,7 +11,8 @@ each bucket's gradients of at least Config.compress_min_bytes, whose parameter n
 Config.compress_exclude, as compressible, and the engine encodes them with error feedback (engine/compress.py).
 A "byteps" group's own all_reduce (DDP without this hook, metrics, integer tensors) always stays exact.
 
-May import: torch, torch_bps.config, torch_bps.pg, torch_bps.process_group; torch_bps.runtime on first use.
+May import: torch, torch_bps.config, torch_bps.engine.compress, torch_bps.pg, torch_bps.process_group;
+torch_bps.runtime on first use.
 """
 
 # No `from __future__ import annotations` here: DDP checks bps_hook's annotations against the real types
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.engine.compress import compressible_runs
 from torch_bps.pg import sparse
 from torch_bps.pg.device_local import route
 from torch_bps.pg.staging import Staged
@@ -70,21 +72,9 @@ class BpsHookState:
     def segments(self, bucket: dist.GradBucket, config: Config) -> list[tuple[int, int, bool]]:
         """The bucket's buffer as (start, stop, compressible) runs of its gradients, in buffer order."""
         buffer = bucket.buffer()
-        runs: list[tuple[int, int, bool]] = []
-        if not config.compressor or buffer.dtype != torch.float32:
-            return [(0, buffer.numel(), False)]
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            start = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
-            name = self._names.get(id(param), "")
-            small = grad.numel() * grad.element_size() < config.compress_min_bytes
-            compress = not small and not any(pattern in name for pattern in config.compress_exclude)
-            if runs and runs[-1][1] == start and runs[-1][2] == compress:
-                runs[-1] = (runs[-1][0], start + grad.numel(), compress)
-            else:
-                runs.append((start, start + grad.numel(), compress))
-        if sum(b - a for a, b, _ in runs) != buffer.numel():  # not laid out as expected: send it whole, exact
-            return [(0, buffer.numel(), False)]
-        return runs
+        grads = [((g.data_ptr() - buffer.data_ptr()) // buffer.element_size(), g.numel(), self._names.get(id(p), ""))
+                 for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]  # fmt: skip
+        return compressible_runs(config, buffer.dtype, buffer.numel(), grads)
 
     def connect(self):
         """Return the Runtime, made on the first call: a blocking rendezvous every rank of the group must join."""

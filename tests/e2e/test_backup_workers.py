@@ -5,6 +5,8 @@ does not stop the job, and settings the job cannot have are refused by name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import os
 import signal
 import time
@@ -66,12 +68,13 @@ def test_a_slow_rank_is_dropped_and_catches_up_and_every_rank_applies_the_contri
     assert caught_up[SLOW] >= 2 and caught_up[0] == caught_up[1] == 0, caught_up
 
 
-def _ddp(rank, world, gloo, address):
+def _ddp(rank, world, gloo, address, compressor=""):
     torch.manual_seed(0)  # DDP broadcasts rank 0's parameters anyway
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model = DistributedDataParallel(net, process_group=gloo, bucket_cap_mb=0.0002)  # several buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sync = BackupWorkers(model, opt, backups=1, config=_config(address))
+    config = dataclasses.replace(_config(address), compressor=compressor, compress_min_bytes=256)  # the first weight
+    sync = BackupWorkers(model, opt, backups=1, config=config)
     data = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         opt.zero_grad()
@@ -81,15 +84,21 @@ def _ddp(rank, world, gloo, address):
             x = torch.randn(4, 8, generator=data)
             torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
         sync.step()
+    compressor = sync._connection.get()._engine.compressor
+    encoded = len(compressor._residuals) if compressor is not None else 0  # keys this rank pushed compressed
     sync.close()
-    return b"".join(p.detach().numpy().tobytes() for p in model.parameters()), sync.caught_up
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters()), sync.caught_up, encoded
 
 
-def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server):
-    results = run_ranks(_ddp, 3, server.address, backend="gloo")
-    params, caught_up = zip(*results, strict=True)
+@pytest.mark.parametrize("compressor", ["", "onebit", "topk:0.25"])
+def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server, compressor):
+    """With a compressor too: the rounds' weights travel compressed, and the straggler catches up by decoding the
+    encoded sums the others made."""
+    results = run_ranks(functools.partial(_ddp, compressor=compressor), 3, server.address, backend="gloo")
+    params, caught_up, encoded = zip(*results, strict=True)
     assert len(set(params)) == 1, "replicas differ"
     assert caught_up[SLOW] >= 1, caught_up
+    assert all(encoded) == bool(compressor), encoded
 
 
 def _sparse_embedding(rank, world, gloo, address):

@@ -10,7 +10,7 @@ Codecs (docs/protocol.md, "Compressed keys"): "onebit" (a sign bit per element a
 "topk:R" (the R * n largest |x| with their indices), "randomk:R" (R * n values at indices both ends derive from
 the key and round: no index travels). Vectorized torch on the CPU.
 
-May import: the standard library, torch and torch_bps.wire.
+May import: the standard library, torch, torch_bps.config and torch_bps.wire.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from torch_bps.config import Config
 from torch_bps.wire import Codec, codec_wire_bytes, codec_word, random_indices
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -40,6 +41,26 @@ def parse_compressor(spec: str) -> tuple[Codec, float]:
     if name != "onebit" and not 0 < value <= 1:
         raise ValueError(f"compressor {spec!r}: the ratio must be in (0, 1]")
     return codecs[name], value
+
+
+def compressible_runs(config: Config, dtype: torch.dtype, numel: int,
+                      grads: list[tuple[int, int, str]]) -> list[tuple[int, int, bool]]:  # fmt: skip
+    """A flat buffer of gradients ((start, numel, parameter name) each, in buffer order) as (start, stop,
+    compressible) runs: fp32 gradients of at least Config.compress_min_bytes whose names contain none of
+    Config.compress_exclude are compressible, when a compressor is set."""
+    runs: list[tuple[int, int, bool]] = []
+    if not config.compressor or dtype != torch.float32:
+        return [(0, numel, False)]
+    for start, count, name in grads:
+        small = count * 4 < config.compress_min_bytes
+        compress = not small and not any(pattern in name for pattern in config.compress_exclude)
+        if runs and runs[-1][1] == start and runs[-1][2] == compress:
+            runs[-1] = (runs[-1][0], start + count, compress)
+        else:
+            runs.append((start, start + count, compress))
+    if sum(b - a for a, b, _ in runs) != numel:  # not laid out as expected: send it whole, exact
+        return [(0, numel, False)]
+    return runs
 
 
 class Compressor:

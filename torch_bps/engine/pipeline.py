@@ -204,8 +204,8 @@ class PushPullEngine:
             t = x.tensor
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
                 raise ValueError(f"push_pull takes 1-D contiguous CPU tensors, got {tuple(t.shape)} on {t.device}")
-        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM or self._codec(x) for x in items)):
-            raise ValueError("pull_only takes uncompressed summed tensors, with one local rank per worker")
+        if pull_only and (self.local_channels is not None or any(x.mode != Mode.SUM for x in items)):
+            raise ValueError("pull_only takes summed tensors, with one local rank per worker")
         mine = self.local_rank if self.local_channels is not None else 0
         done = span(lambda: _span_name(f"collective ({_modes(items)})", items), done)
         with self._lock:
@@ -508,14 +508,17 @@ class PushPullEngine:
 
     def _encoded_parts(self, op: _Op, x: Exchange, base: int, plan: list[Part], codec: int) -> list[Partition]:
         """A compressed all-reduce's partitions: each encoded (with its key's error feedback) into a payload of its
-        own, its encoded sum pulled into another and decoded into the tensor when the network stage ends."""
+        own, its encoded sum pulled into another and decoded into the tensor when the network stage ends. Pulling
+        only (backup workers catching up), nothing is encoded: the round's sum is pulled and decoded."""
         parts = []
         for part in plan:
             dense = x.tensor[base + part.start : base + part.start + part.numel]
-            payload, rnd = self.compressor.encode(part.key, dense)
-            pulled = torch.empty_like(payload)
+            # rnd -1: a round this worker does not count, which onebit and top-k decode without (Config refuses
+            # random-k with backup workers)
+            payload, rnd = (dense[:0], -1) if op.pull_only else self.compressor.encode(part.key, dense)
+            pulled = torch.empty(self.compressor.wire_numel(part.numel))
             op.encoded.append((part.key, rnd, pulled, dense))
-            parts.append(Partition(payload, part.key, part.server, pulled, Mode.SUM, payload.numel(), 0, 0, codec,
+            parts.append(Partition(payload, part.key, part.server, pulled, Mode.SUM, pulled.numel(), 0, 0, codec,
                                    part.numel))  # fmt: skip
         return parts
 
