@@ -303,10 +303,6 @@ class Config:
             raise ConfigError(f"placement={self.placement!r}: use optimal, dedicated or colocated")
         parse_transport(self.transport)
         parse_compressor(self.compressor)
-        if self.compressor.startswith("randomk") and self.backup_workers:
-            raise ConfigError("compressor randomk and backup_workers do not go together yet: a worker catching up "
-                              "decodes rounds it did not count, and random-k's indices follow the count (onebit and "
-                              "topk do not)")  # fmt: skip
         if self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r}: use fp32 (the default), bf16 or fp16")
         if self.auth not in ("token", "curve", "off"):

@@ -90,7 +90,7 @@ def _ddp(rank, world, gloo, address, compressor=""):
     return b"".join(p.detach().numpy().tobytes() for p in model.parameters()), sync.caught_up, encoded
 
 
-@pytest.mark.parametrize("compressor", ["", "onebit", "topk:0.25"])
+@pytest.mark.parametrize("compressor", ["", "onebit", "topk:0.25", "randomk:0.25"])
 def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server, compressor):
     """With a compressor too: the rounds' weights travel compressed, and the straggler catches up by decoding the
     encoded sums the others made."""

@@ -88,7 +88,5 @@ def test_compressor_settings_resolve():
     assert config.compressor == "randomk:0.01"
     assert (config.compress_exclude, config.compress_min_bytes) == (("bias", "norm"), 1)
     assert parse_compressor(config.compressor) == (Codec.RANDOMK, 0.01)
-    with pytest.raises(ConfigError, match="randomk and backup_workers"):
-        Config.resolve(compressor="randomk:0.1", backup_workers=1)
-    assert Config.resolve(compressor="topk:0.1", backup_workers=1).compressor
+    assert Config.resolve(compressor="randomk:0.1", backup_workers=1).compressor
     assert Config.resolve(compressor="randomk:0.1", servers=("10.0.0.1:9000",)).failover  # failover keeps its rounds

@@ -120,6 +120,13 @@ class Compressor:
             self._residuals[key] = x
         return payload.view(torch.float32), rnd
 
+    def skip(self, key: int) -> int:
+        """Count a round of `key` this worker only pulls (a backup round that closed without it); return it."""
+        with self._lock:
+            rnd = self._rounds.get(key, 0)
+            self._rounds[key] = rnd + 1
+        return rnd
+
     def decode(self, key: int, rnd: int, pulled: torch.Tensor, out: torch.Tensor) -> None:
         """Write the dense sum that the server's encoded result `pulled` (fp32 view) of round `rnd` stands for."""
         n, raw = out.numel(), pulled.view(torch.uint8)

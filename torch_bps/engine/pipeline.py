@@ -513,9 +513,10 @@ class PushPullEngine:
         parts = []
         for part in plan:
             dense = x.tensor[base + part.start : base + part.start + part.numel]
-            # rnd -1: a round this worker does not count, which onebit and top-k decode without (Config refuses
-            # random-k with backup workers)
-            payload, rnd = (dense[:0], -1) if op.pull_only else self.compressor.encode(part.key, dense)
+            if op.pull_only:  # the round still counts: random-k's indices follow the count
+                payload, rnd = dense[:0], self.compressor.skip(part.key)
+            else:
+                payload, rnd = self.compressor.encode(part.key, dense)
             pulled = torch.empty(self.compressor.wire_numel(part.numel))
             op.encoded.append((part.key, rnd, pulled, dense))
             parts.append(Partition(payload, part.key, part.server, pulled, Mode.SUM, pulled.numel(), 0, 0, codec,
