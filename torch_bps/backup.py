@@ -21,8 +21,8 @@ one size over 4 slots of keys, so about 4 x (window - 1) steps).
 (BackupWorkers registers itself as DDP's comm hook; DDP's own group may be gloo). Every rank is one worker to the
 servers. Replicas must start equal (DDP broadcasts them; otherwise seed them alike).
 
-With a compressor (Config.compressor), the rounds' large fp32 gradients travel compressed, as
-bps_hook sends them (engine/compress.py); a worker catching up pulls and decodes the rounds' encoded sums.
+With a compressor (Config.compressor), the rounds' large fp32 gradients travel compressed, as bps_hook sends them
+(engine/compress.py); a worker catching up pulls and decodes the rounds' encoded sums.
 
 May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors and torch_bps.group_runtime.
 """
