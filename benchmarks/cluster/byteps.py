@@ -98,12 +98,18 @@ def probe(what: str) -> str:
 
 
 def start_servers(
-    cluster: Cluster, hosts: list[Host], port: int, trace_dir: str = "", receive_buffers: list[int] | None = None
+    cluster: Cluster,
+    hosts: list[Host],
+    port: int,
+    trace_dir: str = "",
+    receive_buffers: list[int] | None = None,
+    metrics_port: int | None = None,
 ) -> tuple[list[procs.Proc], list[str]]:
     """Start one `python -m torch_bps.server` per host on `port`; wait until each listens.
 
     `trace_dir`: each server records its timeline there (`bps-server --trace`). `receive_buffers`: each
-    server's `--receive-buffer-bytes`, one per host (None: the kernel's).
+    server's `--receive-buffer-bytes`, one per host (None: the kernel's). `metrics_port`: each server serves its
+    counters at http://ip:metrics_port/metrics.
     Returns the server processes (kill them when done) and their addresses, "ip:port" per host.
     Authentication is on: the servers and every worker started after them (which inherit this process's
     environment) share one pool credential.
@@ -115,7 +121,8 @@ def start_servers(
             h,
             [sys.executable, "-m", "torch_bps.server", "--host", h.ip, "--port", str(port)]
             + (["--trace", trace_dir] if trace_dir else [])
-            + (["--receive-buffer-bytes", str(receive_buffers[i])] if receive_buffers else []),
+            + (["--receive-buffer-bytes", str(receive_buffers[i])] if receive_buffers else [])
+            + (["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
             {"OMP_NUM_THREADS": "1"},
         )
         for i, h in enumerate(hosts)

@@ -5,10 +5,12 @@
 Runs, alternated on one cluster per link rate, DDP training straggler_train's student MLP (a teacher's labels, a
 held-out set of 2,000; benchmarks/cluster/workers/compress_train.py) in each mode: gloo fp32, gloo with torch's
 fp16 hook and PowerSGD hook, and "byteps" fp32, bf16 on the wire, onebit and top-k (bps_hook, error feedback on
-both sides) and torch's PowerSGD hook on "byteps". For each: seconds to `--target` held-out accuracy and its ratio
-to gloo fp32's, steps per second, final accuracy, bytes per step on a worker's link (both ways, headers included),
+both sides) and torch's PowerSGD hook on "byteps". For each, as median [min-max] over `--rounds`
+(benchmarks.metrics): seconds to `--target` held-out accuracy (rank 0's model scored after every step,
+interpolated, evaluation outside the clock) and its speed-up over gloo fp32's within each round, steps per second
+(the slowest rank's), final accuracy, bytes per step on a worker's link (both ways, headers included),
 whether every replica ended bit-identical. Dedicated servers on the k server hosts, BPS_FAILOVER=0.
-May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
+May import: the standard library and benchmarks.{metrics,cluster.byteps,cluster.procs,cluster.topology}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import statistics
 import sys
 
+from benchmarks import metrics
 from benchmarks.cluster import byteps, procs
 from benchmarks.cluster.topology import IFNAME, Cluster
 
@@ -55,10 +58,9 @@ def run_mode(cluster: Cluster, addresses: list[str], args, mode: str, port: int)
         return {"error": str(e)[-2000:]}
     after = cluster.tcp_losses()
     curve = results[0]["curve"]
-    reached = next((t for t, _, acc in curve if acc >= args.target), None)
     return {
-        "steps_per_s": args.steps / results[0]["seconds"],
-        "seconds_to_target": reached,
+        "steps_per_s": args.steps / max(r["seconds"] for r in results),
+        "seconds_to_target": metrics.time_to_target(curve, args.target),
         "final_accuracy": curve[-1][2] if curve else None,
         "link_bytes_per_step": statistics.mean(r["link_bytes_per_step"] for r in results),
         "identical": len({r["params"] for r in results}) == 1,
@@ -70,17 +72,20 @@ def run_mode(cluster: Cluster, addresses: list[str], args, mode: str, port: int)
 
 def report(rate: float, runs: dict[str, list[dict]], target: float) -> None:
     ok = {m: [o for o in outs if "error" not in o] for m, outs in runs.items()}
-    base = ok.get("gloo")
-    base_time = statistics.median(o["seconds_to_target"] or float("inf") for o in base) if base else None
-    print(f"\n{rate:g} Mbit/s, target held-out accuracy {target}")
+    base = runs.get("gloo")
+    print(f"\n{rate:g} Mbit/s, target held-out accuracy {target}: median [min-max] of {len(base or [])} rounds; "
+          f"speed-ups over gloo fp32's time to target, within each round")  # fmt: skip
     for mode, outs in ok.items():
         if not outs:
             print(f"{mode:16s} FAILED: {runs[mode][-1]['error'][-300:]}")
             continue
-        time_ = statistics.median(o["seconds_to_target"] or float("inf") for o in outs)
-        ratio = f" ({base_time / time_:.2f}x gloo fp32's speed to target)" if base_time and time_ < float("inf") else ""
-        print(f"{mode:16s} target in {time_:7.1f} s{ratio}, {statistics.median(o['steps_per_s'] for o in outs):5.2f} "
-              f"steps/s, final accuracy {statistics.median(o['final_accuracy'] for o in outs):.3f}, "
+        times = [o.get("seconds_to_target") for o in runs[mode]]  # a failed run pairs as never
+        line = f"{mode:16s} target in {metrics.Spread.of([o['seconds_to_target'] for o in outs]).format(1)} s"
+        if base and mode != "gloo":
+            speedups = metrics.paired_ratios([o.get("seconds_to_target") for o in base], times)
+            line += f" ({metrics.Spread.of(speedups).format() if speedups else 'never'}x gloo fp32's speed)"
+        print(f"{line}, {metrics.Spread.of([o['steps_per_s'] for o in outs]).format()} steps/s, final accuracy "
+              f"{metrics.Spread.of([o['final_accuracy'] for o in outs]).format(3)}, "
               f"{statistics.median(o['link_bytes_per_step'] for o in outs) / 1e6:6.2f} MB/step on a worker link, "
               f"replicas {'identical' if all(o['identical'] for o in outs) else 'DIFFER'}")  # fmt: skip
 

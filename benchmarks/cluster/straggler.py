@@ -7,16 +7,17 @@ Runs, alternated on one cluster (`--rounds` times each), a student MLP learning 
 (benchmarks/cluster/workers/straggler_train.py) in these modes, each with and without one straggler machine:
 synchronous (torch_bps.BackupWorkers, b = 0; without a straggler, the yardstick), backup workers (b = 1), and
 torch_bps.AsyncTraining with staleness s = 0 (lockstep), 2 and unbounded (async), these two also with
-`overlap=True` ("-overlap": a step returns while its round travels), SGD's momentum `--async-momentum` there
-(asynchrony adds momentum of its own: Mitliagkas et al. 2016, "Asynchrony begets momentum").
+`overlap=True` ("-overlap": a step returns while its round travels); SGD's momentum `--momentum` in every mode.
 The straggler is `--slow-factor` times slower in compute, or with `--straggler link` its link runs at `--link-share`
 of the rate (both ways) while the others keep theirs; with `--straggler rotating` the slow compute moves from machine
 to machine every step (each is slow one step in n: the transient slowness a staleness bound absorbs). For each:
-samples per second (each rank's computed samples over its own wall time, summed) and its ratio to the yardstick,
-the time to `--target` held-out accuracy (rank 0's model) and its ratio, the accuracy once every rank did its
-steps, how many rounds the ranks caught up on without computing, and whether every replica ended bit-identical.
+samples per second that entered a sum (benchmarks.metrics: the ranks' computed samples times the share of pushes
+the servers summed, over the slowest rank's wall time) and the computed ones, the time to `--target` held-out
+accuracy (rank 0's model, scored after every step, interpolated), each as median [min-max] over `--rounds` with
+its ratio to the yardstick taken within each round, the accuracy once every rank did its steps, how many rounds
+the ranks caught up on without computing, and whether every replica ended bit-identical.
 Dedicated servers on the k server hosts, BPS_FAILOVER=0.
-May import: the standard library and benchmarks.cluster.{byteps,procs,topology}.
+May import: the standard library and benchmarks.{metrics,cluster.byteps,cluster.procs,cluster.topology}.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
+from benchmarks import metrics
 from benchmarks.cluster import byteps, procs
 from benchmarks.cluster.topology import IFNAME, Cluster
 
@@ -49,6 +50,9 @@ MODES = {  # name: (backups, staleness: "" for BackupWorkers, straggler, AsyncTr
 }
 
 
+METRICS_PORT = 9600
+
+
 def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, staleness: str, straggler: bool,
              overlap: bool, port: int) -> dict:  # fmt: skip
     n = len(cluster.workers)
@@ -58,6 +62,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
     flags += ["--overlap"] if overlap else []
     cluster.set_rate(cluster.workers[-1], args.rate * args.link_share if by_link else None)
     factor = 1.0 if args.straggler == "link" else args.slow_factor
+    metrics_at = [f"{a.rpartition(':')[0]}:{METRICS_PORT}" for a in addresses]
     ranks = [
         cluster.spawn(
             f"straggler rank {r}", h,
@@ -65,7 +70,7 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
              f"{cluster.workers[0].ip}:{port}", "--backups", str(backups), "--staleness", staleness,
              "--slow-rank", str(slow),
              "--slow-factor", str(factor), "--steps", str(args.steps), "--batch", str(args.batch),
-             "--momentum", str(args.async_momentum if staleness else 0.9), *flags],
+             "--momentum", str(args.momentum), "--metrics", ",".join(metrics_at), *flags],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "BPS_SERVERS": ",".join(addresses),
              "BPS_PLACEMENT": "dedicated", "BPS_FAILOVER": "0", "BPS_HOST": h.ip, "LOCAL_RANK": "0",
              "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "GROUP_WORLD_SIZE": str(n)},
@@ -73,16 +78,38 @@ def run_mode(cluster: Cluster, addresses: list[str], args, backups: int, stalene
         for r, h in enumerate(cluster.workers)
     ]  # fmt: skip
     results = procs.wait_all(ranks, 600.0, f"straggler backups={backups}")
-    curve = results[0]["curve"]
-    reached = next((t for t, _, acc in curve if acc >= args.target), None)
+    counters = results[0]["counters"]
+    computed = sum(r["computed"] for r in results) * args.batch
+    contributed = computed * metrics.contributed_share(counters["before"], counters["after"])
+    seconds = [r["seconds"] for r in results]
     return {
-        "samples_per_s": sum(r["computed"] * args.batch / r["seconds"] for r in results),
-        "seconds_to_target": reached,
+        "samples_per_s": metrics.job_rate(contributed, seconds),  # samples whose gradients entered a sum
+        "computed_per_s": metrics.job_rate(computed, seconds),
+        "seconds_to_target": metrics.time_to_target(results[0]["curve"], args.target),
         "final_accuracy": results[0]["final"],
         "caught_up": sum(r["caught_up"] for r in results),
         "identical": len({r["params"] for r in results}) == 1,
-        "curve": curve,
+        "curve": results[0]["curve"],
     }
+
+
+def report(runs: dict[str, list[dict]]) -> str:
+    """One line a mode: contributed samples/s and time to target, each with its ratio to synchronous training
+    with no straggler (paired within each round), and the final accuracy."""
+    base = runs.get("sync")
+    lines = []
+    for mode, outs in runs.items():
+        rates = [o["samples_per_s"] for o in outs]
+        times = [o["seconds_to_target"] for o in outs]
+        line = (f"{mode:24s} {metrics.Spread.of(rates).format(0)} samples/s, target in "
+                f"{metrics.Spread.of(times).format(1)} s")  # fmt: skip
+        if base and mode != "sync":
+            rate_ratio = metrics.paired_ratios(rates, [o["samples_per_s"] for o in base])
+            time_ratio = metrics.paired_ratios(times, [o["seconds_to_target"] for o in base])
+            line += (f" ({metrics.Spread.of(rate_ratio).format()}x sync's samples/s, "
+                     f"{metrics.Spread.of(time_ratio).format() if time_ratio else 'never'}x its time)")  # fmt: skip
+        lines.append(line + f", final accuracy {metrics.Spread.of([o['final_accuracy'] for o in outs]).format(3)}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's compute time, times (default 3)")
     p.add_argument("--link-share", type=float, default=0.25, help="the straggler's link rate, share (default 0.25)")
     p.add_argument("--target", type=float, default=0.75, help="held-out accuracy to reach (default 0.75)")
-    p.add_argument("--async-momentum", type=float, default=0.9, help="SGD's momentum under AsyncTraining (default 0.9)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum, every mode alike (default 0.9)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternated (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--json", default="", help="write every run here")
@@ -108,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     with Cluster(args.workers, args.servers, args.rate) as cluster:
-        server_procs, addresses = byteps.start_servers(cluster, cluster.servers[: args.servers], 9500)
+        server_procs, addresses = byteps.start_servers(
+            cluster, cluster.servers[: args.servers], 9500, metrics_port=METRICS_PORT
+        )
         try:
             port = 29800
             for r in range(args.rounds):
@@ -116,28 +145,23 @@ def main(argv: list[str] | None = None) -> int:
                     port += 1
                     out = run_mode(cluster, addresses, args, *MODES[mode], port)
                     runs[mode].append(out)
-                    print(f"{mode} run {r}: {out['samples_per_s']:.0f} samples/s, target at {out['seconds_to_target']} "
-                          f"s, final accuracy {out['final_accuracy']:.3f}, caught up {out['caught_up']}, "
+                    print(f"{mode} run {r}: {out['samples_per_s']:.0f} samples/s ({out['computed_per_s']:.0f} "
+                          f"computed), target at {out['seconds_to_target']} s, final accuracy "
+                          f"{out['final_accuracy']:.3f}, caught up {out['caught_up']}, "
                           f"replicas {'identical' if out['identical'] else 'DIFFER'}", flush=True)  # fmt: skip
         finally:
             for proc in server_procs:
                 proc.kill()
-    base = runs.get("sync")
-    base_rate = statistics.median(o["samples_per_s"] for o in base) if base else None
-    base_time = statistics.median(o["seconds_to_target"] or float("inf") for o in base) if base else None
     slow = {
         "compute": f"{args.slow_factor:g}x slower in compute",
         "link": f"its link at {args.link_share:g} of the rate",
         "rotating": f"{args.slow_factor:g}x slower in compute, a different machine every step",
     }[args.straggler]
-    print(f"\nn = {args.workers}, k = {args.servers}, {args.rate:g} Mbit/s, straggler {slow}, target accuracy "
-          f"{args.target}")  # fmt: skip
-    for mode, outs in runs.items():
-        rate = statistics.median(o["samples_per_s"] for o in outs)
-        time_ = statistics.median(o["seconds_to_target"] or float("inf") for o in outs)
-        ratios = f" ({rate / base_rate:.2f}x sync's samples/s, {time_ / base_time:.2f}x its time)" if base else ""
-        print(f"{mode:18s} {rate:6.0f} samples/s, target in {time_:6.1f} s{ratios}, final accuracy "
-              f"{statistics.median(o['final_accuracy'] for o in outs):.3f}")  # fmt: skip
+    print(
+        f"\nn = {args.workers}, k = {args.servers} dedicated servers, {args.rate:g} Mbit/s, straggler {slow}, "
+        f"target accuracy {args.target}, {args.rounds} rounds: median [min-max]; ratios to sync's, within a round"
+    )
+    print(report(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)

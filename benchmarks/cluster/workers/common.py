@@ -1,6 +1,6 @@
-"""Helpers shared by the worker programs: printing the result line, the TCPStore rendezvous.
+"""Helpers shared by the worker programs: printing the result line, the TCPStore rendezvous, the servers' counters.
 
-May import: the standard library, torch (lazily) and benchmarks.cluster.cpu.
+May import: the standard library, torch (lazily), and benchmarks.cluster.cpu.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ def store(addr: str, rank: int, world: int, timeout_s: float):
 
     host, _, port = addr.rpartition(":")
     return dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+
+
+def job_counters(metrics: list[str]) -> dict[str, dict[str, int]]:
+    """Return each job's pushes served and pushes dropped late (bps_job_pushes_total, bps_job_late_pushes_total),
+    summed over the servers whose Prometheus endpoints are `metrics` ("ip:port"); benchmarks.metrics reads them."""
+    import re
+    import urllib.request
+
+    jobs: dict[str, dict[str, int]] = {}
+    for address in metrics:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for name, job, value in re.findall(r'^bps_job_(pushes|late_pushes)_total\{job="(\w+)"\} (\d+)', text, re.M):
+            counts = jobs.setdefault(job, {"pushes": 0, "late_pushes": 0})
+            counts[name] += int(value)
+    return jobs
 
 
 def settle() -> None:

@@ -4,16 +4,17 @@
 
 Modes: gloo (fp32), gloo-fp16 (torch's fp16_compress_hook), gloo-powersgd (torch's PowerSGD hook, rank 2), and on
 the "byteps" backend: byteps (fp32), byteps-bf16, byteps-onebit, byteps-topk (bps_hook; the orchestrator sets
-BPS_WIRE_DTYPE / BPS_COMPRESSOR), byteps-powersgd (torch's PowerSGD hook on the "byteps" group). Rank 0 scores the
-held-out set every `--eval-every` steps (its time is left out of the clock); PowerSGD runs with one bucket (see
-below). Prints one RESULT line: wall seconds, the accuracy curve, bytes on this host's link per step, a hash of the
-parameters (replicas must agree).
+BPS_WIRE_DTYPE / BPS_COMPRESSOR), byteps-powersgd (torch's PowerSGD hook on the "byteps" group). Rank 0 keeps its
+parameters after every step and scores each on the held-out set once training is over (no evaluation inside any
+clock); PowerSGD runs with one bucket (see below). Prints one RESULT line: wall seconds, the accuracy curve, bytes
+on this host's link per step, a hash of the parameters (replicas must agree).
 May import: the standard library, torch, torch_bps and benchmarks.cluster.workers.{common,ddp_train,straggler_train}.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import time
 from datetime import timedelta
@@ -35,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
     import torch_bps
 
@@ -73,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(100 + args.rank)
     test_x = torch.randn(TEST, INPUTS, generator=torch.Generator().manual_seed(7))
     test_y = teacher_labels(test_x)
-    curve = []  # (seconds, step, held-out accuracy), rank 0
-    evaluating = 0.0
+    snapshots = [(0.0, 0, parameters_to_vector(model.parameters()).detach().clone())]  # rank 0: after each step
 
     dist.barrier(group=sync)
     link0 = link_bytes()
@@ -84,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(args.batch, INPUTS, generator=data)
         F.cross_entropy(ddp(x), teacher_labels(x)).backward()
         opt.step()
-        if args.rank == 0 and (step + 1) % args.eval_every == 0:
-            began = time.perf_counter()
-            with torch.no_grad():
-                accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-            evaluating += time.perf_counter() - began
-            curve.append((time.perf_counter() - start - evaluating, step + 1, accuracy))
-    seconds = time.perf_counter() - start - evaluating
+        if args.rank == 0:
+            snapshots.append((time.perf_counter() - start, step + 1, parameters_to_vector(model.parameters()).clone()))
+    seconds = time.perf_counter() - start
     link1 = link_bytes()
+    curve = []  # (seconds, step, held-out accuracy), rank 0, scored now: outside every clock
+    if args.rank == 0:
+        scored = copy.deepcopy(model)
+        with torch.no_grad():
+            for seconds_at, step, flat in snapshots:
+                vector_to_parameters(flat, scored.parameters())
+                curve.append((seconds_at, step, (scored(test_x).argmax(1) == test_y).float().mean().item()))
+    snapshots.clear()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
     emit({"rank": args.rank, "seconds": seconds, "steps": args.steps, "curve": curve, "params": params,
           "link_bytes_per_step": (link1["tx"] - link0["tx"] + link1["rx"] - link0["rx"]) / args.steps})  # fmt: skip

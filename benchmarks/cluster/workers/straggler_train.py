@@ -5,24 +5,26 @@ through AsyncTraining with `--staleness` (an integer, or inf).
         --backups 1 --slow-rank 3 --slow-factor 3 --steps 150
 
 The task ships with the code: a teacher network (seeded) labels Gaussian inputs into 10 classes; every rank draws
-its own training samples, rank 0 scores a fixed held-out set of 2,000 every `--eval-every` steps. The slow rank
-takes `--slow-factor` times as long to compute each step it computes (it sleeps the extra time, measured on the
-step itself), so the machine's CPU stays the others'; with `--rotate` the slow rank is step % world, each in turn.
-Servers: BPS_SERVERS (dedicated hosts), BPS_FAILOVER=0.
-Prints one RESULT line: wall seconds, steps computed and caught up, rank 0's accuracy curve, a hash of the
-parameters (replicas must agree: with backup workers), and the held-out accuracy once every rank finished (with
-AsyncTraining: of the model with every update in, pulled after a barrier).
+its own training samples. Rank 0 keeps a copy of its parameters after every step and scores each on a fixed held-out
+set of 2,000 once training is over, so no evaluation runs inside anyone's clock. The slow rank takes `--slow-factor`
+times as long to compute each step it computes (it sleeps the extra time, measured on the step itself), so the
+machine's CPU stays the others'; with `--rotate` the slow rank is step % world, each in turn. Servers: BPS_SERVERS
+(dedicated hosts), BPS_FAILOVER=0. Prints one RESULT line: wall seconds, steps computed and caught up, rank 0's
+accuracy curve (one point a step), the servers' per-job push counters before and after (rank 0, from `--metrics`), a
+hash of the parameters (replicas must agree: with backup workers), and the held-out accuracy once every rank
+finished (with AsyncTraining: of the model with every update in, pulled after a barrier).
 May import: the standard library, torch, torch_bps and benchmarks.cluster.workers.common.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import time
 from datetime import timedelta
 
-from benchmarks.cluster.workers.common import emit, store
+from benchmarks.cluster.workers.common import emit, job_counters, store
 
 INPUTS, CLASSES, TEST = 32, 10, 2000
 
@@ -50,15 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--overlap", action="store_true", help="AsyncTraining(overlap=True)")
+    p.add_argument(
+        "--metrics",
+        type=lambda text: text.split(","),
+        default=[],
+        help="the servers' Prometheus endpoints, ip:port,... (rank 0 reads the jobs' push counters)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
 
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
     import torch_bps
 
@@ -80,12 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(100 + args.rank)
     test_x = torch.randn(TEST, INPUTS, generator=torch.Generator().manual_seed(7))
     test_y = teacher_labels(test_x)
-    curve = []  # (seconds, step, held-out accuracy), rank 0
-
-    def evaluate(step: int, start: float) -> None:
-        with torch.no_grad():
-            accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-        curve.append((time.perf_counter() - start, step, accuracy))
+    snapshots = [(0.0, 0, parameters_to_vector(model.parameters()).detach().clone())]  # rank 0: after each step
+    counters = job_counters(args.metrics) if args.rank == 0 else None
 
     dist.barrier()
     start = time.perf_counter()
@@ -100,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep((args.slow_factor - 1) * (time.perf_counter() - began))
             computed += 1
         sync.step()
-        if args.rank == 0 and (step + 1) % args.eval_every == 0:
-            evaluate(step + 1, start)
+        if args.rank == 0:
+            snapshots.append((time.perf_counter() - start, step + 1, parameters_to_vector(model.parameters()).clone()))
     if stale:
         sync.flush()  # this rank's updates are in
     seconds = time.perf_counter() - start
@@ -110,10 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         sync.flush()
     with torch.no_grad():
         final = (model(test_x).argmax(1) == test_y).float().mean().item()
+    curve = []  # (seconds, step, held-out accuracy), rank 0, scored now: outside every clock
+    if args.rank == 0:
+        counters = {"before": counters, "after": job_counters(args.metrics)}
+        scored = copy.deepcopy(model)
+        with torch.no_grad():
+            for seconds_at, step, flat in snapshots:
+                vector_to_parameters(flat, scored.parameters())
+                curve.append((seconds_at, step, (scored(test_x).argmax(1) == test_y).float().mean().item()))
+        snapshots.clear()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
     emit({"rank": args.rank, "seconds": seconds, "steps": args.steps, "computed": computed,
           "caught_up": 0 if stale else sync.caught_up, "curve": curve, "params": params,
-          "final": final})  # fmt: skip
+          "final": final, "counters": counters})  # fmt: skip
     sync.close()
     dist.barrier()
     dist.destroy_process_group()
