@@ -24,7 +24,8 @@ servers. Replicas must start equal (DDP broadcasts them; otherwise seed them ali
 With a compressor (Config.compressor), the rounds' large fp32 gradients travel compressed, as bps_hook sends them
 (engine/compress.py); a worker catching up pulls and decodes the rounds' encoded sums.
 
-May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors and torch_bps.group_runtime.
+May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors, torch_bps.futures and
+torch_bps.group_runtime.
 """
 
 # No `from __future__ import annotations`: DDP checks its comm hook's annotations against the real types.
@@ -39,6 +40,7 @@ from torch_bps.config import Config
 from torch_bps.engine.compress import compressible_runs
 from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import ConfigError
+from torch_bps.futures import completer
 from torch_bps.group_runtime import GroupRuntime
 
 log = logging.getLogger("torch_bps.backup")
@@ -144,7 +146,7 @@ class BackupWorkers:
         runs = compressible_runs(self.config, flat.dtype, flat.numel(), grads)
         future = torch.futures.Future()
         runtime.run([Exchange(flat[a:b], compress=compress) for a, b, compress in runs if b > a],
-                    lambda error: future.set_exception(error) if error else future.set_result(flat),
+                    completer(future, flat),
                     pull_only=pull_only)  # fmt: skip
         return future
 

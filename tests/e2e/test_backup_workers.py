@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -99,6 +100,34 @@ def test_ddp_with_backup_workers_keeps_replicas_bit_identical(server, compressor
     assert len(set(params)) == 1, "replicas differ"
     assert caught_up[SLOW] >= 1, caught_up
     assert all(encoded) == bool(compressor), encoded
+
+
+def _ddp_until_the_server_dies(rank, world, gloo, address, pid):
+    """DDP under BackupWorkers, its one server stopped by rank 0 at step 2 and killed a second later (failover off),
+    so that the rounds of the step fail while DDP waits for them: what each rank got."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 1), process_group=gloo)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = BackupWorkers(model, opt, backups=1, config=_config(address))
+    for step in range(8):
+        if step == 2 and rank == 0:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        opt.zero_grad()
+        try:
+            if sync.compute():
+                model(torch.randn(4, 8)).sum().backward()
+            sync.step()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_a_failed_round_under_ddp_reaches_every_rank_as_an_error_naming_the_server(server):
+    """The round's future fails in C++ (torch_bps.futures), so DDP's reducer raises our typed error, not "Unable to
+    cast <the exception> to Tensor" (a future failed with set_exception holds the exception as its value)."""
+    for kind, message in run_ranks(_ddp_until_the_server_dies, 3, server.address, server.proc.pid, backend="gloo"):
+        assert kind == "TransportError" and server.address in message, (kind, message)
 
 
 def _sparse_embedding(rank, world, gloo, address):
