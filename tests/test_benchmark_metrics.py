@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import metrics
+from benchmarks.cluster.workers.common import parse_job_counters
+from torch_bps.server.metrics import exposition
 
 
 def test_backup_rounds_count_only_the_pushes_the_servers_summed():
@@ -60,3 +62,16 @@ def test_ratios_are_paired_within_a_round_and_skip_rounds_that_never_reached():
     assert metrics.paired_ratios([2.0, 3.0, None], [1.0, 2.0, 1.0]) == [2.0, 1.5]
     # Not the ratio of medians: (2/1, 1/2) pairs as [2.0, 0.5], where medians would give 1.0 alone.
     assert metrics.paired_ratios([2.0, 1.0], [1.0, 2.0]) == [2.0, 0.5]
+
+
+def test_the_job_counters_are_read_from_what_the_server_exposes():
+    job = dict.fromkeys(("pushes", "pulls", "bytes_in", "bytes_out", "sums", "bytes_summed", "sum_ns", "errors",
+                         "late_pushes", "memory_charged", "workers", "keys"), 0)  # fmt: skip
+    server = {"pushes": 999, "pulls": 0, "bytes_in": 0, "bytes_out": 0, "sums": 0, "bytes_summed": 0, "sum_ns": 0,
+              "errors": 0, "requests": 0, "wakeups": 0, "keys_waiting": 0, "jobs": 2, "memory_charged": 0,
+              "memory_bound": 0, "resident_bytes": 0}  # fmt: skip
+    text = exposition(server, {0x2A: {**job, "pushes": 400, "late_pushes": 100}, 0x2B: {**job, "pushes": 7}})
+    counters = parse_job_counters(text)
+    assert counters == {"0x000000000000002a": {"pushes": 400, "late_pushes": 100},
+                        "0x000000000000002b": {"pushes": 7, "late_pushes": 0}}  # fmt: skip
+    assert metrics.contributed_share({}, {"0x000000000000002a": counters["0x000000000000002a"]}) == 0.75

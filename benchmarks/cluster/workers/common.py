@@ -30,16 +30,25 @@ def store(addr: str, rank: int, world: int, timeout_s: float):
 def job_counters(metrics: list[str]) -> dict[str, dict[str, int]]:
     """Return each job's pushes served and pushes dropped late (bps_job_pushes_total, bps_job_late_pushes_total),
     summed over the servers whose Prometheus endpoints are `metrics` ("ip:port"); benchmarks.metrics reads them."""
-    import re
     import urllib.request
 
     jobs: dict[str, dict[str, int]] = {}
     for address in metrics:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        for name, job, value in re.findall(r'^bps_job_(pushes|late_pushes)_total\{job="(\w+)"\} (\d+)', text, re.M):
-            counts = jobs.setdefault(job, {"pushes": 0, "late_pushes": 0})
-            counts[name] += int(value)
+            for job, counts in parse_job_counters(reply.read().decode()).items():
+                mine = jobs.setdefault(job, {"pushes": 0, "late_pushes": 0})
+                for name, value in counts.items():
+                    mine[name] += value
+    return jobs
+
+
+def parse_job_counters(text: str) -> dict[str, dict[str, int]]:
+    """Each job's pushes and late pushes in one server's Prometheus text."""
+    import re
+
+    jobs: dict[str, dict[str, int]] = {}
+    for name, job, value in re.findall(r'^bps_job_(pushes|late_pushes)_total\{job="(\w+)"\} (\d+)$', text, re.M):
+        jobs.setdefault(job, {"pushes": 0, "late_pushes": 0})[name] = int(value)
     return jobs
 
 
