@@ -52,6 +52,22 @@ def parse_job_counters(text: str) -> dict[str, dict[str, int]]:
     return jobs
 
 
+def score_snapshots(model, snapshots: list, test_x, test_y) -> list[tuple[float, int, float]]:
+    """Score each (seconds, step, flat parameters) snapshot of `model` on the held-out set: the accuracy curve,
+    made once training is over so that no evaluation runs inside any clock (benchmarks.metrics reads it)."""
+    import copy
+
+    import torch
+    from torch.nn.utils import vector_to_parameters
+
+    scored, curve = copy.deepcopy(model), []
+    with torch.no_grad():
+        for seconds, step, flat in snapshots:
+            vector_to_parameters(flat, scored.parameters())
+            curve.append((seconds, step, (scored(test_x).argmax(1) == test_y).float().mean().item()))
+    return curve
+
+
 def settle() -> None:
     """Collect Python's garbage before the timed steps, as `timeit` does, in every runner alike.
 

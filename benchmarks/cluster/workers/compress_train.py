@@ -14,12 +14,11 @@ May import: the standard library, torch, torch_bps and benchmarks.cluster.worker
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import time
 from datetime import timedelta
 
-from benchmarks.cluster.workers.common import emit, store
+from benchmarks.cluster.workers.common import emit, score_snapshots, store
 from benchmarks.cluster.workers.ddp_train import link_bytes
 from benchmarks.cluster.workers.straggler_train import CLASSES, INPUTS, TEST, teacher_labels
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from torch.nn.utils import parameters_to_vector
 
     import torch_bps
 
@@ -88,13 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             snapshots.append((time.perf_counter() - start, step + 1, parameters_to_vector(model.parameters()).clone()))
     seconds = time.perf_counter() - start
     link1 = link_bytes()
-    curve = []  # (seconds, step, held-out accuracy), rank 0, scored now: outside every clock
-    if args.rank == 0:
-        scored = copy.deepcopy(model)
-        with torch.no_grad():
-            for seconds_at, step, flat in snapshots:
-                vector_to_parameters(flat, scored.parameters())
-                curve.append((seconds_at, step, (scored(test_x).argmax(1) == test_y).float().mean().item()))
+    curve = score_snapshots(model, snapshots, test_x, test_y) if args.rank == 0 else []
     snapshots.clear()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
     emit({"rank": args.rank, "seconds": seconds, "steps": args.steps, "curve": curve, "params": params,

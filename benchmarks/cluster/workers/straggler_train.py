@@ -19,12 +19,11 @@ May import: the standard library, torch, torch_bps and benchmarks.cluster.worker
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import time
 from datetime import timedelta
 
-from benchmarks.cluster.workers.common import emit, job_counters, store
+from benchmarks.cluster.workers.common import emit, job_counters, score_snapshots, store
 
 INPUTS, CLASSES, TEST = 32, 10, 2000
 
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from torch.nn.utils import parameters_to_vector
 
     import torch_bps
 
@@ -114,15 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         sync.flush()
     with torch.no_grad():
         final = (model(test_x).argmax(1) == test_y).float().mean().item()
-    curve = []  # (seconds, step, held-out accuracy), rank 0, scored now: outside every clock
+    curve = []  # (seconds, step, held-out accuracy), rank 0
     if args.rank == 0:
         counters = {"before": counters, "after": job_counters(args.metrics)}
-        scored = copy.deepcopy(model)
-        with torch.no_grad():
-            for seconds_at, step, flat in snapshots:
-                vector_to_parameters(flat, scored.parameters())
-                curve.append((seconds_at, step, (scored(test_x).argmax(1) == test_y).float().mean().item()))
-        snapshots.clear()
+        curve = score_snapshots(model, snapshots, test_x, test_y)
+    snapshots.clear()
     params = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters())).hexdigest()
     emit({"rank": args.rank, "seconds": seconds, "steps": args.steps, "computed": computed,
           "caught_up": 0 if stale else sync.caught_up, "curve": curve, "params": params,
