@@ -154,9 +154,9 @@ def test_hook_door(tmp_path, baseline):
 def test_compressed_buckets_are_failed_over(tmp_path, compressor):
     """bps_hook's compressed buckets through a killed server: no step lost and replicas bit-identical. Random-k
     ends bit-identical to an uninterrupted run (its moved keys restart their rounds, and its sums do not depend on
-    the server's count); onebit and top-k lose the error feedback the server held, which moved the parameters here
-    about a fifth of the way the run trained them (as far as a lost round would): the bound below catches garbage
-    sums, not that."""
+    the server's count); onebit and top-k lose the error feedback the lost server held (the part of past sums it had
+    not sent yet), which moved the largest tensors here up to 0.49 (onebit) and 0.24 (top-k) of the way the run
+    trained them: the bounds below hold each codec to that, and catch garbage sums."""
     env = {"BPS_COMPRESSOR": compressor}
     servers = start_servers(2)
     try:
@@ -175,9 +175,10 @@ def test_compressed_buckets_are_failed_over(tmp_path, compressor):
     if compressor.startswith("randomk"):
         assert_identical(params, reference)
     initial = torch.load(tmp_path / "reference.init.pt")
+    bound = {"onebit": 0.5, "topk:0.1": 0.3}.get(compressor, 0.0)
     for name, value in params.items():
         trained = (reference[name] - initial[name]).abs().max().item()
-        assert (value - reference[name]).abs().max().item() <= 0.5 * trained, f"{name} moved too far"
+        assert (value - reference[name]).abs().max().item() <= bound * trained, f"{name} moved too far"
 
 
 def test_failover_off_fails_fast(tmp_path):
