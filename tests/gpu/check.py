@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -376,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                 s.needs = None
     env = os.environ.copy()
     deps = os.path.join(REPO, ".gpu", "deps")
+    # PATH: the wheelhouse's scripts, then the Python's own bin (a venv's ninja: without ninja on PATH torch's
+    # BuildExtension compiles one file at a time, minutes past the build's limit).
+    python_bin = os.path.dirname(shutil.which(args.python) or args.python)
     env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [deps, REPO, env.get("PYTHONPATH")])),
-               PATH=os.pathsep.join([os.path.join(deps, "bin"), env.get("PATH", "")]))  # fmt: skip
+               PATH=os.pathsep.join([os.path.join(deps, "bin"), python_bin, env.get("PATH", "")]))  # fmt: skip
     env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     runner = Runner(steps, out, logs, args.budget, dry_run, args.bundle, env)
 

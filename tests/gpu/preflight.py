@@ -144,25 +144,46 @@ def cmd_cuda(args) -> int:
     return 0
 
 
-# The CUDA IPC probe, run as `python -c`: a parent shares a CUDA tensor with a spawned child (torch.multiprocessing
-# sends an IPC handle), the child adds 1 in place; both must then read the same sum. This is what the device local
-# stage needs between local ranks (local/device.py); a sandbox that refuses it sends every local stage to the host.
-_IPC_PROBE = """
+# The CUDA IPC probe, run as a script of its own (spawn pickles `child` by reference to __main__, which `python -c`
+# has not): a parent shares a tensor with a spawned child (torch.multiprocessing sends a CUDA IPC handle), the child
+# adds 1 in place, and both must then read the same sum. The device local stage needs exactly this between local
+# ranks (local/device.py); a sandbox that refuses it sends every local stage to the host. On a CPU tensor the same
+# script checks its own mechanics (shared memory instead of IPC).
+IPC_PROBE = """
 import sys, torch, torch.multiprocessing as mp
-def child(q, r):
-    t = q.get(); t.add_(1); torch.cuda.synchronize(); r.put(float(t.sum()))
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+def child(q, r, device):
+    t = q.get(); t.add_(1); sync(device); r.put(float(t.sum()))
 if __name__ == "__main__":
+    device = sys.argv[1]
     ctx = mp.get_context("spawn"); q, r = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=child, args=(q, r)); p.start()
-    x = torch.zeros(1 << 20, device="cuda"); q.put(x)
+    p = ctx.Process(target=child, args=(q, r, device)); p.start()
+    x = torch.zeros(1 << 20, device=device); q.put(x)
     try:
-        got = r.get(timeout=40); torch.cuda.synchronize()
-        mine = float(x.sum())
+        got = r.get(timeout=40); sync(device); mine = float(x.sum())
         print("works" if got == mine == float(1 << 20) else f"FAILED: child read {got}, parent {mine}")
     except Exception as e:
         print(f"FAILED: {type(e).__name__}: {e}")
     p.kill()
 """
+
+
+def ipc_probe(device: str, timeout: float = 60) -> str:
+    """'works', or 'FAILED: why': a tensor on `device` shared with a spawned process, written there, read here."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "ipc_probe.py")
+        with open(script, "w") as f:
+            f.write(IPC_PROBE)
+        try:
+            done = subprocess.run([sys.executable, script, device], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"FAILED: no answer in {timeout:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else f"FAILED: {done.stderr.strip()[-300:]}"
 
 
 def _version(module: str) -> str:
@@ -201,11 +222,7 @@ def cmd_probe(args) -> int:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             found["gpus"].append(f"cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
-        try:
-            done = subprocess.run([sys.executable, "-c", _IPC_PROBE], capture_output=True, text=True, timeout=60)
-            found["cuda_ipc"] = (done.stdout.strip() or f"FAILED: {done.stderr.strip()[-300:]}").splitlines()[-1]
-        except subprocess.TimeoutExpired:
-            found["cuda_ipc"] = "FAILED: no answer in 60 s"
+        found["cuda_ipc"] = ipc_probe("cuda:0")
     for key, value in found.items():
         print(f"gpu probe: {key}: {value}")
     if args.json:

@@ -159,6 +159,13 @@ def _collect(selections: list[list[str]]) -> list[list[str]]:
     return [[line for line in p.communicate(timeout=200)[0].splitlines() if "::" in line] for p in procs]
 
 
+def test_the_ipc_probe_shares_a_tensor_with_a_spawned_process():
+    """The probe's own mechanics, on a CPU tensor (shared memory where a GPU uses CUDA IPC)."""
+    from tests.gpu import preflight
+
+    assert preflight.ipc_probe("cpu") == "works"
+
+
 def test_no_gpu_is_reported_as_no_gpu_and_fails(tmp_path, monkeypatch):
     import torch
 
