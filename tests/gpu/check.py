@@ -54,7 +54,9 @@ BENCH_ARGS = ["--quick", "--ddp-width", "4096", "--ddp-depth", "6"]
 PYTEST = ["-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "cuda"]
 # Each test step's selection. "kernels" takes the kernel tests device_stage left, while the build still runs;
 # "rest" runs every test no step above took.
-_KERNELS_IN_TRAINING = "auto_backend or shared_rows or (sum_scale_cast_on_device and float32)"
+# The kernels the device local stage launches in training: fp32 gradients summed into fp32, or into bf16 for the wire.
+_KERNELS_IN_TRAINING = ("auto_backend or shared_rows or "
+                        "(sum_scale_cast_on_device and (float32-float32 or float32-bfloat16))")  # fmt: skip
 _TAKEN = "local_stage or round_trip or never_synchron or broadcast_lands or ddp_on_device or reductions or powersgd"
 SELECTIONS = {
     "device_stage": ["tests/gpu/test_local_stage.py", "tests/gpu/test_staging.py", "tests/gpu/test_kernels.py",

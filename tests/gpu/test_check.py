@@ -126,37 +126,52 @@ def test_targets_are_judged_on_the_worst_row_and_the_like_for_like_ddp_ratio():
     assert all(t["met"] is None for t in check.targets(failed)), "a failed section is no figure, not a crash"
 
 
-@pytest.mark.timeout(240)
 def test_the_steps_come_in_order_of_value_and_take_every_cuda_test_once(tmp_path):
     steps = check.plan(PY, str(tmp_path), dry_run=False)
     names = [s.name for s in steps]
     assert names == ["probe", "deps", "build", "device_stage", "kernels", "broadcast", "ddp", "allreduce", "powersgd",
                      "bench", "rest"]  # fmt: skip
     assert [s.name for s in steps if s.needs == "deps"] == ["build", "device_stage", "kernels"]
-    selections = {n: check.SELECTIONS[n] for n in names if n in check.SELECTIONS}
-    every, *ids = _collect([["tests/gpu"], *selections.values()])
-    taken = dict(zip(selections, ids, strict=True))
-    assert every and all(taken.values()), taken
-    seen: dict[str, str] = {}
-    for name, ids in taken.items():
-        for test in ids:
-            assert test not in seen, f"{test} is taken by {seen[test]} and {name}"
-            seen[test] = name
-    assert set(seen) == set(every), sorted(set(every) ^ set(seen))
+    # One pytest process collects tests/gpu -m cuda and, through this module as its plugin, says which step's
+    # selection (its paths, --ignore and -k, judged by pytest's own keyword matcher) takes each test.
+    done = subprocess.run([PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                           "-p", "tests.gpu.test_check", "tests/gpu"], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "GPU_CHECK_SELECTIONS": json.dumps(check.SELECTIONS)},
+                          timeout=100)  # fmt: skip
+    taken = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert len(taken) > 100, taken
+    wrong = {test: steps for test, steps in taken.items() if len(steps) != 1}
+    assert not wrong, f"tests taken by no step or by several: {wrong}"
+    assert {s for (s,) in taken.values()} == set(check.SELECTIONS)
 
 
-def _collect(selections: list[list[str]]) -> list[list[str]]:
-    """The test ids each selection takes, collected by pytest itself, all at once (each start imports torch)."""
-    procs = [
-        subprocess.Popen(
-            [PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda", *selection],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
+def pytest_collection_modifyitems(config, items):
+    """As a plugin of the pytest run above: print {test id: [the steps whose selection takes it]} as JSON."""
+    selections = os.environ.get("GPU_CHECK_SELECTIONS")
+    if not selections:
+        return
+    from _pytest.mark import KeywordMatcher
+    from _pytest.mark.expression import Expression
+
+    def takes(selection: list[str], item) -> bool:
+        paths, ignored, expression, args = [], [], None, iter(selection)
+        for arg in args:
+            if arg == "-k":
+                expression = Expression.compile(next(args))
+            elif arg.startswith("--ignore="):
+                ignored.append(arg.removeprefix("--ignore="))
+            else:
+                paths.append(arg)
+        where = item.nodeid.split("::")[0]
+        return (any(where == p or where.startswith(p.rstrip("/") + "/") for p in paths) and where not in ignored
+                and (expression is None or expression.evaluate(KeywordMatcher.from_item(item))))  # fmt: skip
+
+    steps = json.loads(selections)
+    print(
+        json.dumps(
+            {i.nodeid: [n for n, sel in steps.items() if takes(sel, i)] for i in items if i.get_closest_marker("cuda")}
         )
-        for selection in selections
-    ]
-    return [[line for line in p.communicate(timeout=200)[0].splitlines() if "::" in line] for p in procs]
+    )
 
 
 def test_the_ipc_probe_shares_a_tensor_with_a_spawned_process():
