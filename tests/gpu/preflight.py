@@ -275,8 +275,14 @@ def cmd_compat(args) -> int:
         subfolders[:] = [d for d in subfolders if d != "vendor"]
         sources += sorted(os.path.join(folder, f) for f in files if f.endswith(".cpp"))
 
+    # Objects newer than every file under cpp_ext/ are kept: a rerun with no change there compiles nothing.
+    tree = os.walk(os.path.join(repo, "cpp_ext"))
+    newest = max(os.path.getmtime(os.path.join(d, f)) for d, _, files in tree for f in files)
+
     def compile_one(source: str) -> tuple[str, str, str | None]:
         obj = os.path.join(objects, os.path.relpath(source, repo).replace(os.sep, "_") + ".o")
+        if os.path.exists(obj) and os.path.getmtime(obj) > newest:
+            return source, obj, None
         command = [compiler, "-c", source, "-o", obj, "-O0", "-std=c++20", "-Wall", *_TORCH_EXTENSION_FLAGS,
                    *(f"-I{d}" for d in includes)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
