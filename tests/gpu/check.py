@@ -182,7 +182,9 @@ class Runner:
         state = (
             "cut" if cut else "passed" if rc == 0 else "no gpu" if rc == NO_GPU and step.name == "probe" else "failed"
         )
-        step.result.update(state=state, rc=rc, seconds=round(seconds, 1))
+        with open(os.path.join(self.logs, f"{step.name}.log"), errors="replace") as log:
+            tail = log.read()[-1500:]
+        step.result.update(state=state, rc=rc, seconds=round(seconds, 1), tail=tail)
         if step.junit is not None:
             step.result["tests"] = test_results(step.junit, os.path.join(self.logs, f"{step.name}.log"))
         print(f"gpu-check: {step.name}: {state}, {seconds:.0f} s (limit {step.result['limit_s']} s)", flush=True)

@@ -157,12 +157,12 @@ def sync(device):
 def child(q, r, device):
     t = q.get(); t.add_(1); sync(device); r.put(float(t.sum()))
 if __name__ == "__main__":
-    device = sys.argv[1]
+    device, wait = sys.argv[1], float(sys.argv[2])
     ctx = mp.get_context("spawn"); q, r = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q, r, device)); p.start()
     x = torch.zeros(1 << 20, device=device); q.put(x)
     try:
-        got = r.get(timeout=40); sync(device); mine = float(x.sum())
+        got = r.get(timeout=wait); sync(device); mine = float(x.sum())
         print("works" if got == mine == float(1 << 20) else f"FAILED: child read {got}, parent {mine}")
     except Exception as e:
         print(f"FAILED: {type(e).__name__}: {e}")
@@ -179,7 +179,8 @@ def ipc_probe(device: str, timeout: float = 60) -> str:
         with open(script, "w") as f:
             f.write(IPC_PROBE)
         try:
-            done = subprocess.run([sys.executable, script, device], capture_output=True, text=True, timeout=timeout)
+            command = [sys.executable, script, device, str(timeout * 0.8)]  # the script's own wait answers first
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"FAILED: no answer in {timeout:.0f} s"
     lines = done.stdout.strip().splitlines()
