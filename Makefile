@@ -10,7 +10,7 @@ PYTEST ?= $(PY) -m pytest
 # two fill 2 cores. No test may depend on another having run before it in the same process.
 TEST_JOBS ?= 2
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check
+.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check gpu-compat
 
 test: install deploy-tools $(XDIST_STAMP)
 	$(PYTEST) -q -n $(TEST_JOBS) tests -m "not slow"
@@ -87,15 +87,18 @@ clean:
 
 # --- A GPU machine: CUDA, torch and triton preinstalled, no network -----------------------------------------
 # These targets use the machine's own Python (GPU_PY), never .venv, and never install torch or triton. What it
-# lacks (pyzmq, numpy, pytest, pytest-timeout, setuptools) comes from a wheelhouse made by `make gpu-wheels` on a machine
-# with network and copied along, installed with pip --no-index into $(GPU_DIR)/deps. The C++ client builds in
-# place (torch_bps/_C*.so) against the installed torch, with the system's libzmq headers or, without them,
-# pyzmq's bundled libzmq and cpp_ext/vendor/zmq/zmq.h. Do not share one checkout between `make test` and these
-# targets on the same Python version: both build the same torch_bps/_C*.so.
+# lacks comes from a wheelhouse made by `make gpu-wheels` on a machine with network and carried along (docs/gpu.md),
+# installed with pip --no-index into $(GPU_DIR)/deps. The C++ client builds in place (torch_bps/_C*.so) against the
+# installed torch, with the system's libzmq headers or, without them, pyzmq's bundled libzmq and
+# cpp_ext/vendor/zmq/zmq.h. Do not share one checkout between `make test` and these targets on the same Python
+# version: both build the same torch_bps/_C*.so.
 GPU_PY      ?= python3
 GPU_DIR     ?= .gpu
 WHEELHOUSE  ?= wheelhouse
-GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
+# The lent GPU machine (Python 3.12, torch 2.11, Triton 3.6, numpy, pytest, pytest-timeout, ninja) lacks only pyzmq:
+# one cp312 abi3 wheel, ~0.9 MB. A machine lacking more: GPU_WHEELS="pyzmq==27.3.0 numpy pytest pytest-timeout ninja".
+GPU_PYTHONS ?= 3.12
+GPU_WHEELS  ?= pyzmq==27.3.0
 GPU_ARCH    ?= x86_64
 WHEELS_PIP  ?= python3 -m pip
 GPU_TEST_ARGS  ?=
@@ -104,15 +107,14 @@ GPU_BENCH_JSON ?= results/gpu.json
 # deps/bin: ninja from the wheelhouse, so torch's BuildExtension compiles the C++ files in parallel.
 GPU_ENV      = PYTHONPATH="$(CURDIR)/$(GPU_DIR)/deps:$(CURDIR)" PATH="$(CURDIR)/$(GPU_DIR)/deps/bin:$$PATH"
 
-# Online, anywhere: the wheels an offline GPU machine may lack, for every Python in GPU_PYTHONS (pyzmq has one
-# wheel per version up to 3.11 and one abi3 wheel for 3.12 on; the others are pure Python). exceptiongroup and tomli
-# are pytest's dependencies on 3.10 only, named here because pip evaluates markers for its own Python, not --python-version.
+# Online, anywhere: the wheels GPU_WHEELS for every Python in GPU_PYTHONS (pyzmq has one wheel per version up to 3.11
+# and one abi3 wheel for 3.12 on). The folder is gitignored: name it in the device call's carry (docs/gpu.md).
 gpu-wheels:
 	for v in $(GPU_PYTHONS); do \
-	  $(WHEELS_PIP) download --quiet --only-binary=:all: --python-version $$v --platform manylinux_2_28_$(GPU_ARCH) \
-	    --platform manylinux2014_$(GPU_ARCH) --dest $(WHEELHOUSE) "pyzmq>=25" numpy pytest pytest-timeout setuptools ninja exceptiongroup tomli \
-	  || exit 1; done
-	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels); copy it into the checkout on the GPU machine"
+	  $(WHEELS_PIP) download --quiet --no-deps --only-binary=:all: --python-version $$v --implementation cp \
+	    --platform manylinux_2_28_$(GPU_ARCH) --platform manylinux_2_27_$(GPU_ARCH) --platform manylinux2014_$(GPU_ARCH) \
+	    --dest $(WHEELHOUSE) $(GPU_WHEELS) || exit 1; done
+	@echo "wheelhouse: $(WHEELHOUSE) ($$(ls $(WHEELHOUSE) | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)); carry it to the GPU machine"
 
 gpu-deps:
 	$(GPU_ENV) $(GPU_PY) tests/gpu/preflight.py deps --wheelhouse $(WHEELHOUSE) --target $(GPU_DIR)/deps
@@ -134,8 +136,27 @@ gpu-bench: gpu-build
 	mkdir -p $(dir $(GPU_BENCH_JSON))
 	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py $(GPU_BENCH_ARGS) --json $(GPU_BENCH_JSON)
 
-# One command for a lent GPU machine (one GPU, no network): gpu-build, gpu-test and gpu-bench, each under its own
-# time limit (8 minutes in all), and one report: OUT/gpu-check.json and OUT/gpu-check.txt (tests/gpu/check.py).
+# One command for a lent GPU machine (one GPU, no network, no make needed: the script is what runs there): the first
+# GPU hour's steps, most valuable first, each under its own limit in a 540 s budget, one report rewritten after every
+# step (OUT/gpu-check.json and .txt). On CPU: TORCH_BPS_TEST_DEVICE=cpu TRITON_INTERPRET=1 make gpu-check OUT=dir.
 gpu-check:
 	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=dir [GPU_PY=python]"; exit 2; }
-	$(GPU_ENV) $(GPU_PY) tests/gpu/check.py --out "$(OUT)" --make "$(MAKE)" --python "$(GPU_PY)"
+	$(GPU_PY) tests/gpu/check.py --out "$(OUT)" --python "$(GPU_PY)" $(GPU_CHECK_ARGS)
+
+# Here, without a GPU (downloads ~0.9 GB; not part of `make test`): the C++ client compiled and linked against the
+# lent machine's torch (its wheel's headers and libraries), and every Triton kernel compiled ahead of time for sm_80
+# and sm_90 with its Triton, in a scratch venv (torch 2.13 CPU beside it: Triton 3.6 needs no particular torch).
+COMPAT_DIR    ?= $(GPU_DIR)/compat
+COMPAT_TORCH  ?= 2.11.0
+COMPAT_TRITON ?= 3.6.0
+gpu-compat: $(STAMP) | zmq-dev
+	mkdir -p $(COMPAT_DIR)
+	ls $(COMPAT_DIR)/torch-$(COMPAT_TORCH)-*.whl >/dev/null 2>&1 || \
+	  PIP_CONSTRAINT= $(PIP) download --quiet --no-deps --only-binary=:all: -d $(COMPAT_DIR) torch==$(COMPAT_TORCH)
+	$(PY) tests/gpu/preflight.py compat --torch-wheel $$(ls $(COMPAT_DIR)/torch-$(COMPAT_TORCH)-*.whl | head -1) \
+	  --work $(COMPAT_DIR)
+	test -x $(COMPAT_DIR)/triton-$(COMPAT_TRITON)/bin/python || python3 -m venv $(COMPAT_DIR)/triton-$(COMPAT_TRITON)
+	$(COMPAT_DIR)/triton-$(COMPAT_TRITON)/bin/pip install -q torch==2.13.0 triton==$(COMPAT_TRITON) numpy pytest \
+	  pytest-timeout
+	PYTHONPATH=$(CURDIR) $(COMPAT_DIR)/triton-$(COMPAT_TRITON)/bin/python -m pytest -q -p no:cacheprovider \
+	  --noconftest tests/kernels/test_triton_aot.py

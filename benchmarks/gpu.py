@@ -15,8 +15,10 @@ measured in the same run.
   k = 0, whose local stages run on the device: pg/device_local.py) against the same on CPU tensors and against
   gloo with CUDA tensors; `world` processes share GPU 0.
 - ddp: one training step of an MLP with DDP on the device, over "byteps" as one machine (k = 0: the local stages
-  on the device; target: within 1.15x of no communication) and as machines of one rank (an embedded server each),
-  over gloo (no service), and without DDP in one process (no communication at all).
+  on the device) and as machines of one rank (an embedded server each), over gloo (no service), and without DDP in
+  one process. The yardstick (docs/gpu.md): "byteps" as one machine against the same processes on the same GPU
+  running the same DDP model with torch's no-communication hook (`noop_hook`), within 1.15x. NCCL cannot be the
+  baseline here: it refuses two ranks on one GPU.
 
 Usage: python benchmarks/gpu.py [--quick] [--device cuda|cpu] [--json out.json]
 `--device cpu` is a dry run of the script (the staging and kernel sections need CUDA and are left out).
@@ -263,23 +265,36 @@ def _mlp(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _ddp_step(rank: int, world: int, device: str, width: int, depth: int, batch: int, iters: int) -> dict:
+def _ddp_step(
+    rank: int, world: int, device: str, width: int, depth: int, batch: int, iters: int, no_communication: bool = False
+) -> dict:
+    """Seconds per step of DDP on the default group (world 0: the bare model, no DDP). With `no_communication`, the
+    same in these processes with torch's `noop_hook` too, a second model: DDP's own work, no sum (the yardstick)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
-    model = _mlp(width, depth).to(device)
-    if world > 0:
-        model = DDP(model, device_ids=[0] if device.startswith("cuda") else None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, width, device=device)
+    def timed(hook=None) -> tuple[float, int]:
+        torch.manual_seed(0)
+        model = _mlp(width, depth).to(device)
+        if world > 0:
+            model = DDP(model, device_ids=[0] if device.startswith("cuda") else None)
+        if hook is not None:
+            model.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(batch, width, device=device)
 
-    def step():
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
+        def step():
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
 
-    params = sum(p.numel() for p in model.parameters())
-    out = {"s_per_step": _median_seconds(step, iters, device, warmup=3), "parameters": params}
+        return _median_seconds(step, iters, device, warmup=3), sum(p.numel() for p in model.parameters())
+
+    seconds, params = timed()
+    out = {"s_per_step": seconds, "parameters": params}
+    if no_communication:
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        out["no_communication_s"] = timed(noop_hook)[0]
     return {**out, "local_stage": _local_stage_path(device)} if world > 0 else out
 
 
@@ -316,15 +331,18 @@ def bench_allreduce(device: str, world: int, sizes_mb: list[int], iters: int, ho
 
 
 def bench_ddp(device: str, world: int, width: int, depth: int, batch: int, iters: int) -> dict:
-    """One step: without DDP (no communication), DDP on "byteps" as one machine (k = 0: the local stages only, on
-    the device where the ranks share it) and as machines of one rank (the embedded servers), and on gloo."""
+    """One step: DDP on "byteps" as one machine (k = 0: the local stages only, on the device where the ranks share
+    it) beside the same processes with the no-communication hook (the yardstick), as machines of one rank (the
+    embedded servers), on gloo, and without DDP in this process alone."""
+    one_machine = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters, True, local=world)
     alone = _ddp_step(0, 0, device, width, depth, batch, iters)  # this process, no DDP: no communication
-    one_machine = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters, local=world)
     byteps = _run(_ddp_step, world, "byteps", device, width, depth, batch, iters)
     gloo = _run(_ddp_step, world, "gloo", device, width, depth, batch, iters)
     row = {"world": world, "parameters": alone["parameters"], "batch_per_rank": batch,
            "no_ddp_s": alone["s_per_step"], "byteps_one_machine_s": one_machine["s_per_step"],
            "one_machine_local_stage": one_machine["local_stage"],
+           "no_communication_one_machine_s": one_machine["no_communication_s"],
+           "one_machine_vs_no_communication": one_machine["s_per_step"] / one_machine["no_communication_s"],
            "one_machine_vs_no_ddp": one_machine["s_per_step"] / alone["s_per_step"],
            "byteps_s": byteps["s_per_step"], "gloo_s": gloo["s_per_step"],
            "byteps_vs_gloo": gloo["s_per_step"] / byteps["s_per_step"]}  # fmt: skip
