@@ -28,7 +28,7 @@ is raised by the next `step()` or `flush()`.
 Replicas start equal (rank 0's parameters are broadcast over the group); afterwards each worker reads the model
 as the servers had it when its pull was answered, so replicas differ by the updates in flight.
 
-May import: torch, torch_bps.config, torch_bps.errors, torch_bps.group_runtime and torch_bps.wire.
+May import: torch, torch_bps.config, torch_bps.errors, torch_bps.runtimes and torch_bps.wire.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torch_bps.config import Config
 from torch_bps.errors import BpsTimeoutError, ConfigError
-from torch_bps.group_runtime import GroupRuntime
+from torch_bps.runtimes import Lease
 from torch_bps.wire import Mode
 
 
@@ -99,7 +99,7 @@ class AsyncTraining:
         # The whole job on one worker: the model is its running total, added here as a server would add it.
         self._alone = [torch.zeros_like(flat) for flat in self._start.values()] if self.group.size() == 1 else None
         self.steps = 0
-        self._connection = GroupRuntime("async", self.group, self.config)
+        self._connection = Lease("async", self.group, self.config)
 
     def step(self) -> None:
         """Run the optimizer, push this worker's update, and set the parameters to the servers' model plus the

@@ -24,8 +24,7 @@ servers. Replicas must start equal (DDP broadcasts them; otherwise seed them ali
 With a compressor (Config.compressor), the rounds' large fp32 gradients travel compressed, as bps_hook sends them
 (engine/compress.py); a worker catching up pulls and decodes the rounds' encoded sums.
 
-May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors, torch_bps.futures and
-torch_bps.group_runtime.
+May import: torch, torch_bps.config, torch_bps.engine, torch_bps.errors, torch_bps.futures and torch_bps.runtimes.
 """
 
 # No `from __future__ import annotations`: DDP checks its comm hook's annotations against the real types.
@@ -41,7 +40,7 @@ from torch_bps.engine.compress import compressible_runs
 from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import ConfigError
 from torch_bps.futures import completer
-from torch_bps.group_runtime import GroupRuntime
+from torch_bps.runtimes import Lease
 
 log = logging.getLogger("torch_bps.backup")
 
@@ -92,7 +91,7 @@ class BackupWorkers:
         self.steps = 0  # steps taken
         self.caught_up = 0  # of them, rounds applied without computing them
         self._behind = 0
-        self._connection = GroupRuntime("backup", self.group, self.config)
+        self._connection = Lease("backup", self.group, self.config)
         self._ddp = isinstance(model, DistributedDataParallel)
         self._buckets: list[_Bucket] = []  # this step's collectives, in order (DDP: as its hook saw them)
         self._futures: list[torch.futures.Future] = []

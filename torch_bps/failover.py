@@ -22,103 +22,28 @@ completed more rounds of the key than the fewest any rank did push that many zer
 that a round there is the same step on every rank (the staleness bound counts rounds).
 `Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary, on the servers answering then.
 
-May import: the standard library, torch, torch_bps.client, errors, wire, engine.placement.
+May import: the standard library, torch, torch_bps.agreement, client, errors, futures, wire, engine.placement.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
+from torch_bps.agreement import RECOVERY_BIT, Agreement, decide, owner, place_moved, recovery_part, wait_all, wait_one
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
 from torch_bps.engine.placement import Placement, Server, server_weights
 from torch_bps.errors import BpsTimeoutError
+from torch_bps.futures import Done
 from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps")
-
-RECOVERY_BIT = 1 << 63  # key K's unfinished round is finished on key K | RECOVERY_BIT (KeyBook keys stay below 2**56)
-
-Done = Callable[[BaseException | None], None]
-
-
-# -- the rules: pure functions, so every rank computes the same from the same inputs
-def decide(counts: list[dict[int, tuple[int, bool]]]) -> dict[int, tuple[int, int]]:
-    """Return, per key whose round `lo` closed on a lost server, `(lo, source)`.
-
-    counts[rank][key] = (rounds completed, whether the last one's whole result is kept) for each key the rank
-    used on the lost servers. A rank pushes round r + 1 only after pulling round r, and a round closes only once
-    every rank pushed it, so completed rounds differ by one at most; where they differ, round lo closed and the
-    ranks at lo + 1 hold its result. source: the lowest rank at lo + 1 that kept the whole result (it broadcasts
-    it), or -1: every rank pushes round lo again (those at lo + 1 from their copy of what they pushed).
-    """
-    seen: dict[int, list[tuple[int, bool, int]]] = {}
-    for rank, mine in enumerate(counts):
-        for key, (done, whole) in mine.items():
-            seen.setdefault(key, []).append((done, whole, rank))
-    actions = {}
-    for key, entries in seen.items():
-        lo, hi = min(e[0] for e in entries), max(e[0] for e in entries)
-        if hi - lo > 1:
-            raise RuntimeError(f"key {key:#x}: ranks completed {lo} to {hi} rounds, but they differ by one at most")
-        if hi > lo:
-            sources = [rank for done, whole, rank in entries if done == hi and whole]
-            actions[key] = (lo, min(sources) if sources else -1)
-    return actions
-
-
-def place_moved(moved: dict[int, int], loads: dict[str, int], servers: list[Server]) -> dict[int, int]:
-    """Where the keys of lost servers go (key -> index into `servers`): largest first, each to the server whose
-    bytes (its `loads`, the keys it kept, plus what it got here) stay lowest against its weight, so that the
-    whole placement comes as close to the paper's split of what remains as moving only these keys allows."""
-    load = [loads.get(s.address, 0) for s in servers]
-    where = {}
-    for key, nbytes in sorted(moved.items(), key=lambda kv: (-kv[1], kv[0])):
-        i = min(range(len(servers)), key=lambda i: ((load[i] + nbytes) / servers[i].weight, i))
-        load[i] += nbytes
-        where[key] = i
-    return where
-
-
-def owner(key: int, servers: list[Server]) -> int:
-    """The server (index) a moved key no failover decision placed goes to (a key first used after it, or on
-    colocated servers started during it): weighted rendezvous hashing, so every rank agrees with no message."""
-
-    def score(i: int) -> float:
-        digest = hashlib.blake2b(f"{key}/{servers[i].address}".encode(), digest_size=8).digest()
-        u = (int.from_bytes(digest, "little") + 0.5) / 2**64
-        return -servers[i].weight / math.log(u)
-
-    return max(range(len(servers)), key=score)
-
-
-def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, kept: torch.Tensor | None,
-                  held: Partition | None, spec: tuple[int, torch.dtype, Mode],
-                  push_offset: int) -> Partition:  # fmt: skip
-    """This rank's part (server None) of the round that finishes `key`'s round lo, on
-    key | RECOVERY_BIT. held: this rank's failed part of round lo (ranks at lo); kept: what this rank kept of
-    round lo (ranks at lo + 1, uint8); spec: the key's (numel, dtype, mode); push_offset: of the kept bytes."""
-    lo, source = action
-    numel, dtype, mode = spec
-    empty = torch.empty(0, dtype=dtype)
-    if source >= 0:  # a broadcast of the kept result: a COPY round
-        tensor = kept.view(dtype) if rank == source else empty
-        out, out_offset = (held.out, held.out_offset) if completed == lo else (empty, 0)
-        return Partition(tensor, key | RECOVERY_BIT, None, out, Mode.COPY, numel, 0, out_offset)
-    if completed == lo:  # push round lo again, pull what this rank still needs
-        return held._replace(key=key | RECOVERY_BIT, server=None, mode=mode, key_numel=numel)
-    return Partition(kept.view(dtype), key | RECOVERY_BIT, None, empty, mode, numel, push_offset // dtype.itemsize, 0)
-
 
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
@@ -147,31 +72,29 @@ class _Epoch:
     placement: Placement | None = None  # a rebalance: every key placed anew, by the paper's rule
 
 
-@dataclass
-class Agreement:
-    """What the router needs from the runtime to agree on a failover and act on it."""
-
-    store: object  # the group's namespace in the job's store
-    rank: int
-    world_size: int
-    timeout: float  # each wait of the agreement (BPS_FAILOVER_TIMEOUT)
-    placement: str  # the paper's split, as configured
-    own_keys: Callable[..., dict[int, tuple[int, int]]]  # (every_slice) -> {key: (epoch-0 server, bytes)}
-    make_client: Callable[[list[Server], int, Callable], object]  # (servers, job id, on_link_down) -> Client
-    standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
-    start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
-    available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
-
-
 class Router:
     """Sends a collective's partitions to where their keys live now; holds those of lost servers until the
-    workers agreed on a failover (see the module's doc)."""
+    workers agreed on a failover (see the module's doc).
 
-    def __init__(self, client, servers: list[Server], agreement: Agreement, name: str = "default"):
+    In the Client's shape: the engine hands it each collective's partitions as it would the client
+    (`push_pull_batch`), and the router makes and owns every epoch's client, the first one included, through
+    `agreement.make_client`, so that each client's link-down handler reaches the router from the start.
+
+    Args:
+        servers: the job's servers, in placement order (epoch 0).
+        agreement: what a failover needs from the runtime (agreement.py).
+        name: the group's name, for logs and the failover thread's name.
+        job_id: the job's id on epoch 0's servers.
+
+    Example: `router = Router(weights, agreement, "default", job_id=job_id); router.push_pull_batch(parts,
+    on_done=done)`.
+    """
+
+    def __init__(self, servers: list[Server], agreement: Agreement, name: str = "default", *, job_id: int):
         self._name = name
         self._agree = agreement
         self._lock = threading.Lock()
-        self._epochs = [_Epoch(client, list(servers))]
+        self._epochs: list[_Epoch] = []
         self._routes: dict[int, tuple[int, int]] = {}  # keys that moved: key -> (epoch, server index)
         self._held: list[tuple[tuple[int, int], Partition, _Call]] = []  # (order, part, call)
         self._calls = 0
@@ -191,6 +114,13 @@ class Router:
         self._idle = threading.Condition(self._lock)
         self._rebalances = 0
         self.failovers: list[dict] = []  # what each failover did (also logged)
+        client = agreement.make_client(list(servers), job_id, lambda server, why: self.on_link_down(0, server, why))
+        self._epochs.append(_Epoch(client, list(servers)))
+
+    @property
+    def client(self):
+        """Epoch 0's client: the job's own, whose server indices every partition is given in."""
+        return self._epochs[0].client
 
     def on_link_down(self, epoch: int, server: int, why: str) -> None:
         """A client's link-down handler: a dedicated server that goes down is failed over even if no part of
@@ -210,9 +140,10 @@ class Router:
         with self._lock:
             return [e.client for e in self._epochs]
 
-    def submit(self, parts: list[Partition], priority: int, done: Done) -> None:
-        """Run a collective's parts (servers indexed as at epoch 0); call `done` once,
-        when all are back, wherever they went."""
+    def push_pull_batch(self, parts: list[Partition], *, priority: int = 0, on_done: Done) -> None:
+        """Run a collective's parts (servers indexed as at epoch 0); call `on_done` once, when all are back,
+        wherever they went."""
+        done = on_done
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -374,9 +305,9 @@ class Router:
         # 1. The lost servers: the union of what the ranks saw, so that all abandon the same ones.
         a.store.set(f"{ns}lost/{a.rank}", json.dumps(seen))
         if a.rank == 0:
-            union = sorted({s for r in _wait_all(a, ns + "lost", "the servers it lost") for s in json.loads(r)})
+            union = sorted({s for r in wait_all(a, ns + "lost", "the servers it lost") for s in json.loads(r)})
             a.store.set(ns + "lost", json.dumps(union))
-        lost = set(json.loads(_wait_one(a, ns + "lost", "the union of lost servers from rank 0")))
+        lost = set(json.loads(wait_one(a, ns + "lost", "the union of lost servers from rank 0")))
         for epoch in self._epochs:
             for i, server in enumerate(epoch.servers):
                 if server.address in lost:
@@ -395,14 +326,14 @@ class Router:
         rounds = {key: self._epochs[epoch].client.kept(key)[0] for key, epoch in model.items()}
         a.store.set(f"{ns}counts/{a.rank}", json.dumps({"sum": counts, "model": rounds}))
         if a.rank == 0:
-            reports = [json.loads(r) for r in _wait_all(a, ns + "counts", "its rounds")]
+            reports = [json.loads(r) for r in wait_all(a, ns + "counts", "its rounds")]
             decision = self._decide(lost, [r["sum"] for r in reports])
             decision["model_base"] = {}  # per MODEL key: the fewest rounds any rank completed
             for r in reports:
                 for k, done in r["model"].items():
                     decision["model_base"][k] = min(decision["model_base"].get(k, done), done)
             a.store.set(ns + "decision", json.dumps(decision))
-        decision = json.loads(_wait_one(a, ns + "decision", "the failover decision from rank 0"))
+        decision = json.loads(wait_one(a, ns + "decision", "the failover decision from rank 0"))
         colocated = decision["colocated"]
         if not decision["dedicated"] and not colocated:  # nothing left: every machine starts a server of its own
             colocated = a.start_colocated(ns + "colocated")
@@ -515,7 +446,7 @@ class Router:
             ns, started = f"rebalance/{self._rebalances}/", time.monotonic()
         a.store.set(f"{ns}ready/{a.rank}", "1")
         if a.rank == 0:
-            _wait_all(a, ns + "ready", "that its collectives are done")
+            wait_all(a, ns + "ready", "that its collectives are done")
             colocated, dedicated = a.available()
             decision = {
                 "job_id": int.from_bytes(os.urandom(8), "little"),
@@ -523,7 +454,7 @@ class Router:
                 "dedicated": dedicated,
             }
             a.store.set(ns + "decision", json.dumps(decision))
-        decision = json.loads(_wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
+        decision = json.loads(wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
         servers = server_weights(decision["colocated"], decision["dedicated"], a.placement)
         e = len(self._epochs)
         client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
@@ -547,32 +478,9 @@ class Router:
         return record
 
     def close(self) -> None:
-        """Close the clients failovers added (the runtime closes its own)."""
+        """Close the clients failovers added (the runtime closes epoch 0's, which it shares)."""
         for epoch in self._epochs[1:]:
             epoch.client.close()
-
-
-def _wait_all(a: Agreement, prefix: str, what: str) -> list[bytes]:
-    keys = [f"{prefix}/{r}" for r in range(a.world_size)]
-    try:
-        a.store.wait(keys, timedelta(seconds=a.timeout))
-    except Exception as e:
-        missing = [r for r, k in enumerate(keys) if not a.store.check([k])]
-        raise BpsTimeoutError(
-            f"failover: rank(s) {missing} did not report {what} within {a.timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
-            "that does not report is lost itself, or does not see the server as lost"
-        ) from e
-    return [a.store.get(k) for k in keys]
-
-
-def _wait_one(a: Agreement, key: str, what: str) -> bytes:
-    try:
-        a.store.wait([key], timedelta(seconds=a.timeout))
-    except Exception as e:
-        raise BpsTimeoutError(
-            f"failover: waited {a.timeout}s (BPS_FAILOVER_TIMEOUT) for {what} (store key {key})"
-        ) from e
-    return a.store.get(key)
 
 
 __all__ = ["Agreement", "RECOVERY_BIT", "Router", "decide", "owner", "recovery_part"]

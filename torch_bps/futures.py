@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+# A collective's completion: called once, with its error or None.
+Done = Callable[[BaseException | None], None]
+
 
 def fail(future: torch.futures.Future, error: BaseException) -> None:
     """Fail `future` with `error` in C++ (a no-op if it is already complete)."""

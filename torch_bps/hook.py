@@ -11,12 +11,13 @@ each bucket's gradients of at least Config.compress_min_bytes, whose parameter n
 Config.compress_exclude, as compressible, and the engine encodes them with error feedback (engine/compress.py).
 A "byteps" group's own all_reduce (DDP without this hook, metrics, integer tensors) always stays exact.
 
-May import: torch, torch_bps.config, torch_bps.engine.compress, torch_bps.pg, torch_bps.process_group;
-torch_bps.runtime on first use.
+May import: torch, torch_bps.config, torch_bps.engine.compress, torch_bps.engine.exchange, torch_bps.pg,
+torch_bps.process_group, torch_bps.runtimes.
 """
 
 # No `from __future__ import annotations` here: DDP checks bps_hook's annotations against the real types
 # (dist.GradBucket, torch.futures.Future[torch.Tensor]) and refuses strings.
+import dataclasses
 import threading
 
 import torch
@@ -24,24 +25,13 @@ import torch.distributed as dist
 
 from torch_bps.config import Config
 from torch_bps.engine.compress import compressible_runs
+from torch_bps.engine.exchange import Exchange
 from torch_bps.pg import sparse
 from torch_bps.pg.device_local import route
-from torch_bps.pg.staging import Staged
-from torch_bps.pg.work import Transfer, launch, launch_staged
+from torch_bps.pg.staging import HostCopy
+from torch_bps.pg.work import launch, launch_on_device
 from torch_bps.process_group import implementation
-
-
-class _SharedRuntime:
-    """A Runtime made for hooks, shared by every state of this process that names it (refcounted)."""
-
-    def __init__(self, runtime):
-        self.runtime, self.users = runtime, 0
-
-
-# Two states with the same name (two hooked models on one group) must share one Runtime: a second rendezvous
-# in the same store namespace would race with the first one's keys.
-_SHARED: dict[str, _SharedRuntime] = {}
-_SHARED_LOCK = threading.Lock()
+from torch_bps.runtimes import Lease
 
 
 class BpsHookState:
@@ -66,7 +56,7 @@ class BpsHookState:
         self.name = name
         self._lock = threading.Lock()
         self._runtime = None
-        self._shared: str | None = None  # the _SHARED entry this state holds a reference to
+        self._lease: Lease | None = None  # this state's hold on a hook Runtime (runtimes.py), none on a group's own
         self.sparse_room = sparse.Room()  # bps_hook's sparse buckets (pg/sparse.py)
 
     def segments(self, bucket: dist.GradBucket, config: Config) -> list[tuple[int, int, bool]]:
@@ -86,14 +76,10 @@ class BpsHookState:
     def close(self) -> None:
         """Drop this state's Runtime; the last state using a hook Runtime closes it (a "byteps" group's own
         Runtime is left to the group)."""
-        with self._lock, _SHARED_LOCK:
-            conn = _SHARED.get(self._shared) if self._shared is not None else None
-            if conn is not None:
-                conn.users -= 1
-                if conn.users == 0:
-                    del _SHARED[self._shared]
-                    conn.runtime.close()
-            self._runtime, self._shared = None, None
+        with self._lock:
+            if self._lease is not None:
+                self._lease.close()
+            self._runtime, self._lease = None, None
 
     def _connect(self):
         default = dist.distributed_c10d._get_default_group()
@@ -101,18 +87,8 @@ class BpsHookState:
         if (impl := implementation(pg)) is not None:
             return impl.runtime
         name = self.name or ("hook" if pg is default else f"hook-{pg.group_name}")
-        with _SHARED_LOCK:
-            conn = _SHARED.get(name)
-            if conn is None:
-                from torch_bps.runtime import Runtime  # loads the C++ client: only when a hook really runs
-
-                # Any store of the job will do: the Runtime strips torch's prefixes, keeps to its own namespace.
-                store = dist.distributed_c10d._get_default_store()
-                runtime = Runtime.create(store, pg.rank(), pg.size(), name=name, config=self.config)
-                conn = _SHARED[name] = _SharedRuntime(runtime)
-            conn.users += 1
-        self._shared = name
-        return conn.runtime
+        self._lease = Lease(name, pg, self.config)  # states of one name share its Runtime
+        return self._lease.get()
 
 
 def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,18 +110,18 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     if buffer.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its own bucket; DDP calls hooks from one thread
         buffer.div_(runtime.world_size)
-        plain_sum = lambda dtype, flat, op, finish: Transfer(flat, finish)  # noqa: E731
+        plain_sum = lambda dtype, flat, op, finish: Exchange(flat, finish=finish)  # noqa: E731
         return sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size, launch_here, plain_sum,
                                  buffer, state.sparse_room).get_future()  # fmt: skip
     runs = state.segments(bucket, runtime.config)
-    stager = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
-    if stager is not None:
+    path = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
+    if path is not None:
         # The local stages on the device, or one partition at a time through pinned host memory on a side stream
         # (docs/gpu.md). DDP calls its hook from one thread, so buckets reach the engine in one order on every rank.
-        return launch_staged(runtime, "bps_hook", buffer, stager, buffer, average=True, where=where,
-                             timeout=runtime.config.timeout).get_future()  # fmt: skip
-    staged = Staged("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
-    staged.flat.div_(runtime.world_size)
-    transfers = [Transfer(staged.flat[a:b], compress=compress) for a, b, compress in runs]
-    transfers[-1].finish = staged.write_back  # once every run is summed
-    return launch_here(transfers, buffer, buffer.device).get_future()
+        return launch_on_device(runtime, "bps_hook", buffer, path, buffer, average=True, where=where,
+                                timeout=runtime.config.timeout).get_future()  # fmt: skip
+    host = HostCopy("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
+    host.flat.div_(runtime.world_size)
+    exchanges = [Exchange(host.flat[a:b], compress=compress) for a, b, compress in runs]
+    exchanges[-1] = dataclasses.replace(exchanges[-1], finish=host.write_back)  # once every run is summed
+    return launch_here(exchanges, buffer, buffer.device).get_future()

@@ -28,12 +28,14 @@ are launched under a per-group lock, so one collective's push_pulls stay contigu
 threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must still call
 collectives in the same order, as with any backend.
 
-May import: torch, torch_bps.config, torch_bps.errors, torch_bps.wire, torch_bps.pg; torch_bps.runtime and
-torch_bps._C only when a group is created (they load the C++ client, which `import torch_bps` must not).
+May import: torch, torch_bps.config, torch_bps.engine.exchange, torch_bps.errors, torch_bps.wire, torch_bps.pg;
+torch_bps.runtime and torch_bps._C only when a group is created (they load the C++ client, which
+`import torch_bps` must not).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
@@ -43,13 +45,14 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import ConfigError
 from torch_bps.pg import sparse, staging
 from torch_bps.pg.device_local import route
 from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import (
     BACKEND,
-    Staged,
+    HostCopy,
     as_bytes,
     check_movable,
     check_tensor,
@@ -59,7 +62,7 @@ from torch_bps.pg.staging import (
     neutral,
     real,
 )
-from torch_bps.pg.work import Transfer, launch, launch_staged
+from torch_bps.pg.work import launch, launch_on_device
 from torch_bps.wire import Mode
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
@@ -116,14 +119,14 @@ class BackendBPS:
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
-        if (stager := self._stager(t, op)) is not None:
+        if (path := self._device_path(t, op)) is not None:
             with self._launch_lock:
-                return launch_staged(self.runtime, "allreduce", t.detach().view(-1), stager, tensors,
-                                     average=op == "AVG", where=self._where(), timeout=self._timeout)  # fmt: skip
-        s = Staged("allreduce", t)
+                return launch_on_device(self.runtime, "allreduce", t.detach().view(-1), path, tensors,
+                                        average=op == "AVG", where=self._where(), timeout=self._timeout)  # fmt: skip
+        s = HostCopy("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
 
-    def _stager(self, t: torch.Tensor, op: str):
+    def _device_path(self, t: torch.Tensor, op: str):
         """How a contiguous CUDA tensor of floats, summed or averaged, is staged (pg.device_local.route: the local
         stages on the device, or a partition at a time; docs/gpu.md), or None: staged whole."""
         if not (t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point and op in ("SUM", "AVG")):
@@ -155,7 +158,7 @@ class BackendBPS:
         t = self._single("reduce", tensors)
         op = self._op("reduce", opts, t)
         if self.rank() == opts.rootRank:
-            s = Staged("reduce", t)
+            s = HostCopy("reduce", t)
             transfer = self._reduce(t.dtype, s.flat, op, s.write_back)
         else:  # the sum is computed everywhere; only the root's tensor is written
             transfer = self._reduce(t.dtype, cpu_flat(t), op, None)
@@ -189,12 +192,12 @@ class BackendBPS:
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("broadcast", tensors)
         root = opts.rootRank if opts is not None else 0
-        s = Staged("broadcast", t, load=self.rank() == root, movable=True)
+        s = HostCopy("broadcast", t, load=self.rank() == root, movable=True)
         buf = as_bytes(s.flat)
         everything, nothing = (0, buf.numel()), (0, 0)
         push = [everything if r == root else nothing for r in range(self.size())]
         pull = [nothing if r == root else everything for r in range(self.size())]  # the root has it already
-        transfer = Transfer(buf, s.write_back, Mode.COPY, push, pull)
+        transfer = Exchange(buf, Mode.COPY, push, pull, finish=s.write_back)
         return self._launch("broadcast", [transfer], tensors, device=t.device)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
@@ -233,7 +236,7 @@ class BackendBPS:
         fill_except(buf, self.rank() * n, (self.rank() + 1) * n)
         buf[self.rank() * n : (self.rank() + 1) * n].copy_(real(inp).reshape(-1))
         finish = (lambda: [copy_into(o, buf[i * n : (i + 1) * n]) for i, o in enumerate(outs)]) if is_root else None
-        return self._launch(name, [Transfer(buf, finish)], output_lists, device=inp.device)
+        return self._launch(name, [Exchange(buf, finish=finish)], output_lists, device=inp.device)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         name = "scatter"
@@ -247,10 +250,10 @@ class BackendBPS:
         else:
             buf = torch.full((self.size() * n,), neutral(real(out).dtype), dtype=real(out).dtype)
         mine = buf[self.rank() * n : (self.rank() + 1) * n]
-        return self._launch(name, [Transfer(buf, lambda: copy_into(out, mine))], outputs, device=out.device)
+        return self._launch(name, [Exchange(buf, finish=lambda: copy_into(out, mine))], outputs, device=out.device)
 
     def barrier(self, opts=None) -> dist.Work:
-        return self._launch("barrier", [Transfer(torch.zeros(1, dtype=torch.int32))], [])
+        return self._launch("barrier", [Exchange(torch.zeros(1, dtype=torch.int32))], [])
 
     # -- worker to worker, through the internal gloo group (pg/p2p.py) --------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
@@ -275,14 +278,14 @@ class BackendBPS:
         self.p2p.monitored_barrier(opts, wait_all_ranks)
 
     # -- plans: the transfers of one collective ------------------------------------------------------------------
-    def _reduce(self, dtype: torch.dtype, flat: torch.Tensor, op: str, finish) -> Transfer:
+    def _reduce(self, dtype: torch.dtype, flat: torch.Tensor, op: str, finish) -> Exchange:
         """`_reduction`, but bools (their bytes in `flat`) go as one sum of int32 counts of True."""
         if dtype != torch.bool:
             return self._reduction(flat, op, finish)
         counts, back = staging.logical_counts(flat, op, self.size())
-        return Transfer(counts, lambda: (back(), finish() if finish is not None else None))
+        return Exchange(counts, finish=lambda: (back(), finish() if finish is not None else None))
 
-    def _reduction(self, flat: torch.Tensor, op: str, finish) -> Transfer:
+    def _reduction(self, flat: torch.Tensor, op: str, finish) -> Exchange:
         """Reduce `flat` (1-D contiguous CPU) over the group with `op`, then run `finish` (may be None)."""
         if op in ("SUM", "AVG"):
             if op == "AVG" and (flat.dtype.is_floating_point or flat.dtype.is_complex):
@@ -296,8 +299,8 @@ class BackendBPS:
                     if finish is not None:
                         finish()
 
-                return Transfer(flat, average)
-            return Transfer(flat, finish)
+                return Exchange(flat, finish=average)
+            return Exchange(flat, finish=finish)
         n, r = flat.numel(), self.rank()
         rows = torch.empty(self.size() * n, dtype=flat.dtype)
         fill_except(rows, r * n, (r + 1) * n)
@@ -308,9 +311,9 @@ class BackendBPS:
             if finish is not None:
                 finish()
 
-        return Transfer(rows, reduce_rows)
+        return Exchange(rows, finish=reduce_rows)
 
-    def _reduce_scatter_plan(self, output: torch.Tensor, input: torch.Tensor, opts) -> list[Transfer]:
+    def _reduce_scatter_plan(self, output: torch.Tensor, input: torch.Tensor, opts) -> list[Exchange]:
         name = "reduce_scatter_single"
         op = self._op(name, opts, input)
         check_tensor(name, output)
@@ -321,7 +324,7 @@ class BackendBPS:
         transfer = self._reduction(flat, op, lambda: copy_into(output, mine))
         return [_pull_only(transfer, op, _slots([n] * self.size()))]
 
-    def _allgather_plan(self, output_lists, inputs) -> list[Transfer]:
+    def _allgather_plan(self, output_lists, inputs) -> list[Exchange]:
         name = "all_gather"
         inp = self._single(name, inputs)
         check_movable(name, inp)
@@ -340,22 +343,22 @@ class BackendBPS:
             for o, (lo, hi) in zip(outs, slots, strict=True):
                 copy_into(o, buf[lo:hi].view(real(o).dtype))
 
-        return [Transfer(buf, unpack, Mode.COPY, push=slots)]
+        return [Exchange(buf, Mode.COPY, push=slots, finish=unpack)]
 
-    def _gather_single_plan(self, output: torch.Tensor, input: torch.Tensor) -> list[Transfer]:
+    def _gather_single_plan(self, output: torch.Tensor, input: torch.Tensor) -> list[Exchange]:
         name = "all_gather_single"
         check_movable(name, input)
         n = real(input).numel()
         self._check_world_multiple(name, "output", output, "input", input)
-        s = Staged(name, output, load=False, movable=True)
+        s = HostCopy(name, output, load=False, movable=True)
         lo, hi = self.rank() * n, (self.rank() + 1) * n
         s.flat[lo:hi].copy_(real(input).reshape(-1))  # `input` may be this very slice of `output`
         size = s.flat.element_size()
         slots = _slots([n * size] * self.size())  # in bytes
-        return [Transfer(as_bytes(s.flat), s.write_back, Mode.COPY, push=slots)]
+        return [Exchange(as_bytes(s.flat), Mode.COPY, push=slots, finish=s.write_back)]
 
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _launch(self, op: str, transfers: Sequence[Transfer], result, device: torch.device | None = None) -> dist.Work:
+    def _launch(self, op: str, transfers: Sequence[Exchange], result, device: torch.device | None = None) -> dist.Work:
         with self._launch_lock:
             # One priority for all: the client sends in submission order, the one order every worker shares
             # (docs/design.md, "Scheduling").
@@ -404,11 +407,9 @@ def _slots(sizes: list[int]) -> list[tuple[int, int]]:
     return [(end - n, end) for n, end in zip(sizes, ends, strict=True)]
 
 
-def _pull_only(transfer: Transfer, op: str, slots: list[tuple[int, int]]) -> Transfer:
+def _pull_only(exchange: Exchange, op: str, slots: list[tuple[int, int]]) -> Exchange:
     """A reduce-scatter's sum: each rank pulls only its own slot of it (MIN, MAX... gather every row instead)."""
-    if op in ("SUM", "AVG"):
-        transfer.pull = slots
-    return transfer
+    return dataclasses.replace(exchange, pull=slots) if op in ("SUM", "AVG") else exchange
 
 
 def _scatter_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -1,17 +1,18 @@
-"""Rendezvous and lifetime: from a c10d store to a running push/pull engine, with no scheduler process.
+"""A group's Runtime: from a c10d store to a running push/pull engine, with no scheduler process, and its lifetime.
 
-Workers meet through the store torch already gives the backend (torchrun's), in a namespace of ours:
-rank 0 draws the job id, dedicated servers come from `BPS_SERVERS` or register themselves in the store,
-and each machine's local rank 0 starts an embedded colocated server when the placement needs one (with
+Workers meet through the store torch already gives the backend (torchrun's), in a namespace of ours
+(rendezvous.py): rank 0 draws the job id, dedicated servers come from `BPS_SERVERS` or register themselves in the
+store, and each machine's local rank 0 starts an embedded colocated server when the placement needs one (with
 no dedicated servers: always, which gives all-reduce-equivalent traffic with zero configuration). The
 embedded server stops with the job: at close, after every rank is done with it, or on its own when the
 process that started it dies.
 
-Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace.
-Groups other than the default one reuse the servers of the process's default Runtime if there is one;
-subgroups treat every rank as its own machine (no local reduction).
-May import: torch, torch_bps.address, config, errors, futures, topology, registry, security, client, local, engine,
-timeline, failover, wire.
+Every group (the default group, each new_group, the DDP hook) gets its own Runtime and job namespace, kept in
+the process's one registry (`_RUNTIMES`; `acquire` and `release` for runtimes.py's leases). Groups other than the
+default one reuse the servers of the process's default Runtime if there is one; subgroups treat every rank as its
+own machine (no local reduction).
+May import: torch, torch_bps.config, errors, futures, rendezvous, topology, registry, security, client, local,
+engine, timeline, failover, wire.
 """
 
 from __future__ import annotations
@@ -19,50 +20,46 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from torch_bps.address import parse_listening
+from torch_bps import rendezvous
 from torch_bps.config import Config, transport_options
 from torch_bps.engine.compress import Compressor
 from torch_bps.engine.exchange import Exchange
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
-from torch_bps.engine.placement import Placement, receive_buffers, server_weights, t_opt
+from torch_bps.engine.placement import Placement, receive_buffers, server_weights
 from torch_bps.engine.precision import travels_as, wire_dtype
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
-from torch_bps.registry import claim_standby, connect, registered, registered_servers
-from torch_bps.security import JOB_SECRET_ENV, ClientCredentials, new_secret
-from torch_bps.timeline.recorder import Recorder, TimelineSpec
+from torch_bps.registry import claim_standby, connect, registered
+from torch_bps.rendezvous import start_server as _start_server  # noqa: F401 - tests/server start one through here
+from torch_bps.security import ClientCredentials
+from torch_bps.timeline.recorder import Recorder
 from torch_bps.topology import Launch, Topology
 from torch_bps.wire import Mode
 
 log = logging.getLogger("torch_bps")
 
-_RUNTIMES: dict[str, Runtime] = {}  # live runtimes of this process, by group name
-
-
-def raw_store(store: dist.Store) -> dist.Store:
-    """Strip torch's PrefixStores ("default_pg/0/cpu/...") to reach the job's TCPStore."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+# The process's one registry of Runtimes: every open one by its group's name (create adds it, close takes it out), and
+# how many leases (runtimes.Lease: bps_hook, BackupWorkers, AsyncTraining) hold each that `acquire` made.
+_RUNTIMES: dict[str, Runtime] = {}
+_HOLDERS: dict[str, int] = {}
+_REGISTRY_LOCK = threading.Lock()  # _RUNTIMES' holders and _NAME_LOCKS
+_NAME_LOCKS: dict[str, threading.Lock] = {}  # one per name: making a Runtime is a rendezvous, which blocks
 
 
 class Runtime:
     """One group's connection to the summation service. Create with `Runtime.create`."""
 
-    def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, engine: PushPullEngine,
-                 client, local_channels, server_proc: subprocess.Popen | None, addresses: list[str],
-                 colocated: list[str], dedicated: list[str], launch: Launch):  # fmt: skip
+    def __init__(self, name: str, config: Config, topology: Topology, store: dist.Store, local_channels,
+                 server_proc: subprocess.Popen | None, addresses: list[str], colocated: list[str],
+                 dedicated: list[str], launch: Launch, *, secret: str, with_dedicated: bool):  # fmt: skip
         self.name = name
         self.launch = launch
         self.config = config
@@ -72,22 +69,27 @@ class Runtime:
         self.addresses = addresses  # the client's servers, in placement order
         self._colocated, self._dedicated = colocated, dedicated  # subgroups reuse these servers
         self._store = store
-        self._engine = engine
-        self._client = client
+        self._engine: PushPullEngine | None = None  # the engine and its client: `create` makes them (_start)
+        self._client = None
         self._local_channels = local_channels
         self._device_channels: list = []  # DeviceLocalComm channels opened (open_device_channels)
         self._server_proc = server_proc
-        self._secret = ""  # the job's secret, which its credentials derive from; set by create()
-        # Bytes go to dedicated servers, which sets the default credit (Config.credit); set by create(). Chosen
-        # once: clients a failover makes keep it.
-        self._with_dedicated = False
+        self._secret = secret  # the job's secret, which its credentials derive from
+        # Bytes go to dedicated servers, which sets the default credit (Config.credit). Chosen once: clients a
+        # failover makes keep it.
+        self._with_dedicated = with_dedicated
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._fallback_colocated: list[str] = []  # and their addresses
-        self._timeline = Recorder.create(config.trace, client, self.rank if launch.rank is None else launch.rank,
-                                         name)  # fmt: skip
+        self._timeline = None
         self._closed = False
         self._close_lock = threading.Lock()
+
+    def _start(self, engine: PushPullEngine, client) -> None:
+        """Take the engine `create` made, and its client (the router's first one, with failover)."""
+        self._engine, self._client = engine, client
+        who = self.rank if self.launch.rank is None else self.launch.rank
+        self._timeline = Recorder.create(self.config.trace, client, who, self.name)
 
     @classmethod
     def create(
@@ -109,53 +111,56 @@ class Runtime:
         launch = Launch.from_env()
         topology = _topology(name, rank, world_size, launch)
         _check_backups(config, topology)
-        ns = dist.PrefixStore(f"torch_bps/{name}/{launch.attempt}", raw_store(store))
-        job_id = _agree_job_id(ns, rank, timeout)
-        store_host = _store_host(store, launch)
-        secret, colocated, dedicated, server_proc = _find_servers(name, store_host, store, ns, topology, config,
-                                                                  timeout)  # fmt: skip
+        ns = dist.PrefixStore(f"torch_bps/{name}/{launch.attempt}", rendezvous.raw_store(store))
+        job_id = rendezvous.agree_job_id(ns, rank, timeout)
+        store_host = rendezvous.store_host(store, launch)
+        secret, colocated, dedicated, server_proc = rendezvous.find_servers(
+            name, store_host, store, ns, topology, config, timeout, _RUNTIMES.get("default")
+        )
         weights = server_weights(colocated, dedicated, config.placement)
         addresses = [s.address for s in weights]
         hierarchical = config.local_reduce and topology.local_size > 1
         worker, num_workers = (topology.node_rank, topology.num_nodes) if hierarchical else (rank, world_size)
         with_dedicated = any(s.dedicated for s in weights)
         failover = config.failover and num_workers > 1 and with_dedicated
-        router_box: list = []  # the client's link-down handler reaches the router made after it
-        client = _client(config, addresses, job_id, worker, num_workers, _client_credentials(config, secret, weights),
-                         connect_timeout=timeout, dedicated=with_dedicated, weights=weights, failover=failover,
-                         on_link_down=(lambda s, why: router_box and router_box[0].on_link_down(0, s, why))
-                         if failover else None)  # fmt: skip
         channels = _local_comms(ns, topology, job_id, config, launch.run_id) if hierarchical else None
+        rt = cls(name, config, topology, ns, channels, server_proc, addresses, colocated, dedicated, launch,
+                 secret=secret, with_dedicated=with_dedicated)  # fmt: skip
+        # With failover the engine sends through the Router, which makes and owns its clients (the first one here).
+        router = rt._router(weights, worker, num_workers, store_host, job_id, timeout) if failover else None
+        client = router.client if router is not None else _client(
+            config, addresses, job_id, worker, num_workers, _client_credentials(config, secret, weights),
+            connect_timeout=timeout, dedicated=with_dedicated, weights=weights)  # fmt: skip
         engine = PushPullEngine(client, _key_book(weights, config, topology, channels), local_channels=channels,
-                                local_rank=topology.local_rank, timeout=config.timeout,
+                                local_rank=topology.local_rank, timeout=config.timeout, router=router,
                                 alone=client.num_workers == 1, wire_dtype=wire_dtype(config.wire_dtype),
                                 compressor=Compressor(config.compressor) if config.compressor else None)  # fmt: skip
-        rt = cls(name, config, topology, ns, engine, client, channels, server_proc, addresses, colocated, dedicated,
-                 launch)  # fmt: skip
-        rt._secret, rt._with_dedicated = secret, with_dedicated
-        if failover:
-            engine.router = rt._router(weights, worker, num_workers, store_host, job_id)
-            router_box.append(engine.router)
+        rt._start(engine, client)
         if rank == 0:
-            _log_split(name, topology, colocated, dedicated, weights)
+            rendezvous.log_split(name, topology, colocated, dedicated, weights)
         _RUNTIMES[name] = rt
         atexit.register(rt.close)
         return rt
 
-    def _router(self, weights, worker: int, num_workers: int, store_host: str, job_id: int):
-        """The failover router of this group's engine (torch_bps/failover.py), with what its agreement needs."""
+    def _router(self, weights, worker: int, num_workers: int, store_host: str, job_id: int, timeout: float):
+        """The failover router of this group's engine (torch_bps/failover.py), with what its agreement needs; it
+        makes the job's client of `weights` (job `job_id`) and each failover's."""
         from torch_bps.failover import Agreement, Router
 
         config, topology = self.config, self.topology
 
         def make_client(servers, new_job_id, on_link_down):
             credentials = _client_credentials(config, self._secret, servers)
-            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials,
+            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials, timeout,
                            dedicated=self._with_dedicated, weights=servers, failover=True,
                            on_link_down=on_link_down)  # fmt: skip
 
         def registry():
-            return connect(config.registry, config.failover_timeout) if config.registry else raw_store(self._store)
+            return (
+                connect(config.registry, config.failover_timeout)
+                if config.registry
+                else rendezvous.raw_store(self._store)
+            )
 
         def standby(count: int) -> list[str]:
             used = {s.address for s in weights}
@@ -166,7 +171,7 @@ class Runtime:
             return free
 
         def start_colocated(prefix: str) -> list[str]:
-            proc, addresses = _colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
+            proc, addresses = rendezvous.colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
                                                  config.failover_timeout, store_host, self._secret)  # fmt: skip
             if proc is not None:
                 self._fallback_procs.append(proc)
@@ -183,9 +188,12 @@ class Runtime:
             # Colocated servers a failover started stand in for dedicated ones only while none answers.
             return self._colocated or ([] if dedicated else self._fallback_colocated), dedicated
 
+        def own_keys(every_slice: bool = False) -> dict[int, tuple[int, int]]:
+            return self._engine.own_keys(every_slice)  # the engine, made after its router, before any failover
+
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
-                              self._engine.own_keys, make_client, standby, start_colocated, available)  # fmt: skip
-        return Router(self._client, weights, agreement, self.name)
+                              own_keys, make_client, standby, start_colocated, available)  # fmt: skip
+        return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:
         try:
@@ -215,10 +223,10 @@ class Runtime:
         items = tensors if mode == Mode.SUM else [Exchange(t, mode) for t in tensors]
         self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
-    def run_staged(self, tensor: torch.Tensor, stager, done, *, sliced: bool = False, prepare=None) -> None:
-        """Sum a device tensor in place one partition at a time through `stager` (pg.device.PartitionPipeline), then
-        `done(error or None)`; see PushPullEngine.run_staged (`sliced`, `prepare`: the device local stage), and
-        `cannot_stage` for what it takes."""
+    def run_copied(self, tensor: torch.Tensor, copier, done, *, sliced: bool = False, prepare=None) -> None:
+        """Sum a device tensor in place one partition at a time through `copier` (pg.device.PartitionPipeline), then
+        `done(error or None)`; see PushPullEngine.run_copied (`sliced`, `prepare`: the device local stage), and
+        `cannot_copy` for what it takes."""
 
         def finish(error: BaseException | None) -> None:
             if error is not None:
@@ -226,11 +234,11 @@ class Runtime:
                 self._explain(error)
             done(error)
 
-        self._engine.run_staged(tensor, stager, self._timeline.wrap([tensor], finish), sliced=sliced, prepare=prepare)
+        self._engine.run_copied(tensor, copier, self._timeline.wrap([tensor], finish), sliced=sliced, prepare=prepare)
 
-    def cannot_stage(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
-        """Why `run_staged` cannot take `tensor` (None: it can)."""
-        return self._engine.cannot_stage(tensor, sliced)
+    def cannot_copy(self, tensor: torch.Tensor, sliced: bool = False) -> str | None:
+        """Why `run_copied` cannot take `tensor` (None: it can)."""
+        return self._engine.cannot_copy(tensor, sliced)
 
     def travels_as(self, tensor: torch.Tensor) -> torch.dtype:
         """The dtype a sum of `tensor` travels in (Config.wire_dtype casts fp32)."""
@@ -346,6 +354,35 @@ class Runtime:
                 proc.kill()
 
 
+def acquire(name: str, group: dist.ProcessGroup, config: Config | None) -> Runtime:
+    """The open Runtime of job namespace `name`, held once more; made (a rendezvous of `group`) if none is held."""
+    with _REGISTRY_LOCK:
+        named = _NAME_LOCKS.setdefault(name, threading.Lock())
+    with named:
+        with _REGISTRY_LOCK:
+            runtime = _RUNTIMES.get(name)
+            if runtime is not None and _HOLDERS.get(name):
+                _HOLDERS[name] += 1
+                return runtime
+        # Any store of the job will do: the Runtime strips torch's prefixes, keeps to its own namespace.
+        store = dist.distributed_c10d._get_default_store()
+        runtime = Runtime.create(store, group.rank(), group.size(), name=name, config=config)
+        with _REGISTRY_LOCK:
+            _HOLDERS[name] = 1
+        return runtime
+
+
+def release(name: str, runtime: Runtime) -> None:
+    """Let go of one hold `acquire` took; the last one closes the Runtime."""
+    with _REGISTRY_LOCK:
+        if _RUNTIMES.get(name) is runtime and _HOLDERS.get(name):
+            _HOLDERS[name] -= 1
+            if _HOLDERS[name]:
+                return
+            del _HOLDERS[name]
+    runtime.close()
+
+
 def _topology(name: str, rank: int, world_size: int, launch: Launch) -> Topology:
     """The group's machines: torchrun's for the default group (or the whole job's first group), else every rank its
     own machine."""
@@ -353,29 +390,6 @@ def _topology(name: str, rank: int, world_size: int, launch: Launch) -> Topology
     if name == "default" or (_RUNTIMES.get("default") is None and whole_job):
         return Topology.from_env(rank, world_size)
     return Topology.one_per_machine(rank, world_size)
-
-
-def _find_servers(name: str, store_host: str, store: dist.Store, ns: dist.Store, topology: Topology, config: Config,
-                  timeout: float):  # fmt: skip
-    """Return (the job's secret, colocated addresses, dedicated addresses, the embedded server this rank started or
-    None): a group other than the default one reuses the default Runtime's servers and secret (its embedded servers
-    accept the default group's key only); else dedicated ones come from BPS_SERVERS and the registry, and each
-    machine starts an embedded one when the placement needs it."""
-    base = _RUNTIMES.get("default")
-    if base is not None and name != "default":
-        return base._secret, base._colocated, base._dedicated, None
-    secret = _agree_secret(ns, topology.rank, timeout)
-    dedicated = list(config.servers)
-    if config.num_servers:
-        registry = connect(config.registry, timeout) if config.registry else raw_store(store)
-        dedicated += registered_servers(registry, config.num_servers, timeout, where=config.registry)
-    needs_colocated = config.placement == "colocated" or (
-        config.placement == "optimal" and len(dedicated) < topology.num_nodes
-    )
-    if not needs_colocated:
-        return secret, [], dedicated, None
-    server_proc, colocated = _colocated_servers(ns, topology, config, timeout, store_host, secret)
-    return secret, colocated, dedicated, server_proc
 
 
 def _local_comms(ns: dist.Store, topology: Topology, job_id: int, config: Config, run_id: str):
@@ -439,21 +453,6 @@ def _client(config: Config, addresses: list[str], job_id: int, worker: int, num_
                   staleness=config.staleness, **failover)  # fmt: skip
 
 
-def _agree_job_id(ns: dist.Store, rank: int, timeout: float) -> int:
-    if rank == 0:
-        ns.set("job_id", str(int.from_bytes(os.urandom(8), "little")))
-    _wait(ns, ["job_id"], timeout, "the job id from rank 0")
-    return int(ns.get("job_id"))
-
-
-def _agree_secret(ns: dist.Store, rank: int, timeout: float) -> str:
-    """The job's secret, drawn by rank 0: every worker's credentials and its embedded servers' derive from it."""
-    if rank == 0:
-        ns.set("secret", new_secret())
-    _wait(ns, ["secret"], timeout, "the job's secret from rank 0")
-    return ns.get("secret").decode()
-
-
 def _client_credentials(config: Config, secret: str, weights) -> ClientCredentials | bool:
     """Credentials for the servers in placement order: embedded ones from the job's secret, dedicated ones
     from the pool credential."""
@@ -466,80 +465,3 @@ def _client_credentials(config: Config, secret: str, weights) -> ClientCredentia
         )
     held = [config.pool_credential if s.dedicated else secret for s in weights]
     return ClientCredentials.for_servers(secret, held, config.auth)
-
-
-def _wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception as e:
-        raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
-
-
-def _colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str):
-    """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
-    proc = None
-    if topo.local_rank == 0:
-        host = _advertised_host(config, store_host)
-        proc, port = _start_server(config, timeout, _bind_address(host), secret)
-        ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
-    keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
-    _wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
-    return proc, [ns.get(k).decode() for k in keys]
-
-
-def _start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
-    # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
-    # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
-    max_frame = max(16 << 20, config.partition_bytes)
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
-           "--heartbeat-timeout", str(config.heartbeat_timeout),
-           "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
-           "--job-lease", "1e9"]  # fmt: skip
-    # The secret goes by environment, which only this user can read, never on the command line.
-    env = {**os.environ, JOB_SECRET_ENV: secret}
-    cmd += ["--auth", config.auth]
-    if config.trace:
-        cmd += ["--trace", TimelineSpec.parse(config.trace).directory]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    line = [""]
-    reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not (listening := parse_listening(line[0])):
-        proc.kill()
-        raise TransportError(f"the embedded summation server did not start within {timeout}s (printed {line[0]!r})")
-    return proc, listening[0]
-
-
-def _store_host(store: dist.Store, launch: Launch) -> str:
-    return getattr(raw_store(store), "host", "") or launch.master_addr or "127.0.0.1"
-
-
-def _advertised_host(config: Config, store_host: str) -> str:
-    if config.host:
-        return config.host
-    try:  # the interface that routes to the store's host is one the other machines can reach
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(store_host), 9))  # UDP connect: picks a route, sends nothing
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _bind_address(host: str) -> str:
-    """Return the IP address to listen on for an advertised host (ZeroMQ binds addresses, not names)."""
-    try:
-        return socket.gethostbyname(host)
-    except OSError as e:
-        raise TransportError(f"cannot resolve {host!r}, the address this machine's embedded server advertises") from e
-
-
-def _log_split(name, topo: Topology, colocated, dedicated, weights) -> None:
-    n, k = len(colocated), len(dedicated)
-    x = sum(s.weight for s in weights if s.dedicated)
-    per_mb = t_opt(max(n, topo.num_nodes), k, 1 << 20, 1.25e9) * 1e3
-    log.info(
-        "torch_bps[%s]: %d machine(s), %d colocated + %d dedicated server(s); %.1f%% of bytes to dedicated servers; "
-        "expected t_opt %.3f ms per MB of gradients at 10 Gbit/s",
-        name, topo.num_nodes, n, k, 100 * x, per_mb,
-    )  # fmt: skip

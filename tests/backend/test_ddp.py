@@ -1,13 +1,11 @@
 """DistributedDataParallel on a "byteps" group against the same model on gloo, in the same processes.
 
 Both copies start from the same weights and see the same data; after every backward their gradients must
-agree within TOL (with two ranks the sums are in fact exact: x/2 + y/2 has one rounding either way), and
+agree within ddp_pair.TOL (with two ranks the sums are in fact exact: x/2 + y/2 has one rounding either way), and
 after the last step every rank must hold bit-identical parameters.
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -16,27 +14,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.backend.ddp_pair import train_pair
 from tests.helpers import run_ranks
 from torch_bps.process_group import BackendBPS, implementation
-
-TOL = dict(rtol=1e-5, atol=1e-6)
-STEPS = 4
-
-
-class BNNet(nn.Module):
-    """Buffers (BatchNorm running stats, broadcast by DDP every forward) and an unused branch."""
-
-    def __init__(self, with_unused: bool = False):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.fc2 = nn.Linear(32, 32)
-        self.fc3 = nn.Linear(32, 4)
-        self.unused = nn.Linear(32, 4) if with_unused else None
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.bn(self.fc1(x))))))
-
 
 CONFIGS = {
     "buffers": dict(),
@@ -46,43 +26,10 @@ CONFIGS = {
 }
 
 
-def _train_pair(rank, world, gloo, bps_group, ddp_kwargs, with_unused, hooks=None, tol=TOL):
-    """Train one model on each group for STEPS steps; compare gradients every step. Returns the max deviation."""
-    torch.manual_seed(0)
-    base = BNNet(with_unused)
-    models = {"byteps": DDP(copy.deepcopy(base), process_group=bps_group, **ddp_kwargs),
-              "gloo": DDP(copy.deepcopy(base), process_group=gloo, **ddp_kwargs)}  # fmt: skip
-    if hooks is not None:
-        for name, (state, hook) in hooks.items():
-            models[name].register_comm_hook(state, hook)
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
-    worst = 0.0
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
-        for name, m in models.items():
-            opts[name].zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-        for (pn, pb), pg_ in zip(models["byteps"].named_parameters(), models["gloo"].parameters(), strict=True):
-            if pb.grad is None or pg_.grad is None:
-                assert pb.grad is None and pg_.grad is None, f"{pn}: grad on one side only"
-                continue
-            torch.testing.assert_close(pb.grad, pg_.grad, **tol, msg=lambda m, pn=pn, s=step: f"step {s} {pn}: {m}")
-            worst = max(worst, (pb.grad - pg_.grad).abs().max().item())
-        for o in opts.values():
-            o.step()
-    # every rank holds the same parameters (buffers differ until the next forward's broadcast: BN statistics)
-    state = torch.cat([p.detach().reshape(-1) for p in models["byteps"].parameters()])
-    everyone = [torch.empty_like(state) for _ in range(world)]
-    dist.all_gather(everyone, state, group=gloo)
-    assert all(torch.equal(everyone[0], s) for s in everyone), "parameters differ across ranks"
-    return worst
-
-
 def _ddp_configs(rank, world, gloo):
     bps = dist.group.WORLD
     assert isinstance(implementation(bps), BackendBPS)
-    return {name: _train_pair(rank, world, gloo, bps, kw, with_unused=name == "unused_parameters")
+    return {name: train_pair(rank, world, gloo, bps, kw, with_unused=name == "unused_parameters")
             for name, kw in CONFIGS.items()}  # fmt: skip
 
 
@@ -98,7 +45,7 @@ def _torch_hooks(rank, world, gloo):
     worst = {}
     # fp16_compress_hook: the sum travels as float16 (divided first by the hook, so no overflow)
     hooks = {"byteps": (bps, default_hooks.fp16_compress_hook), "gloo": (gloo, default_hooks.fp16_compress_hook)}
-    worst["fp16"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-3, atol=1e-3))
+    worst["fp16"] = train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-3, atol=1e-3))
 
     # PowerSGD: its callbacks launch all_reduces and block on them (the deadlock trap); rank-1 compression
     # from iteration 2, error feedback and warm start, the same random seed on both groups.
@@ -107,7 +54,7 @@ def _torch_hooks(rank, world, gloo):
                                            use_error_feedback=True, warm_start=True, random_seed=7)  # fmt: skip
 
     hooks = {"byteps": (state(bps), powerSGD_hook.powerSGD_hook), "gloo": (state(gloo), powerSGD_hook.powerSGD_hook)}
-    worst["powerSGD"] = _train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
+    worst["powerSGD"] = train_pair(rank, world, gloo, bps, {}, False, hooks, tol=dict(rtol=1e-4, atol=1e-5))
     # Its callbacks block on nested all_reduces: no deadlock is what finishing proves. Whether one ran on a
     # completion thread (and the pool had to grow) depends on timing: a future already complete when PowerSGD
     # attaches its callback runs it on the caller's thread, and on a loaded machine every one may (a peak of 1).
@@ -117,7 +64,7 @@ def _torch_hooks(rank, world, gloo):
     import torch_bps
 
     hooks = {"byteps": (torch_bps.BpsHookState(bps), torch_bps.bps_hook), "gloo": (gloo, default_hooks.allreduce_hook)}
-    worst["bps_hook"] = _train_pair(rank, world, gloo, bps, {"bucket_cap_mb": 0.002}, False, hooks)
+    worst["bps_hook"] = train_pair(rank, world, gloo, bps, {"bucket_cap_mb": 0.002}, False, hooks)
     return worst
 
 

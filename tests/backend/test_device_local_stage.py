@@ -21,7 +21,7 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 
 
 def _stage(rt, ops):
-    from tests.backend.test_device_staging import DEVICE
+    from tests.standins import DEVICE
     from torch_bps.local.device import DeviceLocalComm
     from torch_bps.pg.device import PartitionPipeline
     from torch_bps.pg.device_local import DeviceLocalStage
@@ -46,26 +46,26 @@ def _stage(rt, ops):
 
 def _sums(rank, world, gloo):
     import torch_bps
-    from tests.backend.test_device_staging import RecordingOps
-    from torch_bps.pg.work import launch_staged
+    from tests.standins import RecordingOps
+    from torch_bps.pg.work import launch_on_device
     from torch_bps.process_group import BackendBPS
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     ops = RecordingOps()
     stage, channels, pipe, streams = _stage(rt, ops)
-    run_staged, wire = rt.run_staged, set()
+    run_copied, wire = rt.run_copied, set()
 
     def recorded(tensor, *args, **kwargs):  # the dtype each slice travels in
         wire.add(str(tensor.dtype))
-        return run_staged(tensor, *args, **kwargs)
+        return run_copied(tensor, *args, **kwargs)
 
-    rt.run_staged = recorded
+    rt.run_copied = recorded
     n = 3 * rt.config.partition_bytes // 2 + 5  # every slice several partitions, the last a few elements
     failures, outcome = [], {}
     for step in range(3):
         op = ("SUM", "AVG")[step % 2]
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
-        work = launch_staged(rt, "allreduce", staged, stage, [staged], average=op == "AVG", where="in a test",
+        work = launch_on_device(rt, "allreduce", staged, stage, [staged], average=op == "AVG", where="in a test",
                              timeout=60)  # fmt: skip
         dist.all_reduce(plain)  # launched behind it, on the same runtime: the host local stages
         work.wait()
@@ -75,7 +75,7 @@ def _sums(rank, world, gloo):
             if not torch.equal(t, w):
                 failures.append(f"step {step} {op} {name}: {(t - w).abs().max()}")
     # Through the backend's own all_reduce, as a CUDA tensor would go.
-    BackendBPS._stager = lambda self, t, op: stage if op in ("SUM", "AVG") and t.dim() == 1 else None
+    BackendBPS._device_path = lambda self, t, op: stage if op in ("SUM", "AVG") and t.dim() == 1 else None
     t = _data(rank, n, 5)
     dist.all_reduce(t, dist.ReduceOp.AVG)
     if not torch.equal(t, sum(_data(r, n, 5) for r in range(world)) / world):
@@ -112,16 +112,16 @@ def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_get
 
 def _mismatch(rank, world, gloo):
     import torch_bps
-    from tests.backend.test_device_staging import RecordingOps
+    from tests.standins import RecordingOps
     from torch_bps.local import LocalInputError
-    from torch_bps.pg.work import launch_staged
+    from torch_bps.pg.work import launch_on_device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     # Tensors that are not on a GPU never share device memory: the machine takes the CPU-assisted path.
     assert rt.open_device_channels(torch.device("cpu")) is None
     stage, _, pipe, _ = _stage(rt, RecordingOps())
     t = torch.ones(100 + rank)  # the local ranks disagree on the size
-    work = launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60)
+    work = launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60)
     try:
         work.wait()
     except LocalInputError as e:
@@ -143,9 +143,9 @@ def _refused_once(rank, world, gloo):
     import time
 
     import torch_bps
-    from tests.backend.test_device_staging import RecordingOps
+    from tests.standins import RecordingOps
     from torch_bps.errors import BpsError
-    from torch_bps.pg.work import launch_staged
+    from torch_bps.pg.work import launch_on_device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
@@ -163,7 +163,7 @@ def _refused_once(rank, world, gloo):
     for step in range(2):
         t, started = _data(rank, n, step), time.monotonic()
         try:
-            launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
             outcomes.append(("ok", torch.equal(t, sum(_data(r, n, step) for r in range(world))), 0.0))
         except Exception as e:  # noqa: BLE001 - reported to the test, which decides
             outcomes.append((type(e).__name__, str(e), time.monotonic() - started))
@@ -193,7 +193,7 @@ def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_r
     import gc
     import types
 
-    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from tests.standins import DEVICE, RecordingOps
     from torch_bps.pg import device, device_local
 
     monkeypatch.setattr(device, "_ops", RecordingOps())
@@ -232,21 +232,21 @@ def _peer_killed(rank: int, port: int, environ: dict, results) -> None:
                       BPS_TIMEOUT="60")  # fmt: skip
     try:
         import torch_bps
-        from tests.backend.test_device_staging import RecordingOps
-        from torch_bps.pg.work import launch_staged
+        from tests.standins import RecordingOps
+        from torch_bps.pg.work import launch_on_device
 
         dist.init_process_group("byteps", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=60))  # fmt: skip
         rt = torch_bps.implementation(dist.group.WORLD).runtime
         stage, _, pipe, _ = _stage(rt, RecordingOps())
         t = torch.ones(5000)
-        launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+        launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.5)
         start = time.monotonic()
         try:
-            launch_staged(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
             results.put(("no error", "", time.monotonic() - start))
         except Exception as e:  # noqa: BLE001 - reported to the test
             results.put((type(e).__name__, str(e) + "".join(getattr(e, "__notes__", [])), time.monotonic() - start))
@@ -289,12 +289,12 @@ def _ddp(rank, world, gloo):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import torch_bps
-    from tests.backend.test_device_staging import RecordingOps
+    from tests.standins import RecordingOps
     from torch_bps.process_group import BackendBPS
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
-    BackendBPS._stager = lambda self, t, op: stage if op in ("SUM", "AVG") and t.is_floating_point() else None
+    BackendBPS._device_path = lambda self, t, op: stage if op in ("SUM", "AVG") and t.is_floating_point() else None
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     models = {"byteps": DDP(copy.deepcopy(base), bucket_cap_mb=0.1),
@@ -307,7 +307,7 @@ def _ddp(rank, world, gloo):
             opts[name].zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
             opts[name].step()
-    staged = sum(e[3] for e in stage._stager._ops.log if e[:3] == ("copy", "side", "d2h"))
+    staged = sum(e[3] for e in stage._copier._ops.log if e[:3] == ("copy", "side", "d2h"))
     stage.close()
     pipe.close()
     worst = max((a - b).abs().max().item() for a, b in zip(*(m.parameters() for m in models.values()), strict=True))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import torch_bps
-from tests.backend.test_ddp import _train_pair
+from tests.backend.ddp_pair import train_pair
 from tests.helpers import run_ranks
 
 
@@ -22,18 +22,18 @@ def _hooked(rank, world, gloo):
     state = torch_bps.BpsHookState()
     hooks = {"byteps": (state, torch_bps.bps_hook)}
     kwargs = dict(bucket_cap_mb=0.002, gradient_as_bucket_view=True)
-    worst["gloo+bps_hook"] = _train_pair(rank, world, gloo, gloo, kwargs, False, hooks)
+    worst["gloo+bps_hook"] = train_pair(rank, world, gloo, gloo, kwargs, False, hooks)
     assert state.connect().world_size == world and state.connect().name == "hook"
     # unused parameters: DDP's own bookkeeping all_reduce stays on gloo, the buckets go through the hook.
     # A second model's state on the same group shares the first one's Runtime (one rendezvous per name).
     second = torch_bps.BpsHookState()
     assert second.connect() is state.connect()
     hooks = {"byteps": (second, torch_bps.bps_hook)}
-    worst["unused"] = _train_pair(rank, world, gloo, gloo, dict(find_unused_parameters=True), True, hooks)
+    worst["unused"] = train_pair(rank, world, gloo, gloo, dict(find_unused_parameters=True), True, hooks)
     # hooks compose: the bucket travels as float16 (divided first, so no overflow), decompressed after
     hooks = {"byteps": (state, default_hooks.fp16_compress_wrapper(torch_bps.bps_hook)),
              "gloo": (gloo, default_hooks.fp16_compress_hook)}  # fmt: skip
-    worst["fp16_wrapper"] = _train_pair(rank, world, gloo, gloo, {}, False, hooks, tol=dict(rtol=1e-3, atol=1e-3))
+    worst["fp16_wrapper"] = train_pair(rank, world, gloo, gloo, {}, False, hooks, tol=dict(rtol=1e-3, atol=1e-3))
     second.close()
     state.close()
     # a "byteps" subgroup as the hook's group: the hook uses that group's Runtime, DDP uses the group too
@@ -41,7 +41,7 @@ def _hooked(rank, world, gloo):
     assert dist.get_backend(sub) == "byteps"
     sub_state = torch_bps.BpsHookState(process_group=sub)
     hooks = {"byteps": (sub_state, torch_bps.bps_hook)}
-    worst["byteps_subgroup"] = _train_pair(rank, world, gloo, sub, {}, False, hooks)
+    worst["byteps_subgroup"] = train_pair(rank, world, gloo, sub, {}, False, hooks)
     assert sub_state.connect() is torch_bps.implementation(sub).runtime
     return worst
 

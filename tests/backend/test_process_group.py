@@ -22,7 +22,7 @@ import torch_bps
 from tests.helpers import exact_floats, run_ranks
 from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import BpsError, BpsTimeoutError, ServerError
-from torch_bps.pg.work import Transfer, launch
+from torch_bps.pg.work import launch
 from torch_bps.process_group import BackendBPS
 from torch_bps.wire import Mode
 
@@ -509,7 +509,7 @@ def test_work_wait_timeout_and_failure_without_processes():
         def run(self, tensors, done, *, priority=0):
             pass
 
-    work = launch(Never(), "allreduce", [Transfer(torch.ones(2))], [], where="here", timeout=0.2)
+    work = launch(Never(), "allreduce", [Exchange(torch.ones(2))], [], where="here", timeout=0.2)
     start = time.monotonic()
     # torch's words, with the space before them that torch's own suite matches (" (Timed out|closed|timeout) ")
     with pytest.raises(BpsTimeoutError, match=" Timed out after 0.2 s waiting for allreduce here to complete"):
@@ -522,7 +522,7 @@ def test_work_wait_timeout_and_failure_without_processes():
         def run(self, tensors, done, *, priority=0):
             done(ServerError(8, "key 7 round 0: nbytes 8 != 16"))
 
-    work = launch(Failing(), "broadcast", [Transfer(torch.ones(2))], [], where="here", timeout=5)
+    work = launch(Failing(), "broadcast", [Exchange(torch.ones(2))], [], where="here", timeout=5)
     with pytest.raises(ServerError, match="key 7 round 0") as err:
         work.wait()
     assert "while running broadcast here" in "".join(err.value.__notes__)
@@ -549,7 +549,7 @@ def test_errors_name_op_dtype_and_backend_without_processes():
 def test_staging_dispatch_by_device():
     """Which staging a tensor gets. The CUDA branch is written but never ran here (no GPU): see pg/device.py."""
     from torch_bps.pg.device import staging_kind
-    from torch_bps.pg.staging import Staged
+    from torch_bps.pg.staging import HostCopy
 
     assert staging_kind(torch.device("cuda", 1), True) == "device"
     assert staging_kind(torch.device("cuda"), False) == "device"
@@ -558,9 +558,9 @@ def test_staging_dispatch_by_device():
     with pytest.raises(TypeError, match="meta"):
         staging_kind(torch.device("meta"), True)
     t = torch.arange(12.0).view(3, 4)
-    s = Staged("allreduce", t)
+    s = HostCopy("allreduce", t)
     assert s.kind == "in_place" and s.flat.data_ptr() == t.data_ptr()
-    s = Staged("allreduce", t.t())
+    s = HostCopy("allreduce", t.t())
     assert s.kind == "host_copy" and s.flat.data_ptr() != t.data_ptr()
     s.flat.mul_(2)
     s.write_back()

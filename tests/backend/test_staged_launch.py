@@ -1,4 +1,4 @@
-"""launch_staged between real processes: a tensor summed one partition at a time through a PartitionPipeline (CPU
+"""launch_on_device between real processes: a tensor summed one partition at a time through a PartitionPipeline (CPU
 tensors, a recording stand-in for torch.cuda) and the Runtime, beside ordinary collectives, against the plain sum."""
 
 from __future__ import annotations
@@ -18,24 +18,24 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 
 def _staged_sums(rank, world, gloo):
     import torch_bps
-    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from tests.standins import DEVICE, RecordingOps
     from torch_bps.pg.device import PartitionPipeline
-    from torch_bps.pg.work import launch_staged
+    from torch_bps.pg.work import launch_on_device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     ops = RecordingOps()
     pipe = PartitionPipeline(DEVICE, rt.config.partition_bytes, 2, ops=ops, timeout=60)
     n = 3 * rt.config.partition_bytes // 4 + 5  # several partitions, the last a few elements
-    failures, run_staged, wire = [], rt.run_staged, set()
+    failures, run_copied, wire = [], rt.run_copied, set()
 
     def recorded(tensor, *args, **kwargs):  # the dtype the tensor travels in
         wire.add(str(tensor.dtype))
-        return run_staged(tensor, *args, **kwargs)
+        return run_copied(tensor, *args, **kwargs)
 
-    rt.run_staged = recorded
+    rt.run_copied = recorded
     for step in range(3):
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
-        work = launch_staged(rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60)
+        work = launch_on_device(rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60)
         dist.all_reduce(plain)  # launched behind it, on the same runtime
         work.wait()
         for t, salt in ((staged, step), (plain, step + 10)):
@@ -58,7 +58,7 @@ def test_launch_staged_sums_through_the_runtime_beside_ordinary_collectives(wire
 
 def _backend_all_reduce_staged(rank, world, gloo):
     import torch_bps
-    from tests.backend.test_device_staging import DEVICE, RecordingOps
+    from tests.standins import DEVICE, RecordingOps
     from torch_bps.pg.device import PartitionPipeline
     from torch_bps.process_group import BackendBPS
 
@@ -66,7 +66,7 @@ def _backend_all_reduce_staged(rank, world, gloo):
     ops = RecordingOps()
     pipe = PartitionPipeline(DEVICE, impl.runtime.config.partition_bytes, 2, ops=ops, timeout=60)
     # As for a CUDA tensor: the backend's own choice, with CPU tensors standing in (the recorder copies at once).
-    BackendBPS._stager = lambda self, t, op: pipe if op in ("SUM", "AVG") and t.dim() == 1 else None
+    BackendBPS._device_path = lambda self, t, op: pipe if op in ("SUM", "AVG") and t.dim() == 1 else None
     n = 3 * impl.runtime.config.partition_bytes // 4 + 5
     failures = []
     for op in ("SUM", "AVG"):

@@ -19,7 +19,7 @@ from torch_bps.client import Client
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights
-from torch_bps.engine.precision import StagingBuffers, travels_as, wire_dtype
+from torch_bps.engine.precision import WireCasts, travels_as, wire_dtype
 from torch_bps.wire import Mode
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,13 +133,13 @@ def test_only_fp32_sums_travel_as_the_wire_dtype():
         assert travels_as(torch.zeros(4, dtype=other), Mode.SUM, bf16) is other
 
 
-def test_a_staging_buffer_is_never_shared_while_taken_and_reused_once_given_back():
-    staging = StagingBuffers()
+def test_a_wire_cast_buffer_is_never_shared_while_taken_and_reused_once_given_back():
+    casts = WireCasts()
     exact = torch.tensor([1.0, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(2.0**20) - 1])
-    a, b = staging.cast(exact, torch.bfloat16), staging.cast(exact, torch.bfloat16)
+    a, b = casts.cast(exact, torch.bfloat16), casts.cast(exact, torch.bfloat16)
     assert a.data_ptr() != b.data_ptr()  # two collectives in flight
     # Rounded to nearest, ties to even, as torch rounds: the two ties go to 1 and to 1 + 2**-6.
     assert torch.equal(a, exact.to(torch.bfloat16)) and a.tolist() == [1.0, 1.0, 1.0 + 2.0**-6, -(2.0**20)]
-    staging.give(a)
-    assert staging.cast(exact, torch.bfloat16).data_ptr() == a.data_ptr()
-    assert staging.cast(exact, torch.float16).dtype is torch.float16  # by dtype too: a new one
+    casts.give(a)
+    assert casts.cast(exact, torch.bfloat16).data_ptr() == a.data_ptr()
+    assert casts.cast(exact, torch.float16).dtype is torch.float16  # by dtype too: a new one

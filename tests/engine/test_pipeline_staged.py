@@ -1,4 +1,4 @@
-"""PushPullEngine.run_staged over real summation servers: partitions staged one at a time through a PartitionPipeline
+"""PushPullEngine.run_copied over real summation servers: partitions staged one at a time through a PartitionPipeline
 (CPU tensors and a recording stand-in for torch.cuda), interleaved with plain collectives on the same keys."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.backend.test_device_staging import DEVICE, RecordingOps
+from tests.standins import DEVICE, RecordingOps
 from torch_bps.client import Client
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
@@ -67,7 +67,7 @@ def test_staged_and_plain_collectives_on_the_same_keys_sum_right_on_every_worker
             # at once: its plain ones must wait behind its staged partitions. Worker 0 launches its plain ones only
             # once its staged partitions were all handed to the client: that order is the one every worker must see.
             for w in (1, 0):
-                engines[w].run_staged(tensors[w][0], pipes[w], waiter.add(), priority=step)
+                engines[w].run_copied(tensors[w][0], pipes[w], waiter.add(), priority=step)
                 deadline = time.monotonic() + 30
                 while w == 0 and pipes[w].pending() and time.monotonic() < deadline:
                     time.sleep(0.001)
@@ -97,7 +97,7 @@ def test_run_staged_refuses_a_tensor_the_wire_would_cast(server, job_id):
         keys = KeyBook(Placement(server_weights([server.address], [])), PARTITION, lambda n: [(0, n)])
         engine = PushPullEngine(client, keys, timeout=10, wire_dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="travels as torch.bfloat16 \\(the wire dtype\\)"):
-            engine.run_staged(torch.zeros(8), None, lambda e: None)
+            engine.run_copied(torch.zeros(8), None, lambda e: None)
         engine.close()
     finally:
         client.close()

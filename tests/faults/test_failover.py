@@ -231,9 +231,6 @@ class HandRank:
 def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
     """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated; anything with .address)."""
     weights = server_weights([], [s.address for s in servers])
-    box = []
-    client = Client([s.address for s in servers], job_id, 0, 2, timeout=30, failover=True,
-                    on_link_down=lambda s, why: box[0].on_link_down(0, s, why))  # fmt: skip
 
     def make_client(new, new_job, on_link_down):
         return Client([s.address for s in new], new_job, 0, 2, timeout=30, failover=True, on_link_down=on_link_down)
@@ -242,9 +239,8 @@ def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
     no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
     agreement = Agreement(store, 0, 2, 30.0, "optimal", own_keys, make_client, lambda n: [], no_colocated,
                           lambda: ([], []))  # fmt: skip
-    router = Router(client, weights, agreement, "test")
-    box.append(router)
-    return client, router
+    router = Router(weights, agreement, "test", job_id=job_id)  # it makes its first client
+    return router.client, router
 
 
 @pytest.fixture
@@ -265,7 +261,7 @@ def rank0():
 def submit(router, parts) -> torch.futures.Future:
     fut = torch.futures.Future()
     parts = [Partition(*p) for p in parts]
-    router.submit(parts, 0, lambda error: fut.set_exception(error) if error else fut.set_result(None))
+    router.push_pull_batch(parts, on_done=lambda error: fut.set_exception(error) if error else fut.set_result(None))
     return fut
 
 
@@ -381,12 +377,12 @@ def test_a_collective_held_through_two_epochs_clients_completes():
     def make_client(new, job, on_link_down):
         return Client([s.address for s in new], job, 0, 1, timeout=30, failover=True, on_link_down=on_link_down)
 
-    client = make_client(servers, 0x5EED0003, lambda s, why: box[0].on_link_down(0, s, why))
     own_keys = lambda every_slice=False: {key_a: (0, N * 4), key_b: (1, N * 4)}  # noqa: E731
     no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
     agreement = Agreement(store, 0, 1, 30.0, "optimal", own_keys, make_client, claim, no_colocated, lambda: ([], []))
-    router = Router(client, server_weights([], [s.address for s in servers]), agreement, "test")
+    router = Router(server_weights([], [s.address for s in servers]), agreement, "test", job_id=0x5EED0003)
     box.append(router)
+    client = router.client
 
     def collective(value: float) -> None:
         a, b = torch.full((N,), value), torch.full((N,), -value)

@@ -11,7 +11,7 @@ May import: the standard library, torch and torch_bps.wire.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,8 @@ class Exchange:
         pull: per rank, the range it needs back; None: everything.
         compress: a SUM of fp32 gradients the engine may compress (its Compressor, compress.py): lossy, so only
             what asks for it (bps_hook's buckets), never a plain all_reduce.
+        finish: what the front door runs once the collective's sums are in (pg/work.py's `launch`): copies or
+            reductions to where the caller wants them; the engine never calls it.
 
     Example (an all-gather of 4 elements per rank among 2 ranks):
         Exchange(buf, Mode.COPY, push=((0, 4), (4, 8)))
@@ -43,6 +45,7 @@ class Exchange:
     push: Sequence[Range] | None = None
     pull: Sequence[Range] | None = None
     compress: bool = False
+    finish: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if (self.mode == Mode.COPY) != (self.push is not None):

@@ -6,7 +6,7 @@ it profiles by default. A local stage is such a span too, opened on the thread w
 one of the engine's own threads, which torch.profiler records only when asked to
 (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`).
 With no profiler running, each call costs one check.
-May import: torch.
+May import: torch, torch_bps.futures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-Done = Callable[[BaseException | None], None]
+from torch_bps.futures import Done
 
 
 def span(name: Callable[[], str], done: Done) -> Done:

@@ -2,7 +2,7 @@
 
 `LocalComm` (comm.py) is the public surface; shm.py keeps segment lifetime, sync.py the cross-process
 rounds, reduce.py the one local-sum function a fused kernel can replace.
-May import: torch, torch.distributed, torch_bps.errors.
+May import: torch, torch.distributed, torch_bps.errors, torch_bps.wire (the dtype codes), triton_kernels.
 """
 
 from torch_bps.local.comm import LocalComm, LocalInputError, LocalPeerFailedError, split_range

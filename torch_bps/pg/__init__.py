@@ -1,8 +1,8 @@
 """Building blocks of the "byteps" front doors (the ProcessGroup in torch_bps.process_group, and bps_hook).
 
-- `staging`: the caller's tensors seen as the flat CPU buffers a Runtime sums, and the sums copied back;
+- `staging`: the caller's tensors seen as the flat CPU buffers a Runtime sums (`HostCopy`), and the sums copied back;
   dtype and layout checks with errors that name the op and the backend.
-- `work`: `launch` (sum a collective's buffers, finish, complete), `launch_staged` (a CUDA sum) and the C++ Work
+- `work`: `launch` (sum a collective's buffers, finish, complete), `launch_on_device` (a CUDA sum) and the C++ Work
   handed to torch.
 - `device`: CUDA tensors through host memory (whole, or a partition at a time through `pinned`'s bounded pool,
   streams and copies behind `cuda_ops`); `device_local`: a machine's local stages on the device, and `route`,
@@ -10,6 +10,7 @@
 - `sparse`: sparse COO sums at the bytes of their rows. `p2p`: point-to-point, all-to-all and monitored barriers on
   an internal gloo group.
 
-May import: torch, torch_bps.wire (the dtype table), torch_bps.errors, torch_bps.futures; torch_bps._C only
-inside functions. Never torch_bps.runtime: a Runtime is passed in, so this package loads without the C++ client.
+May import: torch, torch_bps.wire (the dtype table), torch_bps.errors, torch_bps.futures, torch_bps.engine.exchange
+(what a collective exchanges); torch_bps._C only inside functions. Never torch_bps.runtime: a Runtime is passed in,
+so this package loads without the C++ client.
 """

@@ -2,7 +2,7 @@
 
 The summation service works on host memory, so a GPU tensor makes a round trip. Two ways:
 
-- `DeviceStaging`, the whole tensor at once (what `Staged` uses for the "byteps" collectives and bps_hook): a
+- `DeviceStaging`, the whole tensor at once (what `HostCopy` uses for the "byteps" collectives and bps_hook): a
   pinned copy made on the side stream after the caller's stream (always, even for a tensor the collective
   only writes: a queued write of the caller's must not land after the result), and the copy back on that
   stream. The caller's thread waits for its own copy's event only, never for the stream or the device.
@@ -13,7 +13,7 @@ The summation service works on host memory, so a GPU tensor makes a round trip. 
   back and the stream the caller reads on waits for it.
 
 Every stream, event and copy goes through `CudaOps` (cuda_ops.py), which a test replaces by a recorder.
-May import: torch, torch_bps.errors, torch_bps.pg.cuda_ops, torch_bps.pg.pinned.
+May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.pg.cuda_ops, torch_bps.pg.pinned.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torch_bps.errors import BpsError
+from torch_bps.futures import Done
 from torch_bps.pg.cuda_ops import CudaOps, TorchCudaOps
 from torch_bps.pg.pinned import PinnedPool
 
@@ -43,7 +44,6 @@ PIPELINE_SLOTS = 4
 _pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: PartitionPipeline}
 _pipelines_lock = threading.Lock()
 
-Done = Callable[[BaseException | None], None]
 # push(index, host view of the partition, pulled): send it; call pulled(error or None) once its sum is in the view
 Push = Callable[[int, torch.Tensor, Done], None]
 
@@ -158,7 +158,7 @@ class PartitionPipeline:
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job | Callable[[], None] | None] = queue.Queue()
         self._pending = 0  # tensors (and `after` calls) queued whose partitions are not all handed over yet
-        self._thread = threading.Thread(target=self._loop, name="bps-stage-out", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="bps-copy-out", daemon=True)
         self._thread.start()
 
     def start(self, tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], push: Push, done: Done, *,

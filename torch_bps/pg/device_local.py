@@ -4,10 +4,10 @@ For a CUDA tensor summed or averaged over a group whose machines have several lo
 map each other's memory (local/device.py's `open_local_stage`):
 
     reduce-scatter on the device (the fused kernel sums the peers' slices, scales an AVG, casts to the wire dtype)
-    -> this rank's slice staged one partition at a time to the servers and back (engine.run_staged, sliced)
+    -> this rank's slice staged one partition at a time to the servers and back (engine.run_copied, sliced)
     -> all-gather on the device (copies from the peers' buffers) -> the Work completes
 
-Every local rank must meet the others in each channel in the same order. The reduce-scatters run on the stager's
+Every local rank must meet the others in each channel in the same order. The reduce-scatters run on the copier's
 thread (its `prepare`: one thread, submission order, right before the slice's copies to the host); the
 all-gathers on this stage's thread, in submission order, each once its collective's network stage ended. Two
 threads and two channels: a rank waiting in an all-gather never holds up a reduce-scatter a peer's network stage
@@ -52,21 +52,21 @@ class DeviceLocalStage:
     """Sum CUDA tensors over the group with the machine's local stages on the device.
 
     Args:
-        runtime: the group's Runtime (`run_staged`, `alone`).
+        runtime: the group's Runtime (`run_copied`, `alone`).
         device: the tensors' device.
         channels: (reduce-scatter, all-gather) DeviceLocalComm channels of the machine's local ranks.
-        stager: the PartitionPipeline of `device` (its thread runs the reduce-scatters).
+        copier: the PartitionPipeline of `device` (its thread runs the reduce-scatters).
         ops: stream operations (default torch.cuda; tests pass CPU stand-ins).
 
     Example: `stage.launch(grad.view(-1), 1 / world, done)`; `done(error or None)` runs on this stage's completion
     thread with the side stream current, after the all-gather's copies were queued on it.
     """
 
-    def __init__(self, runtime, device: torch.device, channels, stager: PartitionPipeline, ops: CudaOps | None = None):
+    def __init__(self, runtime, device: torch.device, channels, copier: PartitionPipeline, ops: CudaOps | None = None):
         self.device = torch.device(device)
         self._runtime = weakref.proxy(runtime)  # the runtime keeps its stages (stage_for), not the other way round
         self._rs, self._ag = channels
-        self._stager = stager
+        self._copier = copier
         self._ops = ops or cuda_ops()
         self._stream = self._ops.side_stream(self.device)
         self._order: deque[_Job] = deque()  # launched, not yet gathered: submission order
@@ -92,14 +92,14 @@ class DeviceLocalStage:
             if self._closed:
                 raise BpsError(f"the device local stage on {self.device} is closed")
             self._order.append(job)
-        staged = flat if wire is None else wire
-        prepare = functools.partial(self._rs.reduce_scatter, flat, out=staged[lo:hi], scale=scale)
+        outgoing = flat if wire is None else wire
+        prepare = functools.partial(self._rs.reduce_scatter, flat, out=outgoing[lo:hi], scale=scale)
         ended = functools.partial(self._network_ended, job)
         try:
-            if self._runtime.alone:  # no slice to stage: the stager's thread runs the reduce-scatter, in order
-                self._stager.start(flat, [], None, ended, prepare=prepare)
+            if self._runtime.alone:  # no slice to copy out: the copier's thread runs the reduce-scatter, in order
+                self._copier.start(flat, [], None, ended, prepare=prepare)
             else:
-                self._runtime.run_staged(staged, self._stager, ended, sliced=True, prepare=prepare)
+                self._runtime.run_copied(outgoing, self._copier, ended, sliced=True, prepare=prepare)
         except BaseException:
             with self._cv:
                 self._order.remove(job)
@@ -154,9 +154,9 @@ def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline
     stage = stage_for(runtime, tensor.device)
     if stage is not None:
         return stage
-    wire = runtime.travels_as(tensor)  # launch_staged casts to the wire dtype on the device
-    staged = tensor.view(-1) if wire == tensor.dtype else torch.empty(0, dtype=wire, device=tensor.device)
-    return pipeline_for(runtime, tensor.device) if runtime.cannot_stage(staged) is None else None
+    wire = runtime.travels_as(tensor)  # launch_on_device casts to the wire dtype on the device
+    outgoing = tensor.view(-1) if wire == tensor.dtype else torch.empty(0, dtype=wire, device=tensor.device)
+    return pipeline_for(runtime, tensor.device) if runtime.cannot_copy(outgoing) is None else None
 
 
 def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:

@@ -10,7 +10,7 @@ backend's all_reduce and bps_hook use it.
 Buffers are padded to `padded` sizes (2^k or 3 x 2^(k-1)): a key is planned per buffer size, so this bounds the
 keys (and the servers' memory) a training run makes, for at most a third more bytes.
 
-May import: torch, torch_bps.wire, torch_bps.pg.staging, torch_bps.pg.work.
+May import: torch, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.staging, torch_bps.pg.work.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torch_bps.engine.exchange import Exchange
 from torch_bps.pg.staging import BACKEND, as_bytes, check_tensor, real
-from torch_bps.pg.work import Transfer
 from torch_bps.wire import Mode
 
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 META_LEN = 4 + MAX_DIMS  # nnz, sparse_dim, dtype, ndim, then the sizes
 
 
-# launch(transfers, result, device) -> the collective's Work; reduce(dtype, flat, op, finish) -> the Transfer of a sum.
-Launch = Callable[[list[Transfer], object, "torch.device | None"], dist.Work]
-Reduce = Callable[[torch.dtype, torch.Tensor, str, Callable[[], None]], Transfer]
+# launch(transfers, result, device) -> the collective's Work; reduce(dtype, flat, op, finish) -> the Exchange of a sum.
+Launch = Callable[[list[Exchange], object, "torch.device | None"], dist.Work]
+Reduce = Callable[[torch.dtype, torch.Tensor, str, Callable[[], None]], Exchange]
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _gather_now(mine: torch.Tensor, rank: int, world: int, launch: Launch) -> to
     out[rank * n : (rank + 1) * n] = mine
     size = n * mine.element_size()
     slots = [(r * size, (r + 1) * size) for r in range(world)]
-    launch([Transfer(as_bytes(out), None, Mode.COPY, push=slots)], [out], None).wait()
+    launch([Exchange(as_bytes(out), Mode.COPY, push=slots)], [out], None).wait()
     return out
 
 

@@ -98,7 +98,7 @@ def fill_except(buf: torch.Tensor, start: int, stop: int) -> None:
     buf[stop:].fill_(neutral(buf.dtype))
 
 
-class Staged:
+class HostCopy:
     """One caller tensor as a flat CPU buffer: its own storage when contiguous on CPU, else a copy.
 
     `flat` is what to push_pull; `write_back()` (a no-op for the zero-copy case) puts `flat` into the tensor.

@@ -1,9 +1,9 @@
 """Launching a collective's push_pulls, and the Work the caller gets back.
 
-A collective is a list of `Transfer`s: buffers the Runtime sums in place as one unit, then `finish`
-functions that copy or reduce the sums to where the caller wants them. Both run, and the Work's future
-completes, on one of the C++ client's completion threads (see torch_bps/engine/pipeline.py); a user's
-callback that blocks there on another collective (PowerSGD) makes the client start another thread.
+A collective is a list of `Exchange`s (engine/exchange.py): buffers the Runtime sums (or gathers) in place as
+one unit, then their `finish` functions, which copy or reduce the sums to where the caller wants them. Both run,
+and the Work's future completes, on one of the C++ client's completion threads (see torch_bps/engine/pipeline.py);
+a user's callback that blocks there on another collective (PowerSGD) makes the client start another thread.
 
 The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join call its getFuture() from
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
@@ -15,8 +15,7 @@ torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,34 +25,17 @@ from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
 from torch_bps.pg.device import completion_context
 from torch_bps.pg.device_local import DeviceLocalStage
-from torch_bps.wire import Mode
 
 
-@dataclass
-class Transfer:
-    """One buffer of a collective: `buffer` (1-D, contiguous, CPU) is summed in place over the group (or, with
-    mode COPY, gathered from each rank's `push` range), then `finish` copies or reduces the result to where the
-    caller wants it. `push` and `pull` are per-rank element ranges (see torch_bps.engine.exchange.Exchange)."""
-
-    buffer: torch.Tensor
-    finish: Callable[[], None] | None = None
-    mode: Mode = Mode.SUM
-    push: Sequence[tuple[int, int]] | None = None
-    pull: Sequence[tuple[int, int]] | None = None
-    compress: bool = False  # gradients the engine may compress (bps_hook only; Exchange.compress)
-
-    def exchange(self) -> Exchange:
-        return Exchange(self.buffer, self.mode, self.push, self.pull, self.compress)
-
-
-def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, where: str, timeout: float,
+def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, where: str, timeout: float,
            device: torch.device | None = None) -> dist.Work:  # fmt: skip
-    """Sum every transfer's buffer over the group, run the finishes, complete the Work's future with `result`.
+    """Sum (or gather) each exchange's tensor over the group, run the finishes, complete the Work's future with
+    `result`.
 
     The caller must hold the group's launch lock so that collectives stay in one order on every rank.
-    Transfers with no elements send nothing (every rank skips them alike, since shapes must agree).
+    Exchanges with no elements send nothing (every rank skips them alike, since shapes must agree).
 
-    Example: `launch(rt, "barrier", [Transfer(torch.zeros(1))], [], where="on group 0", timeout=60)`.
+    Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
     """
     on_device = device is not None and device.type != "cpu"
     future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
@@ -64,55 +46,55 @@ def launch(runtime, op: str, transfers: Sequence[Transfer], result: Any, *, wher
         with completion_context(device if on_device else None):
             if error is None:
                 try:
-                    for t in transfers:
-                        if t.finish is not None:
-                            t.finish()
+                    for x in exchanges:
+                        if x.finish is not None:
+                            x.finish()
                 except BaseException as e:  # noqa: BLE001 - the collective fails with it
                     error = e
             _settle(future, result, error, f"{op} {where}")
 
-    runtime.run([t.exchange() for t in transfers if t.buffer.numel() > 0], done)
+    runtime.run([x for x in exchanges if x.tensor.numel() > 0], done)
     return make_work(future, timeout, f"{op} {where}")
 
 
-def launch_staged(runtime, op: str, tensor: torch.Tensor, stager, result: Any, *, average: bool, where: str,
-                  timeout: float) -> dist.Work:  # fmt: skip
+def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, *, average: bool, where: str,
+                     timeout: float) -> dist.Work:  # fmt: skip
     """Sum (`average`: average) `tensor` (1-D, contiguous, floats on a CUDA device) in place over the group through
-    `stager`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
+    `path`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
     (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
     machine: copied to the host, pushed, pulled and copied back, a partition at a time, overlapped). The caller
     holds the group's launch lock.
 
-    Example: `launch_staged(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
+    Example: `launch_on_device(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
     where="on group 0", timeout=60)`.
     """
     device = tensor.device
     future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()  # (tests: CPU)
 
     def done(error: BaseException | None) -> None:
-        with completion_context(device):  # the stager calls it with its side stream current
+        with completion_context(device):  # the copier calls it with its side stream current
             _settle(future, result, error, f"{op} {where}")
 
     scale = 1.0 / runtime.world_size if average else 1.0
-    if isinstance(stager, DeviceLocalStage):
-        stager.launch(tensor, scale, done)  # the scale fused into the local reduce-scatter
+    if isinstance(path, DeviceLocalStage):
+        path.launch(tensor, scale, done)  # the scale fused into the local reduce-scatter
         return make_work(future, timeout, f"{op} {where}")
     if average:
         tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
     wire = runtime.travels_as(tensor)
     if wire == tensor.dtype:
-        runtime.run_staged(tensor, stager, done)
+        runtime.run_copied(tensor, path, done)
         return make_work(future, timeout, f"{op} {where}")
     # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
-    # stream, where the stager runs `done`, before the Future's event.
-    staged = tensor.to(wire)
+    # stream, where the copier runs `done`, before the Future's event.
+    cast = tensor.to(wire)
 
     def cast_back(error: BaseException | None) -> None:
         if error is None:
-            tensor.copy_(staged)
+            tensor.copy_(cast)
         done(error)
 
-    runtime.run_staged(staged, stager, cast_back)
+    runtime.run_copied(cast, path, cast_back)
     return make_work(future, timeout, f"{op} {where}")
 
 

@@ -5,5 +5,5 @@ server, and `python -m torch_bps.timeline DIR -o timeline.json`, which merges th
 - recorder.py: a Runtime's window of collectives (BPS_TRACE=DIR[,START:END]), and `recording(client, path)`;
 - merge.py: the merge (the servers write their own files: torch_bps/server/timeline.py).
 
-May import: the standard library, torch_bps.errors and torch_bps.timeline.
+May import: the standard library, torch_bps.errors, torch_bps.futures and torch_bps.timeline.
 """

@@ -9,7 +9,7 @@ into DIR too (bps-server --trace); `python -m torch_bps.timeline DIR -o timeline
 Costs: while the window is open, a clock read and a locked append per partition step in the IO thread, and
 a few Python lines per collective; outside it, one check per collective and one branch per step.
 
-May import: the standard library, torch_bps.errors and torch_bps.timeline.
+May import: the standard library, torch_bps.errors, torch_bps.futures and torch_bps.timeline.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch_bps.errors import ConfigError
+from torch_bps.futures import Done
 from torch_bps.timeline import events
 
 log = logging.getLogger("torch_bps.timeline")
 
-Done = Callable[[BaseException | None], None]
 CAPACITY = 1 << 18  # events the client records in a window at most (56 bytes each); more are counted as dropped
 DEFAULT_WINDOW = (0, 50)
 
