@@ -22,8 +22,9 @@ import torch.distributed as dist
 import zmq
 
 from torch_bps.address import parse_listening, split_host_port
+from torch_bps.futures import completer
 from torch_bps.security import ClientCredentials
-from torch_bps.wire import HEADER_SIZE, Command, Header
+from torch_bps.wire import HEADER_SIZE, Command, Header, Mode, Partition, Status
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -471,3 +472,74 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+# --- Raw peers' requests, spoken as another implementation of docs/protocol.md would (tests/server) ------------------
+# The dtype codes of docs/protocol.md, written out here rather than taken from torch_bps.wire: the peers below
+# speak the protocol as another implementation would, so a server whose table drifted (fp16 and bf16 swapped,
+# say) sums the wrong type and the sum tests fail, not only test_dtype_table_matches_protocol_doc.
+PROTOCOL_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int32: 5,
+                  torch.int64: 6, torch.uint8: 7, torch.int8: 8}  # fmt: skip
+
+
+def peers(server, job_id, n):
+    """Return n RawPeers, workers 0..n-1 of `job_id`, each having said HELLO to `server`."""
+    ps = [RawPeer(server.address, job_id, w, n) for w in range(n)]
+    for p in ps:
+        assert p.hello().status == Status.OK
+    return ps
+
+
+def declare(ps, key, t):
+    """INIT `key` as a SUM key of `t`'s size and dtype from every peer of `ps`."""
+    for p in ps:
+        h, _ = p.request(Command.INIT, key=key, nbytes=t.numel() * t.element_size(), dtype=PROTOCOL_CODES[t.dtype])
+        assert h.status == Status.OK, h
+
+
+def push(p, key, rnd, t):
+    """PUSH `t` as round `rnd` of `key`; return (reply header, payload frames)."""
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return p.request(Command.PUSH, data, key=key, round=rnd, nbytes=len(data), dtype=PROTOCOL_CODES[t.dtype])
+
+
+def pull(p, key, rnd, like):
+    """PULL round `rnd` of `key` whole; return it as a tensor of `like`'s dtype (the reply must be OK)."""
+    h, rest = p.request(
+        Command.PULL, key=key, round=rnd, nbytes=like.numel() * like.element_size(), dtype=PROTOCOL_CODES[like.dtype]
+    )
+    assert h.status == Status.OK, rest
+    return torch.frombuffer(bytearray(rest[0]), dtype=like.dtype) if rest[0] else torch.empty(0, dtype=like.dtype)
+
+
+def error_of(reply) -> tuple[int, str]:
+    """(status, error message) of a (reply header, payload frames) pair."""
+    h, rest = reply
+    return h.status, rest[0].decode() if rest else ""
+
+
+# --- The C++ client through the door production uses (tests/client and every test that drives a Client) -------------
+def push_pull_part(
+    client,
+    tensor: torch.Tensor,
+    key: int,
+    *,
+    server: int | None = None,
+    out: torch.Tensor | None = None,
+    mode: Mode = Mode.SUM,
+    key_numel: int | None = None,
+    offset: int = 0,
+    out_offset: int = 0,
+    priority: int = 0,
+    codec: int = 0,
+    dense_numel: int = 0,
+) -> torch.futures.Future:
+    """Run one partition through `client.push_pull_batch` (a batch of one, as the engine sends); return a Future of
+    where the result went (`out`, default `tensor`), failed with the batch's error.
+
+    Example: `assert torch.equal(push_pull_part(c, torch.ones(4), key=0).wait(), 2 * torch.ones(4))`
+    """
+    future = torch.futures.Future()
+    part = Partition(tensor, key, server, out, mode, key_numel, offset, out_offset, codec, dense_numel)
+    client.push_pull_batch([part], priority=priority, on_done=completer(future, tensor if out is None else out))
+    return future

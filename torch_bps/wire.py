@@ -1,6 +1,6 @@
 """The wire format shared by the summation server and the push/pull client.
 
-Every message is a ZeroMQ multipart message: one fixed 96-byte header frame, then at most one frame of
+Every message is a ZeroMQ multipart message: one fixed 128-byte header frame, then at most one frame of
 payload (raw tensor bytes, a UTF-8 error message, or a fixed table of counters). Nothing received from
 a peer is ever unpickled. docs/protocol.md is the normative description; this module and
 cpp_ext/transport/wire.h must agree with it byte for byte (tests/transport/test_wire.py checks the C++ side).
@@ -24,10 +24,14 @@ import torch
 from torch_bps.errors import ProtocolError
 
 MAGIC = 0x31535042  # b"BPS1" little-endian
-VERSION = 2
-# magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, rounds, then the u64s
-HEADER = struct.Struct("<IHHHHIIIII8Q")
-HEADER_SIZE = HEADER.size  # 96
+VERSION = 3
+# magic, version, command, status, dtype, worker, codec, wait_ms, mode, behind, then 9 u64s (incarnation ..
+# dense_bytes); then the control block: num_workers, backups, window, stream, staleness
+HEADER = struct.Struct("<IHHHHIIIII9QIIIIQ")
+HEADER_SIZE = HEADER.size  # 128
+# Magic, version, command and status sit at bytes 0-9 in every version: a peer of another version is told so in its
+# own framing (docs/protocol.md, "Versions").
+VERSIONED_PREFIX = 10
 REPLY = 0x80  # a reply's command is the request's command | REPLY
 
 
@@ -39,9 +43,9 @@ class Command(enum.IntEnum):
     STATS = 5  # server counters, for tests and benchmarks
 
 
-# A HELLO reply's `length`: the stream port (bits 0-15), and this bit if the server also listens on its local
+# A HELLO reply's `stream`: the stream port (bits 0-15), and this bit if the server also listens on its local
 # stream, an abstract unix socket named after its incarnation (docs/protocol.md, "The stream transport").
-STREAM_LOCAL = 1 << 32
+STREAM_LOCAL = 1 << 16
 # The peer address a server's core gives a request that came on its local stream (no IP: a unix socket).
 LOCAL_PEER = "local"
 
@@ -73,7 +77,7 @@ class Mode(enum.IntEnum):
 
 class Codec(enum.IntEnum):
     """How a compressed SUM key's pushes and pulls are laid out (docs/protocol.md, "Compressed keys"). A key's codec
-    word (INIT/PUSH/PULL's `num_workers`) is the codec in bits 0-7 and, for TOPK, the row width in bits 8-31."""
+    word (INIT/PUSH/PULL's `codec` field) is the codec in bits 0-7 and, for TOPK, the row width in bits 8-31."""
 
     NONE = 0
     ONEBIT = 1  # an fp32 scale, then a sign bit per element (1: negative), padded to 4 bytes
@@ -191,63 +195,53 @@ STATS_FIELDS = ("pushes", "pulls", "bytes_in", "bytes_out", "bytes_summed", "sum
 
 @dataclass(frozen=True)
 class Header:
-    """One message header. Replies echo request_id, job_id, key and round of the request."""
+    """One message header, its fields in wire order; each has one meaning (docs/protocol.md's table). Replies echo
+    request_id, job_id, key and round of the request.
+
+    The last five are the control block (ps-lite's `Meta.control`): what a HELLO says about its job and what the
+    reply offers; zero on every other message.
+    """
 
     command: int
     status: int = 0
     dtype: int = 0
     worker: int = 0
-    num_workers: int = 0
+    codec: int = 0  # INIT/PUSH/PULL: the key's codec word (0: uncompressed)
     wait_ms: int = 0  # PULL: how long the server may hold it before answering ROUND_TIMEOUT; 0: no limit
-    mode: int = 0  # INIT/PUSH/PULL: the key's Mode; HELLO: the job's backup workers
+    mode: int = 0  # INIT/PUSH/PULL: the key's Mode
+    behind: int = 0  # a PULL's reply: how many later rounds of the key had already closed (how far behind it is)
     incarnation: int = 0
     job_id: int = 0
     key: int = 0
-    round: int = 0
+    round: int = 0  # PUSH/PULL: the key's round
     request_id: int = 0
     nbytes: int = 0  # INIT/PUSH/PULL: the key's size in bytes
     offset: int = 0  # PUSH: where the payload goes in the key; PULL: first byte wanted
     length: int = 0  # PUSH: payload bytes; PULL: bytes wanted
-    # HELLO: the job's window of live rounds per key (0: 2); a PULL's reply: how many later rounds of the key have
-    # already closed (how far behind the worker is)
-    rounds: int = 0
+    dense_bytes: int = 0  # INIT of a compressed key: the fp32 partition's bytes its encoding stands for
+    num_workers: int = 0  # HELLO: the job's worker count
+    backups: int = 0  # HELLO: the job's backup workers b (0: none)
+    window: int = 0  # HELLO: the job's live rounds per key W (0: 2)
+    stream: int = 0  # HELLO reply: the stream offer (port in bits 0-15, STREAM_LOCAL); 0: none
+    staleness: int = 0  # HELLO: the job's staleness bound s for MODEL keys (2**64 - 1: unbounded)
 
     def pack(self) -> bytes:
-        return HEADER.pack(
-            MAGIC,
-            VERSION,
-            self.command,
-            self.status,
-            self.dtype,
-            self.worker,
-            self.num_workers,
-            self.wait_ms,
-            self.mode,
-            self.rounds,
-            self.incarnation,
-            self.job_id,
-            self.key,
-            self.round,
-            self.request_id,
-            self.nbytes,
-            self.offset,
-            self.length,
-        )
+        return HEADER.pack(MAGIC, VERSION, *self.__dict__.values())
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> Header:
-        """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad."""
-        if len(data) != HEADER_SIZE:
+        """Parse a header frame; raise ProtocolError (with the Status to answer) when it is bad. The version is read
+        before the size (every version's header starts alike): a peer of another version hears BAD_VERSION."""
+        if len(data) < VERSIONED_PREFIX:
             raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
-        (magic, version, command, status, dtype, worker, num_workers, wait_ms, mode, rounds, incarnation, job_id,
-         key, rnd, request_id, nbytes, offset, length) = HEADER.unpack(data)  # fmt: skip
+        magic, version = struct.unpack_from("<IH", data)
         if magic != MAGIC:
             raise ProtocolError(Status.BAD_FRAME, f"bad magic 0x{magic:08x}")
         if version != VERSION:
             raise ProtocolError(Status.BAD_VERSION, f"protocol version {version}, this side speaks {VERSION}")
-        values = (command, status, dtype, worker, num_workers, wait_ms, mode, incarnation, job_id, key, rnd,
-                  request_id, nbytes, offset, length, rounds)  # fmt: skip
-        return _header(dict(zip(_FIELDS, values, strict=True)))
+        if len(data) != HEADER_SIZE:
+            raise ProtocolError(Status.BAD_FRAME, f"header frame is {len(data)} bytes, expected {HEADER_SIZE}")
+        return _header(dict(zip(_FIELDS, HEADER.unpack(data)[2:], strict=True)))
 
     def reply(self, status: int = Status.OK, **changes: int) -> Header:
         """Return the header of the reply to this request."""
@@ -257,6 +251,18 @@ class Header:
 
 
 _FIELDS = tuple(Header.__dataclass_fields__)
+
+
+def foreign_reply(frame: bytes, status: int) -> bytes:
+    """Return the reply header to a request whose header frame is of another protocol version, in that version's
+    framing: the frame itself (at most HEADER_SIZE bytes of it) with its command | REPLY and `status` at bytes 6-9,
+    where every version has them, so that its sender reads the refusal instead of waiting for an answer."""
+    reply = bytearray(frame[:HEADER_SIZE])
+    if len(reply) < VERSIONED_PREFIX:
+        return Header(command=REPLY, status=status).pack()
+    command = struct.unpack_from("<H", reply, 6)[0]
+    struct.pack_into("<HH", reply, 6, command | REPLY, status)
+    return bytes(reply)
 
 
 def _header(fields: dict) -> Header:

@@ -1,6 +1,6 @@
 // Credit-bounded priority order of partitions onto the network: the C++ twin of
 // torch_bps/_reference/scheduler.py's CreditScheduler, which stays as the reference
-// (tests/engine/test_scheduler.py feeds both the same submissions and compares the send order).
+// (tests/client/test_scheduler.py feeds both the same submissions and compares the send order).
 //
 // Items wait in a priority queue per destination (a server). pop() considers each destination's head that its
 // destination's credit admits (its bytes fit within destinationCreditBytes of credit that destination already

@@ -156,19 +156,25 @@ bool Dispatcher::sendRequest(const OpPtr& op, uint16_t command, Clock::time_poin
   h.command = command;
   h.dtype = op->dtype;
   h.worker = options_.worker;
-  h.numWorkers = command == kHello ? options_.numWorkers : op->codec;  // a compressed key's codec word
+  if (command == kHello) {  // the control block: the job this worker belongs to
+    h.numWorkers = options_.numWorkers;
+    h.backups = options_.backups;
+    h.window = options_.window;
+    h.staleness = options_.staleness;
+  } else {
+    h.codec = op->codec;  // a compressed key's codec word
+    h.mode = op->mode;
+    h.round = op->round;
+  }
   // The server answers a PULL still waiting after the timeout itself, naming the workers that have not pushed;
   // our own deadline (a little later) covers a server that cannot answer at all.
   if (command == kPull) h.waitMs = static_cast<uint32_t>(std::min(options_.timeoutSeconds * 1000.0, 4e9));
   h.incarnation = command == kHello ? 0 : links_.incarnation(op->server);
   h.jobId = options_.jobId;
   h.key = op->key;
-  h.round = command == kHello ? options_.staleness : op->round;
   h.requestId = requests_.nextId();
   h.nbytes = (command == kInit || command == kPush || command == kPull) ? op->nbytes : 0;
-  h.mode = command == kHello ? options_.backups : op->mode;
-  if (command == kHello) h.rounds = options_.window;
-  if (command == kInit && op->codec) h.length = op->denseBytes;
+  if (command == kInit && op->codec) h.denseBytes = op->denseBytes;
   if (command == kPush) {
     h.offset = op->pushOffset;
     h.length = op->src.nbytes();
@@ -199,6 +205,12 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
   try {
     h = transport::unpackHeader(message.header, message.headerSize);
   } catch (const Error& e) {
+    if (e.info().status == transport::kBadVersion) {
+      // A server of another protocol version (it may not have parsed our request either, so the reply need not
+      // name it): nothing it says can be read, so every request to it fails now, naming both versions.
+      failVersion(server, e.what(), message);
+      return;
+    }
     // Nothing to fail: a header we cannot parse names no request.
     std::fprintf(stderr, "torch_bps: dropped a malformed reply from server %s: %s\n", address.c_str(), e.what());
     return;
@@ -212,7 +224,7 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
   op->requests.erase(std::find(op->requests.begin(), op->requests.end(), h.requestId));
   const char* asked = transport::commandName(command);
 
-  uint64_t round = command == kHello ? options_.staleness : op->round;  // as sendRequest wrote it
+  uint64_t round = command == kHello ? 0 : op->round;  // as sendRequest wrote it
   if (h.command != (command | kReplyFlag) || h.jobId != options_.jobId || h.key != op->key || h.round != round) {
     failOp(op, {ErrorKind::kProtocol, transport::kBadFrame,
                 formatText("server %s answered %s with a reply that does not match it (command 0x%x, job 0x%016" PRIx64
@@ -243,13 +255,13 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
     pushEnded(op, true);
   }
   if (command == kHello && op->rehello) {
-    onRehello(op, h.incarnation, h.length);
+    onRehello(op, h.incarnation, h.stream);
     return;
   }
   if (command == kHello) {
     links_.setIncarnation(server, h.incarnation);
     hello_.setIncarnation(server, h.incarnation);
-    openStream(server, h.length, true);  // before finishOp: hello() then also waits for the stream
+    openStream(server, h.stream, true);  // before finishOp: hello() then also waits for the stream
   } else if (command == kPull || command == kStats) {
     size_t expected = command == kPull ? op->dst.nbytes() : transport::kStatsCounters * sizeof(uint64_t);
     size_t got = message.frames == 2 ? message.payloadSize : 0;
@@ -273,11 +285,27 @@ void Dispatcher::onReply(size_t server, const transport::Reply& message) {
     if (command == kPull) {
       trace_.mark(kTracePulled, traceId(op.get()), op->key, op->round, expected, server);
       uint32_t seen = behind_.load(std::memory_order_relaxed);
-      while (h.rounds > seen && !behind_.compare_exchange_weak(seen, h.rounds, std::memory_order_relaxed)) {
+      while (h.behind > seen && !behind_.compare_exchange_weak(seen, h.behind, std::memory_order_relaxed)) {
       }
     }
   }
   if (op->requests.empty()) finishOp(op);
+}
+
+void Dispatcher::failVersion(size_t server, const std::string& why, const transport::Reply& message) {
+  std::string said(reinterpret_cast<const char*>(message.payload), message.frames == 2 ? message.payloadSize : 0);
+  if (said.size() > 200) said.resize(200);
+  std::vector<OpPtr> lost;
+  for (auto& entry : requests_.all()) {
+    if (entry.second.op->server == server) lost.push_back(entry.second.op);
+  }
+  for (auto& op : lost) {
+    if (op->done) continue;
+    failOp(op, {ErrorKind::kProtocol, transport::kBadVersion,
+                formatText("server %s answered in another protocol version (%s)%s%s (%s)",
+                           links_.address(server).c_str(), why.c_str(), said.empty() ? "" : ": ", said.c_str(),
+                           describe(*op).c_str())});
+  }
 }
 
 void Dispatcher::expireDeadlines() {

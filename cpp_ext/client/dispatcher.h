@@ -41,7 +41,7 @@ class Dispatcher : public transport::LinkListener {
   ServerLinks& links() { return links_; }
   const ServerLinks& links() const { return links_; }
   SchedulerStats stats() const { return scheduler_.stats(); }
-  // The most rounds already closed past a pulled one (a PULL reply's `rounds`) since the last call: how far
+  // The most rounds already closed past a pulled one (a PULL reply's `behind`) since the last call: how far
   // behind the others this worker is (backup workers).
   uint32_t takeBehind() { return behind_.exchange(0, std::memory_order_relaxed); }
   TraceBuffer& trace() { return trace_; }
@@ -85,6 +85,8 @@ class Dispatcher : public transport::LinkListener {
   void onRehello(const OpPtr& op, uint64_t incarnation, uint64_t streamOffer);
   void markDown(size_t server, const std::string& why);
   void failServer(size_t server, const std::string& what);
+  // A reply in another protocol version: fail every request in flight to `server`, naming both versions.
+  void failVersion(size_t server, const std::string& why, const transport::Reply& message);
   bool failIfDown(const OpPtr& op);
   void abandon(size_t server, const std::string& why);
   // The server's stream (the link its HELLO reply offers): opened, settled for hello(), closed.

@@ -10,12 +10,12 @@
 #include <vector>
 
 #include "common/errors.h"
-#include "transport/auth_keys.h"
+#include "transport/credentials.h"
 #include "transport/wire.h"
 
 namespace bps::client {
 
-using transport::ClientAuth;
+using transport::ClientCredentials;
 using transport::Mode;
 
 struct ClientOptions {
@@ -28,7 +28,7 @@ struct ClientOptions {
   // server closes TCP and is known at once.
   double heartbeatIntervalSeconds = 1.0;
   double heartbeatTimeoutSeconds = 10.0;
-  ClientAuth auth;  // no tokens and no server keys: no authentication
+  ClientCredentials credentials;  // no tokens and no server keys: no authentication
   // Bytes of batch pushes in flight (sent, not yet acknowledged); the rest wait in priority order.
   int64_t creditBytes = 2 << 20;
   // autoCredit: creditBytes is where the credit starts; the IO thread then sizes it from the pushes (credit_sizer.h).
@@ -87,8 +87,8 @@ struct PartSpec {
   uint64_t pushOffset = 0;
   at::Tensor dst;
   uint64_t pullOffset = 0;
-  // A compressed key (docs/protocol.md, "Compressed keys"): its codec word, sent in INIT/PUSH/PULL's `num_workers`,
-  // and the dense partition's bytes, sent in INIT's `length`. keyBytes is then what travels.
+  // A compressed key (docs/protocol.md, "Compressed keys"): its codec word, sent in INIT/PUSH/PULL's `codec`,
+  // and the dense partition's bytes, sent in INIT's `dense_bytes`. keyBytes is then what travels.
   uint32_t codec = 0;
   uint64_t denseBytes = 0;
 };

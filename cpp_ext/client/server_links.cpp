@@ -17,7 +17,7 @@ ServerLinks::ServerLinks(const ClientOptions& options, void* context, const void
     std::string monitor = formatText("inproc://bps-monitor-%p-%zu", owner, i);
     zmq_.push_back(std::make_unique<transport::ZmqLink>(i, context, options.servers[i], monitor,
                                                         options.heartbeatIntervalSeconds,
-                                                        options.heartbeatTimeoutSeconds, options.auth.forServer(i),
+                                                        options.heartbeatTimeoutSeconds, options.credentials.forServer(i),
                                                         options.socketBufferBytes));
   }
   for (size_t i = 0; i < n; ++i) {
@@ -37,7 +37,7 @@ Link* ServerLinks::route(size_t server, transport::Command kind) const {
 }
 
 bool ServerLinks::openStream(size_t server, uint64_t offer, Requests& requests, bool stopping) {
-  transport::LinkKeys keys = options_.auth.forServer(server);
+  transport::LinkCredentials keys = options_.credentials.forServer(server);
   if (!options_.stream || offer == 0 || keys.usesCurve() || stopping) return false;  // never a stream under CURVE
   const std::string& where = address(server);
   std::string why;
@@ -54,9 +54,9 @@ bool ServerLinks::openStream(size_t server, uint64_t offer, Requests& requests, 
     h.worker = options_.worker;
     h.numWorkers = options_.numWorkers;
     h.jobId = options_.jobId;
-    h.mode = options_.backups;
-    h.rounds = options_.window;
-    h.round = options_.staleness;
+    h.backups = options_.backups;
+    h.window = options_.window;
+    h.staleness = options_.staleness;
     h.requestId = requests.nextId();
     uint8_t packed[kHeaderSize];
     packHeader(h, packed);

@@ -88,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeout
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, uint64_t jobId, uint32_t worker, uint32_t numWorkers, double timeout,
-           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientAuth auth,
+           double heartbeatInterval, double heartbeatTimeout, py::function onComplete, ClientCredentials credentials,
            int64_t creditBytes, int64_t serverCreditBytes = 0, int socketBufferBytes = 0, bool failover = false,
            py::object onLinkDown = py::none(), bool stream = false, bool autoCredit = false,
            std::vector<int> receiveBufferBytes = {}, bool localStream = true, bool sharedMemory = true,
@@ -123,7 +123,7 @@ class PyClient {
       };
     }
     ClientOptions options{std::move(servers), jobId,           worker,           numWorkers,     timeout,
-                          heartbeatInterval,  heartbeatTimeout, std::move(auth), creditBytes};
+                          heartbeatInterval,  heartbeatTimeout, std::move(credentials), creditBytes};
     options.serverCreditBytes = serverCreditBytes;
     options.socketBufferBytes = socketBufferBytes;
     options.receiveBufferBytes = std::move(receiveBufferBytes);
@@ -232,10 +232,11 @@ PYBIND11_MODULE(_C, m) {
                        int socketBufferBytes, bool failover, py::object onLinkDown, bool stream, bool autoCredit,
                        std::vector<int> receiveBufferBytes, bool localStream, bool sharedMemory, uint32_t backups,
                        uint32_t window, uint64_t staleness) {
-             bps::python::ClientAuth auth{std::move(identity), std::move(curveSecret), std::move(curveServerKeys),
-                                  std::move(tokens)};
+             // torch_bps.security.ClientCredentials, field for field (credentials.h).
+             bps::python::ClientCredentials credentials{std::move(identity), std::move(curveSecret),
+                                                        std::move(curveServerKeys), std::move(tokens)};
              return new PyClient(std::move(servers), jobId, worker, numWorkers, timeout, heartbeatInterval,
-                                 heartbeatTimeout, std::move(onComplete), std::move(auth), creditBytes,
+                                 heartbeatTimeout, std::move(onComplete), std::move(credentials), creditBytes,
                                  serverCreditBytes, socketBufferBytes, failover, std::move(onLinkDown), stream,
                                  autoCredit, std::move(receiveBufferBytes), localStream, sharedMemory, backups,
                                  window, staleness);

@@ -1,6 +1,6 @@
 // torch_bps._C._testing: what only the tests (and benchmarks) call. The wire header's pack/unpack for
-// tests/transport/test_wire.py, the receive-buffer cache's switch and counters for tests/transport/test_client.py,
-// the client's scheduling queue and credit sizer alone for tests/engine/test_scheduler.py, and one key's native
+// tests/transport/test_wire.py, the receive-buffer cache's switch and counters for tests/client/test_client.py,
+// the client's scheduling queue and credit sizer alone for tests/client/test_scheduler.py, and one key's native
 // rounds alone (KeyRoundsProbe) for tests/server/test_server_rounds.py to compare with the reference KeyRounds.
 #include <torch/extension.h>
 
@@ -27,12 +27,45 @@ using namespace bps::transport;
 
 namespace {
 
-py::bytes packHeaderPy(uint16_t command, uint16_t status, uint16_t dtype, uint32_t worker, uint32_t numWorkers,
-                       uint64_t incarnation, uint64_t jobId, uint64_t key, uint64_t round, uint64_t requestId,
-                       uint64_t nbytes, uint32_t waitMs, uint32_t mode, uint64_t offset, uint64_t length,
-                       uint32_t rounds) {
-  Header h{command, status, dtype, worker, numWorkers, waitMs, mode,   rounds,
-           incarnation, jobId, key, round, requestId, nbytes,  offset, length};
+// A field's value, or TypeError when it is not an int of the field's width (as struct.pack refuses it).
+template <typename T>
+T field(const std::string& name, const py::handle& value) {
+  if (!py::isinstance<py::int_>(value)) throw py::type_error(name + " is not an int");
+  py::int_ big = py::reinterpret_borrow<py::int_>(value);
+  if (big < py::int_(0) || big > py::int_(std::numeric_limits<T>::max())) {
+    throw py::type_error(name + " is out of range for its " + std::to_string(8 * sizeof(T)) + "-bit field");
+  }
+  return static_cast<T>(big.cast<uint64_t>());
+}
+
+py::bytes packHeaderPy(const py::kwargs& fields) {
+  Header h;
+  for (auto item : fields) {
+    std::string name = py::str(item.first);
+    if (name == "command") h.command = field<uint16_t>(name, item.second);
+    else if (name == "status") h.status = field<uint16_t>(name, item.second);
+    else if (name == "dtype") h.dtype = field<uint16_t>(name, item.second);
+    else if (name == "worker") h.worker = field<uint32_t>(name, item.second);
+    else if (name == "codec") h.codec = field<uint32_t>(name, item.second);
+    else if (name == "wait_ms") h.waitMs = field<uint32_t>(name, item.second);
+    else if (name == "mode") h.mode = field<uint32_t>(name, item.second);
+    else if (name == "behind") h.behind = field<uint32_t>(name, item.second);
+    else if (name == "incarnation") h.incarnation = field<uint64_t>(name, item.second);
+    else if (name == "job_id") h.jobId = field<uint64_t>(name, item.second);
+    else if (name == "key") h.key = field<uint64_t>(name, item.second);
+    else if (name == "round") h.round = field<uint64_t>(name, item.second);
+    else if (name == "request_id") h.requestId = field<uint64_t>(name, item.second);
+    else if (name == "nbytes") h.nbytes = field<uint64_t>(name, item.second);
+    else if (name == "offset") h.offset = field<uint64_t>(name, item.second);
+    else if (name == "length") h.length = field<uint64_t>(name, item.second);
+    else if (name == "dense_bytes") h.denseBytes = field<uint64_t>(name, item.second);
+    else if (name == "num_workers") h.numWorkers = field<uint32_t>(name, item.second);
+    else if (name == "backups") h.backups = field<uint32_t>(name, item.second);
+    else if (name == "window") h.window = field<uint32_t>(name, item.second);
+    else if (name == "stream") h.stream = field<uint32_t>(name, item.second);
+    else if (name == "staleness") h.staleness = field<uint64_t>(name, item.second);
+    else throw py::type_error("Header has no field " + name);
+  }
   uint8_t out[kHeaderSize];
   packHeader(h, out);
   return py::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
@@ -46,10 +79,10 @@ py::dict unpackHeaderPy(py::bytes data) {
   d["status"] = h.status;
   d["dtype"] = h.dtype;
   d["worker"] = h.worker;
-  d["num_workers"] = h.numWorkers;
+  d["codec"] = h.codec;
   d["wait_ms"] = h.waitMs;
   d["mode"] = h.mode;
-  d["rounds"] = h.rounds;
+  d["behind"] = h.behind;
   d["incarnation"] = h.incarnation;
   d["job_id"] = h.jobId;
   d["key"] = h.key;
@@ -58,6 +91,12 @@ py::dict unpackHeaderPy(py::bytes data) {
   d["nbytes"] = h.nbytes;
   d["offset"] = h.offset;
   d["length"] = h.length;
+  d["dense_bytes"] = h.denseBytes;
+  d["num_workers"] = h.numWorkers;
+  d["backups"] = h.backups;
+  d["window"] = h.window;
+  d["stream"] = h.stream;
+  d["staleness"] = h.staleness;
   return d;
 }
 
@@ -65,7 +104,7 @@ py::tuple answerTuple(Answer& a) {
   std::string data(reinterpret_cast<const char*>(a.data.data()), a.data.size());
   return py::make_tuple(a.pull.header.requestId, a.status,
                         a.status == kOk ? py::object(py::bytes(data)) : py::object(py::str(a.message)),
-                        a.status == kOk ? a.pull.header.rounds : 0);
+                        a.status == kOk ? a.pull.header.behind : 0);
 }
 
 py::list answerList(std::vector<Answer>& answers) {
@@ -76,7 +115,7 @@ py::list answerList(std::vector<Answer>& answers) {
 
 // One key's rounds alone, with the job it reads: what the reference test drives. Every call returns (status,
 // error message, answers): status 0 if the call was accepted; answers are (token, status, result bytes or error
-// message, the reply's `rounds`), the pulls that freeing a round released included.
+// message, the reply's `behind`), the pulls that freeing a round released included.
 class KeyRoundsProbe {
  public:
   KeyRoundsProbe(uint32_t numWorkers, uint32_t mode, uint64_t nbytes, uint16_t dtype, const std::string& name,
@@ -198,11 +237,9 @@ void bindTesting(py::module_& m) {
   m.def("random_indices", &randomIndicesPy, py::arg("key"), py::arg("round"), py::arg("n"), py::arg("k"));
   m.attr("HEADER_SIZE") = kHeaderSize;
 
-  m.def("pack_header", &packHeaderPy, "Pack a wire header (fields as in torch_bps.wire.Header).",
-        py::arg("command"), py::arg("status") = 0, py::arg("dtype") = 0, py::arg("worker") = 0,
-        py::arg("num_workers") = 0, py::arg("incarnation") = 0, py::arg("job_id") = 0, py::arg("key") = 0,
-        py::arg("round") = 0, py::arg("request_id") = 0, py::arg("nbytes") = 0, py::arg("wait_ms") = 0,
-        py::arg("mode") = 0, py::arg("offset") = 0, py::arg("length") = 0, py::arg("rounds") = 0);
+  m.def("pack_header", &packHeaderPy,
+        "Pack a wire header from keyword fields (named as in torch_bps.wire.Header; the rest 0); TypeError for an "
+        "unknown field or a value out of its field's range.");
   m.def("unpack_header", &unpackHeaderPy, "Unpack a wire header into a dict; ProtocolError if malformed.",
         py::arg("data"));
 
@@ -215,7 +252,7 @@ void bindTesting(py::module_& m) {
     return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("cached_bytes") = s.cachedBytes);
   });
 
-  // The client's scheduling queue alone, for tests/engine/test_scheduler.py to compare with CreditScheduler.
+  // The client's scheduling queue alone, for tests/client/test_scheduler.py to compare with CreditScheduler.
   using CreditQueue = client::CreditQueue<uint64_t>;
   py::class_<CreditQueue>(m, "CreditQueue")
       .def(py::init<int64_t, int64_t>(), py::arg("credit_bytes"), py::arg("destination_credit_bytes") = 0)
@@ -228,7 +265,7 @@ void bindTesting(py::module_& m) {
       .def_property_readonly("peak_in_flight", &CreditQueue::peakInFlight)
       .def_property_readonly("peak_destination_in_flight", &CreditQueue::peakDestinationInFlight);
 
-  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/engine/test_scheduler.py.
+  // The automatic credit's rule alone (credit_sizer.h), fed made-up acknowledgements by tests/client/test_scheduler.py.
   py::class_<client::CreditSizer>(m, "CreditSizer")
       .def(py::init<int64_t, int64_t, double, double, size_t>(), py::arg("min_bytes"), py::arg("max_bytes"),
            py::arg("jitter_seconds"), py::arg("window_seconds") = 0.05, py::arg("windows") = 20)

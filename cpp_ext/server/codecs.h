@@ -22,7 +22,7 @@ namespace bps::server {
 
 enum CodecId : uint32_t { kCodecNone = 0, kCodecOnebit = 1, kCodecTopk = 2, kCodecRandomk = 3 };
 
-// A compressed key's declaration: INIT's `num_workers` field is the codec word (id | width << 8), its `length`
+// A compressed key's declaration: INIT's `codec` field is the codec word (id | width << 8), its `dense_bytes`
 // the dense partition's bytes (fp32), its `nbytes` what a push and a pull carry.
 struct CodecSpec {
   uint32_t id = kCodecNone;

@@ -336,12 +336,14 @@ void ServerCore::toControlPlane(std::vector<Message>& frames, ControlPlane& cont
   if (reply.size() < 2) return;
   std::vector<Message> out;
   for (const auto& f : reply) out.push_back(Message::copyOf(f.data(), f.size()));
-  if (out.size() > 2 && out[1].size() == kHeaderSize) {
+  // A reply in another version's framing (BAD_VERSION, wire.h kVersionedPrefix) still counts as an error.
+  if (out.size() > 2 && out[1].size() >= kVersionedPrefix) {
+    bool ours = out[1].size() == kHeaderSize;
     uint16_t status = detail::load<uint16_t>(out[1].data(), 8);
     uint16_t command = detail::load<uint16_t>(out[1].data(), 6);
     if (status != kOk) {
-      countError(detail::load<uint64_t>(out[1].data(), 40));  // the reply's job_id
-    } else if (command == (kPull | kReplyFlag)) {
+      countError(ours ? detail::load<uint64_t>(out[1].data(), 40) : 0);  // the reply's job_id
+    } else if (ours && command == (kPull | kReplyFlag)) {
       counters_.bytesOut += out[2].size();
     }
   }

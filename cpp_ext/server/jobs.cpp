@@ -104,8 +104,8 @@ bool JobTable::admit(const transport::Header& h, const std::string& userId, size
   auto found = keys_.find({h.jobId, h.key});
   if (found == keys_.end()) return false;
   KeyState& k = *found->second;
-  // A PUSH or PULL's `num_workers` is its codec word (0: none).
-  if (h.nbytes != k.nbytes || h.dtype != k.dtype || h.mode != k.mode || h.numWorkers != k.codec) return false;
+  // A PUSH or PULL's `codec` is its codec word (0: none).
+  if (h.nbytes != k.nbytes || h.dtype != k.dtype || h.mode != k.mode || h.codec != k.codec) return false;
   if (h.length > k.nbytes || h.offset > k.nbytes - h.length) return false;
   // A SUM or MODEL key's PUSH carries the whole key.
   if (h.command == kPush &&

@@ -438,7 +438,7 @@ Answer KeyRounds::result(Pull&& pull, const Round& r) const {
   uint64_t rnd = pull.header.round;
   uint32_t ahead = 0;
   for (auto it = rounds_.upper_bound(rnd); it != rounds_.end(); ++it) ahead += it->second.closed ? 1 : 0;
-  pull.header.rounds = ahead;  // the reply tells the worker how far behind it is
+  pull.header.behind = ahead;  // the reply tells the worker how far behind it is
   const Header& h = pull.header;
   Answer answer{std::move(pull), kOk, "", Message()};
   if (!r.hasTotal) return answer;

@@ -122,7 +122,7 @@ void StreamLink::abort(const std::string& why, LinkListener& listener) {
 }
 
 std::string StreamLink::open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
-                             const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
+                             const LinkCredentials& keys, Message hello, uint64_t helloId, uint64_t incarnation,
                              const std::string& localName, bool sharedMemory) {
   close("reopened");
   ++generation_;
@@ -155,7 +155,7 @@ std::string StreamLink::open(const std::string& host, uint16_t port, int sendBuf
   // AUTH goes out as soon as the connection opens; the server reads nothing else before answering it.
   std::vector<std::string> auth = {kStreamGreeting};
   if (keys.usesToken()) {
-    auth.insert(auth.end(), {"PLAIN", keys.publicKey, keys.token});
+    auth.insert(auth.end(), {"PLAIN", keys.identity, keys.token});
   } else {
     auth.push_back("NULL");
   }

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "transport/auth_keys.h"
+#include "transport/credentials.h"
 #include "transport/link.h"
 #include "transport/message.h"
 #include "transport/stream_conn.h"
@@ -49,7 +49,7 @@ class StreamLink : public Link {
   // localName not empty: try that local stream first (connectLocalStream), TCP if none listens here; there,
   // sharedMemory: offer the server shared rings for big frames (shared_ring.h).
   std::string open(const std::string& host, uint16_t port, int sendBufferBytes, int receiveBufferBytes,
-                   const LinkKeys& keys, Message hello, uint64_t helloId, uint64_t incarnation,
+                   const LinkCredentials& keys, Message hello, uint64_t helloId, uint64_t incarnation,
                    const std::string& localName = "", bool sharedMemory = false);
 
   StreamState state() const { return state_; }

@@ -21,7 +21,7 @@ std::string zmqError(const std::string& what) { return what + ": " + zmq_strerro
 }  // namespace
 
 ZmqLink::ZmqLink(size_t server, void* context, const std::string& address, const std::string& monitorEndpoint,
-                 double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys, int socketBufferBytes)
+                 double heartbeatInterval, double heartbeatTimeout, const LinkCredentials& keys, int socketBufferBytes)
     : Link(server, address) {
   socket_ = zmq_socket(context, ZMQ_DEALER);
   if (socket_ == nullptr) throw Error(ErrorKind::kTransport, zmqError("cannot create a socket for " + address));
@@ -39,11 +39,11 @@ ZmqLink::ZmqLink(size_t server, void* context, const std::string& address, const
   // Before connecting: the handshake of the very first connection must already use the mechanism.
   std::vector<std::pair<int, const std::string*>> options;
   if (keys.usesToken()) {
-    options = {{ZMQ_PLAIN_USERNAME, &keys.publicKey}, {ZMQ_PLAIN_PASSWORD, &keys.token}};
+    options = {{ZMQ_PLAIN_USERNAME, &keys.identity}, {ZMQ_PLAIN_PASSWORD, &keys.token}};
   } else if (keys.usesCurve()) {
-    options = {{ZMQ_CURVE_SERVERKEY, &keys.serverKey},
-               {ZMQ_CURVE_PUBLICKEY, &keys.publicKey},
-               {ZMQ_CURVE_SECRETKEY, &keys.secretKey}};
+    options = {{ZMQ_CURVE_SERVERKEY, &keys.curveServerKey},
+               {ZMQ_CURVE_PUBLICKEY, &keys.identity},
+               {ZMQ_CURVE_SECRETKEY, &keys.curveSecret}};
   }
   for (const auto& [option, value] : options) {
     if (zmq_setsockopt(socket_, option, value->data(), value->size()) != 0) {

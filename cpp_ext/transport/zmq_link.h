@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "transport/auth_keys.h"
+#include "transport/credentials.h"
 #include "transport/link.h"
 #include "transport/wire.h"
 
@@ -60,7 +60,7 @@ class ZmqLink : public Link {
   // socketBufferBytes > 0 sets SO_SNDBUF and SO_RCVBUF of the TCP connection (before it opens), which bound
   // its bytes in flight both ways; 0 leaves the kernel's autotuning.
   ZmqLink(size_t server, void* context, const std::string& address, const std::string& monitorEndpoint,
-          double heartbeatInterval, double heartbeatTimeout, const LinkKeys& keys = LinkKeys{},
+          double heartbeatInterval, double heartbeatTimeout, const LinkCredentials& keys = LinkCredentials{},
           int socketBufferBytes = 0);
   ~ZmqLink() override;
 

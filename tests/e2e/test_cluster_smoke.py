@@ -65,10 +65,11 @@ def test_two_workers_one_server_exchange_bytes_and_leave_nothing():
 _LOCAL_STREAM_WORKER = textwrap.dedent("""
     import json, sys, torch
     from torch_bps.client import Client
+    from torch_bps.wire import Partition
     worker = int(sys.argv[2])
     t = torch.full((1 << 18,), float(worker + 1))
     with Client([sys.argv[1]], 77, worker, 2, timeout=60) as c:
-        c.push_pull(t, 0).wait()
+        c.push_pull_batch([Partition(t, 0)]).wait()
         print("RESULT " + json.dumps({"local": c.stream_local(0), "ready": c.stream_ready(0), "sum": t[0].item()}))
 """)
 

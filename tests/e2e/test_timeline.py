@@ -18,7 +18,7 @@ from tests.helpers import REPO, run_ranks
 from torch_bps.client import Client
 from torch_bps.timeline.merge import load, merge
 from torch_bps.timeline.recorder import TimelineSpec, recording
-from torch_bps.wire import Mode
+from torch_bps.wire import Mode, Partition
 
 _PHASES = {"X", "i", "C", "M"}
 
@@ -159,7 +159,7 @@ def test_the_file_is_written_when_the_window_ends(server, job_id, tmp_path):
             t = torch.ones(1000)
             future = torch.futures.Future()
             done = recorder.wrap([t], lambda error, f=future: f.set_result(error))
-            c.push_pull(t, key=0, on_done=done)
+            c.push_pull_batch([Partition(t, key=0)], on_done=done)
             assert future.wait() is None  # the client times out after 20 s, naming the key
             if i == 2:  # collectives 1 and 2 are done: the file is written (after their callbacks ran)
                 events = _wait_for_file(str(tmp_path / "worker-0.json"), 10.0)

@@ -17,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import RawPeer, ServerProcess, rss_bytes
+from tests.helpers import RawPeer, ServerProcess, push_pull_part, rss_bytes
 from torch_bps.client import Client
 from torch_bps.security import ClientCredentials, new_secret
 from torch_bps.wire import MAGIC, VERSION, Command, Header, Mode
@@ -52,6 +52,12 @@ def plausible(draw, incarnation: int) -> list[bytes]:
         mode=draw(st.sampled_from([Mode.SUM, Mode.COPY, Mode.COPY, 2])),
         offset=draw(st.sampled_from([0, 0, 8, nbytes, max(nbytes - 4, 0), 2**64 - 1])),
         length=draw(st.sampled_from([sent, sent, nbytes, 0, 8, 2**64 - 1])),
+        # protocol 3: a codec word on a key's requests, the control block on a HELLO
+        codec=draw(st.sampled_from([0, 0, 0, 1, 0x102, 3])) if command != Command.HELLO else 0,
+        dense_bytes=draw(st.sampled_from([0, nbytes, 64])) if command == Command.INIT else 0,
+        backups=draw(st.sampled_from([0, 0, 1, 2])) if command == Command.HELLO else 0,
+        window=draw(st.sampled_from([0, 0, 2, 3, 65])) if command == Command.HELLO else 0,
+        staleness=draw(st.sampled_from([0, 0, 1, 2**64 - 1])) if command == Command.HELLO else 0,
     )
     payload = [b"\x01" * sent] if command == Command.PUSH else []
     return [h.pack(), *payload]
@@ -60,7 +66,7 @@ def plausible(draw, incarnation: int) -> list[bytes]:
 @st.composite
 def broken(draw, incarnation: int) -> list[bytes]:
     """A header with any field values, or a malformed frame, and 0-3 payloads (some over the frame limit)."""
-    kind = draw(st.sampled_from(["fields", "random", "truncated", "bad_magic", "bad_version"]))
+    kind = draw(st.sampled_from(["fields", "random", "truncated", "bad_magic", "bad_version", "version_2"]))
     h = Header(
         command=draw(st.sampled_from(list(Command)) | st.integers(0, 0xFFFF)),
         status=draw(st.sampled_from([0, 1, 0xFFFF])),
@@ -75,6 +81,13 @@ def broken(draw, incarnation: int) -> list[bytes]:
         mode=draw(st.integers(0, 3) | st.integers(0, (1 << 32) - 1)),
         offset=draw(st.integers(0, (1 << 64) - 1)),
         length=draw(st.integers(0, (1 << 64) - 1)),
+        codec=draw(SMALL),
+        behind=draw(SMALL),
+        dense_bytes=draw(st.integers(0, (1 << 64) - 1)),
+        backups=draw(SMALL),
+        window=draw(SMALL),
+        stream=draw(SMALL),
+        staleness=draw(st.integers(0, (1 << 64) - 1)),
     )
     data = h.pack()
     if kind == "random":
@@ -85,6 +98,8 @@ def broken(draw, incarnation: int) -> list[bytes]:
         data = struct.pack("<I", MAGIC ^ draw(st.integers(1, 0xFFFFFFFF))) + data[4:]
     elif kind == "bad_version":
         data = data[:4] + struct.pack("<H", VERSION + draw(st.integers(1, 100))) + data[6:]
+    elif kind == "version_2":  # a version 2 peer's 96-byte header (or garbage claiming version 2), any length
+        data = data[:4] + struct.pack("<H", 2) + data[6 : draw(st.sampled_from([96, 96, 6, 10, 72, 128, 200]))]
     sizes = draw(st.lists(st.sampled_from([0, 16, MAX_FRAME + 4096 + 1]) | st.integers(0, 70000), max_size=3))
     return [data, *(b"\x7f" * n for n in sizes)]
 
@@ -136,12 +151,14 @@ class Fuzzing:
         try:
             for rnd in range(3):
                 ts = [torch.arange(20000, dtype=torch.float32) * (w + rnd) for w in range(2)]
-                futures = [c.push_pull(t.clone(), key) for c, t in zip(clients, ts, strict=True) for key in (0, 1)]
+                futures = [
+                    push_pull_part(c, t.clone(), key) for c, t in zip(clients, ts, strict=True) for key in (0, 1)
+                ]
                 for f in futures:
                     assert torch.equal(f.wait(), ts[0] + ts[1])
                 # and gathers: each worker writes its half of key 2, both read the whole
                 outs = [torch.empty(40000, dtype=torch.float32) for _ in clients]
-                futures = [c.push_pull(t, 2, out=o, mode=Mode.COPY, key_numel=40000, offset=20000 * w)
+                futures = [push_pull_part(c, t, 2, out=o, mode=Mode.COPY, key_numel=40000, offset=20000 * w)
                            for w, (c, t, o) in enumerate(zip(clients, ts, outs, strict=True))]  # fmt: skip
                 for f in futures:
                     assert torch.equal(f.wait(), torch.cat(ts))

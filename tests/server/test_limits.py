@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import RawPeer, ServerProcess, rss_bytes
-from tests.server.test_server import declare, error_of, pull, push
+from tests.helpers import RawPeer, ServerProcess, declare, error_of, pull, push, rss_bytes
 from torch_bps.wire import Command, Status
 
 pytestmark = pytest.mark.timeout(120)

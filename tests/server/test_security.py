@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from tests.helpers import REPO, RawPeer, ServerProcess, run_ranks
+from tests.helpers import REPO, RawPeer, ServerProcess, push_pull_part, run_ranks
 from torch_bps.client import Client
 from torch_bps.config import Config
 from torch_bps.engine.placement import Server
@@ -52,7 +52,7 @@ def all_reduce_rounds(clients: list[Client], rounds: int, key: int = 3) -> int:
     for r in range(rounds):
         tensors = [torch.full((4096,), float(r * 10 + w)) for w, _ in enumerate(clients)]
         expected = sum(t.clone() for t in tensors)
-        futures = [c.push_pull(t, key) for c, t in zip(clients, tensors, strict=True)]
+        futures = [push_pull_part(c, t, key) for c, t in zip(clients, tensors, strict=True)]
         wrong += sum(not torch.equal(f.wait(), expected) for f in futures)
     return wrong
 
@@ -160,7 +160,7 @@ def test_an_embedded_server_lets_in_its_job_only_and_listens_on_the_jobs_interfa
         address = f"127.0.0.1:{port}"
         mine = ClientCredentials.for_servers(secret, [secret], mechanism)
         with Client([address], 9, 0, 1, auth=mine) as c:
-            assert torch.equal(c.push_pull(torch.ones(3), 0).wait(), torch.ones(3))
+            assert torch.equal(push_pull_part(c, torch.ones(3), 0).wait(), torch.ones(3))
         # Knowing the server's secret is not enough here: the ZAP handler admits the job's own identity only.
         other = ClientCredentials._make(derive(new_secret(), "client"), [secret], mechanism)
         # The job's identity with a proof made without the secret: a token of another secret, a CURVE secret key

@@ -13,47 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import REPO, RawPeer, ServerProcess
-from torch_bps.wire import DTYPES, HEADER, HEADER_SIZE, MAGIC, REPLY, STATS_FIELDS, Command, Header, Status
+from tests.helpers import PROTOCOL_CODES, REPO, RawPeer, ServerProcess, declare, error_of, peers, pull, push
+from torch_bps.wire import DTYPES, HEADER, HEADER_SIZE, MAGIC, REPLY, STATS_FIELDS, VERSION, Command, Header, Status
 
 pytestmark = pytest.mark.timeout(120)
-
-# The dtype codes of docs/protocol.md, written out here rather than taken from torch_bps.wire: the peers below
-# speak the protocol as another implementation would, so a server whose table drifted (fp16 and bf16 swapped,
-# say) sums the wrong type and the sum tests fail, not only test_dtype_table_matches_protocol_doc.
-PROTOCOL_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int32: 5,
-                  torch.int64: 6, torch.uint8: 7, torch.int8: 8}  # fmt: skip
-
-
-def peers(server, job_id, n):
-    ps = [RawPeer(server.address, job_id, w, n) for w in range(n)]
-    for p in ps:
-        assert p.hello().status == Status.OK
-    return ps
-
-
-def declare(ps, key, t):
-    for p in ps:
-        h, _ = p.request(Command.INIT, key=key, nbytes=t.numel() * t.element_size(), dtype=PROTOCOL_CODES[t.dtype])
-        assert h.status == Status.OK, h
-
-
-def push(p, key, rnd, t):
-    data = t.contiguous().view(torch.uint8).numpy().tobytes()
-    return p.request(Command.PUSH, data, key=key, round=rnd, nbytes=len(data), dtype=PROTOCOL_CODES[t.dtype])
-
-
-def pull(p, key, rnd, like):
-    h, rest = p.request(
-        Command.PULL, key=key, round=rnd, nbytes=like.numel() * like.element_size(), dtype=PROTOCOL_CODES[like.dtype]
-    )
-    assert h.status == Status.OK, rest
-    return torch.frombuffer(bytearray(rest[0]), dtype=like.dtype) if rest[0] else torch.empty(0, dtype=like.dtype)
-
-
-def error_of(reply) -> tuple[int, str]:
-    h, rest = reply
-    return h.status, rest[0].decode() if rest else ""
 
 
 def test_hello_returns_incarnation_and_checks_worker_count(server, job_id):
@@ -66,12 +29,29 @@ def test_hello_returns_incarnation_and_checks_worker_count(server, job_id):
     assert error_of(out_of_range.request(Command.HELLO, num_workers=2))[0] == Status.JOB_MISMATCH
 
 
+V2_HEADER = struct.Struct("<IHHHHIIIII8Q")  # protocol version 2's 96-byte header, as a version 2 worker packs it
+
+
+def test_a_version_2_worker_is_refused_in_its_own_framing_naming_both_versions(server, job_id):
+    """A version 2 HELLO (num_workers at 16, backups in `mode`) gets a reply a version 2 worker can read: its own
+    96-byte header back, BAD_VERSION, its request_id, and a message naming both versions. The server serves on."""
+    old = RawPeer(server.address, job_id, 0, 2)
+    hello = V2_HEADER.pack(MAGIC, 2, Command.HELLO, 0, 0, 0, 2, 0, 1, 4, 0, job_id, 0, 0, 41, 0, 0, 0)
+    old.send_frames([hello])
+    assert old.sock.poll(5000), "a version 2 worker waits for no reply"
+    reply, message = old.sock.recv_multipart()
+    assert len(reply) == 96 and V2_HEADER.unpack(reply)[:4] == (MAGIC, 2, Command.HELLO | REPLY, Status.BAD_VERSION)
+    assert V2_HEADER.unpack(reply)[14] == 41  # its request_id
+    assert "protocol version 2, this side speaks 3" in message.decode()
+    assert RawPeer(server.address, job_id, 0, 1).hello().status == Status.OK  # nothing of the job was made
+
+
 @pytest.mark.parametrize("backups, rounds, words", [(2, 4, "2 backup workers of 2"), (1, 65, "65 live rounds"),
                                                     (1, 1, "1 live rounds"), (0, 3, "3 live rounds"),
                                                     (2**32 - 1, 2**32 - 1, "backup workers of 2")])  # fmt: skip
 def test_a_hello_asking_for_backups_or_a_window_the_job_cannot_have_is_refused(server, job_id, backups, rounds, words):
     peer = RawPeer(server.address, job_id, 0, 2)
-    status, msg = error_of(peer.request(Command.HELLO, num_workers=2, mode=backups, rounds=rounds))
+    status, msg = error_of(peer.request(Command.HELLO, num_workers=2, backups=backups, window=rounds))
     assert status == Status.JOB_MISMATCH and words in msg, msg
     assert peer.hello().status == Status.OK  # the job was never made: a sound HELLO makes it
 
@@ -94,7 +74,7 @@ def _model_request(p, command, rnd, t=None, nbytes=16):
 def test_a_model_key_adds_every_workers_updates_once_and_in_order(server, job_id):
     a, b = (RawPeer(server.address, job_id, w, 2) for w in range(2))
     for p in (a, b):
-        assert _hello(p, round=UNBOUNDED)[0] == Status.OK
+        assert _hello(p, staleness=UNBOUNDED)[0] == Status.OK
         assert _model_request(p, Command.INIT, 0)[0].status == Status.OK
     one = torch.ones(4)
     assert _model_request(a, Command.PUSH, 0, one)[0].status == Status.OK
@@ -109,11 +89,11 @@ def test_a_model_key_adds_every_workers_updates_once_and_in_order(server, job_id
 
 def test_model_keys_and_staleness_a_job_cannot_have_are_refused(server, job_id):
     peer = RawPeer(server.address, job_id, 0, 2)
-    status, msg = _hello(peer, mode=1, round=2)
+    status, msg = _hello(peer, backups=1, staleness=2)
     assert status == Status.JOB_MISMATCH and "1 backup workers and staleness 2" in msg, msg
-    assert _hello(peer, round=2)[0] == Status.OK
+    assert _hello(peer, staleness=2)[0] == Status.OK
     other = RawPeer(server.address, job_id, 1, 2)  # mixing modes within one job: refused, naming both
-    status, msg = _hello(other, round=UNBOUNDED)
+    status, msg = _hello(other, staleness=UNBOUNDED)
     assert status == Status.JOB_MISMATCH and f"staleness {UNBOUNDED}, but" in msg and "and 2" in msg, msg
     status, msg = error_of(peer.request(Command.INIT, key=3, nbytes=8, dtype=5, mode=MODEL))  # int32
     assert status == Status.KEY_MISMATCH and "a MODEL key is float32 or float64, not int32" in msg, msg
@@ -278,6 +258,11 @@ header_fields = st.fixed_dictionaries(
         "dtype": st.integers(0, 0xFFFF),
         "worker": st.integers(0, 0xFFFFFFFF),
         "num_workers": st.integers(0, 0xFFFFFFFF),
+        "codec": st.sampled_from([0, 1, 0x102, 3]) | st.integers(0, 0xFFFFFFFF),
+        "backups": st.sampled_from([0, 1]) | st.integers(0, 0xFFFFFFFF),
+        "window": st.sampled_from([0, 2, 3]) | st.integers(0, 0xFFFFFFFF),
+        "staleness": st.sampled_from([0, 2**64 - 1]) | st.integers(0, 2**64 - 1),
+        "dense_bytes": st.integers(0, 2**64 - 1),
         "incarnation": st.integers(0, 2**64 - 1),
         "job_id": st.integers(0, 2**64 - 1),
         "key": st.integers(0, 2**64 - 1),
@@ -306,14 +291,19 @@ def test_garbage_never_crashes_the_server(server, frames, fields, payload, versi
             peer.send_frames(frames)
             h, rest = peer.recv_any()
             assert h.status == Status.BAD_FRAME and h.command == REPLY and rest
-        values = [MAGIC, version, *[fields[k] for k in ("command", "status", "dtype", "worker", "num_workers")], 0]
+        values = [MAGIC, version, *[fields[k] for k in ("command", "status", "dtype", "worker", "codec")], 0]
         values += [fields["mode"], 0]
         values += [fields[k] for k in ("incarnation", "job_id", "key", "round", "request_id", "nbytes", "offset")]
-        values += [fields["length"]]
+        values += [fields[k] for k in ("length", "dense_bytes", "num_workers", "backups", "window")]
+        values += [0, fields["staleness"]]
         peer.send_frames([HEADER.pack(*values), *payload])
-        h, rest = peer.recv_any()
+        if not peer.sock.poll(peer.timeout_ms):
+            raise TimeoutError("no reply")
+        raw = peer.sock.recv_multipart()[0]  # another version's request is answered in its framing: read it raw
+        status, request_id = struct.unpack_from("<H", raw, 8)[0], struct.unpack_from("<Q", raw, 64)[0]
         # Either a well-formed reply to that request, or a refusal.
-        assert h.request_id == fields["request_id"] or h.status != Status.OK
+        assert request_id == fields["request_id"] or status != Status.OK
+        assert version == VERSION or (status == Status.BAD_VERSION and raw[10:] == HEADER.pack(*values)[10:])
     finally:
         peer.close()
     # The server survives: a fresh HELLO is answered.
@@ -326,7 +316,7 @@ def test_dtype_table_matches_protocol_doc():
     assert {c: str(d).removeprefix("torch.") for c, d in DTYPES.items()} == {
         1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int32", 6: "int64", 7: "uint8", 8: "int8",
     }  # fmt: skip
-    assert HEADER_SIZE == 96
+    assert HEADER_SIZE == 128
     h = Header(command=Command.PUSH, worker=3, job_id=9, key=5, round=2, request_id=11, nbytes=400, mode=1, offset=8,
                length=16)  # fmt: skip
     assert Header.unpack(h.pack()) == h

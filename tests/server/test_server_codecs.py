@@ -7,8 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import RawPeer
-from tests.server.test_server import error_of, peers
+from tests.helpers import RawPeer, error_of, peers
 from torch_bps._reference import codecs as ref
 from torch_bps.wire import Codec, Command, Status, codec_wire_bytes, codec_word
 
@@ -19,15 +18,15 @@ FP32 = 1
 
 
 def _init(ps, key, word, wire, dense=4 * N):
-    return [p.request(Command.INIT, key=key, nbytes=wire, dtype=FP32, num_workers=word, length=dense) for p in ps]
+    return [p.request(Command.INIT, key=key, nbytes=wire, dtype=FP32, codec=word, dense_bytes=dense) for p in ps]
 
 
 def _push(p, key, rnd, word, data: bytes, wire=None):
-    return p.request(Command.PUSH, data, key=key, round=rnd, nbytes=wire or len(data), dtype=FP32, num_workers=word)
+    return p.request(Command.PUSH, data, key=key, round=rnd, nbytes=wire or len(data), dtype=FP32, codec=word)
 
 
 def _pull(p, key, rnd, word, wire):
-    return p.request(Command.PULL, key=key, round=rnd, nbytes=wire, dtype=FP32, num_workers=word)
+    return p.request(Command.PULL, key=key, round=rnd, nbytes=wire, dtype=FP32, codec=word)
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])  # small integers: top-k chooses among ties
@@ -140,7 +139,7 @@ def test_garbage_pushes_never_crash_the_server(server, codec, garbage, length):
     try:
         assert p.hello().status == Status.OK
         _init([p], 1, word, wire, 4 * 64)
-        h, _ = p.request(Command.PUSH, garbage, key=1, round=0, nbytes=wire, dtype=FP32, num_workers=word,
+        h, _ = p.request(Command.PUSH, garbage, key=1, round=0, nbytes=wire, dtype=FP32, codec=word,
                          length=length)  # fmt: skip
         assert h.status in (Status.OK, Status.KEY_MISMATCH, Status.BAD_ROUND)
     finally:

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from tests.helpers import REPO, RawPeer, ServerProcess
+from tests.helpers import REPO, RawPeer, ServerProcess, push_pull_part
 from torch_bps.client import Client
 from torch_bps.server.cli import parse_args
 from torch_bps.server.limits import JOB_OVERHEAD, key_charge
@@ -48,8 +48,8 @@ def _traffic(address: str, job_id: int) -> None:
     sum (so bytes out differ from bytes in); then one refused request (an unknown key)."""
     with Client([address], job_id, 0, 2) as a, Client([address], job_id, 1, 2) as b:
         for rnd in range(ROUNDS):
-            whole = a.push_pull(torch.full((N,), float(rnd)), 5)
-            half = b.push_pull(torch.full((N,), float(rnd)), 5, out=torch.empty(N // 2))
+            whole = push_pull_part(a, torch.full((N,), float(rnd)), 5)
+            half = push_pull_part(b, torch.full((N,), float(rnd)), 5, out=torch.empty(N // 2))
             assert torch.equal(whole.wait(), torch.full((N,), 2.0 * rnd))
             assert torch.equal(half.wait(), torch.full((N // 2,), 2.0 * rnd))
         peer = RawPeer(address, job_id, 0, 2)  # the job's own identity (the pool's, for this job id)

@@ -35,7 +35,7 @@ def stream_port(server: ServerProcess) -> int:
     """The stream port a HELLO over ZeroMQ is told (its reply's `length`), asked by a job of its own."""
     peer = RawPeer(server.address, 0x7E57, auth=None if server.credential else False)
     try:
-        return peer.hello().length
+        return peer.hello().stream
     finally:
         peer.close()
 
@@ -71,7 +71,7 @@ def test_the_hello_reply_offers_a_stream_port_unless_curve_or_off():
         pool = os.environ["BPS_POOL_CREDENTIAL"]
         credentials = ClientCredentials.for_servers(pool, [pool], "curve")
         peer = RawPeer(curve.address, 0x7E57, auth=credentials)
-        assert peer.hello().length == 0, "a stream is not encrypted: none under curve"
+        assert peer.hello().stream == 0, "a stream is not encrypted: none under curve"
         peer.close()
         assert stream_port(off) == 0
     finally:

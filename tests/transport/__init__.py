@@ -1,1 +1,1 @@
-"""Tests of the transport: the wire header, the C++ client over ZeroMQ and the stream transport."""
+"""Tests of the transport: the wire header, packed alike by torch_bps/wire.py and cpp_ext/transport/wire.h."""

@@ -56,7 +56,7 @@ class Round:
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # COPY: (offset, length, worker) pushed
     closed: bool = False
     contributors: int = 0  # how many pushes the result holds
-    ahead: int = 0  # set when answered: how many later rounds of the key had closed (the reply's `rounds`)
+    ahead: int = 0  # set when answered: how many later rounds of the key had closed (the reply's `behind`)
 
 
 # SUM keys of these dtypes add in fp32 and round once, so the result does not depend on how many workers pushed

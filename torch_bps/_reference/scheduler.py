@@ -2,7 +2,7 @@
 
 The engine's partitions are scheduled by the C++ client's IO thread (cpp_ext/client/credit_queue.h, through
 `Client.push_pull_batch`); this class states the same rule in Python and nothing in torch_bps imports it:
-tests/engine/test_scheduler.py checks that both send the same submissions in the same order.
+tests/client/test_scheduler.py checks that both send the same submissions in the same order.
 
 At most `credit_bytes` of pushes are in flight (sent and not yet acknowledged by their server), and, if
 `destination_credit_bytes` is set, at most that many toward any one destination (a server); the rest wait

@@ -76,7 +76,7 @@ def _path(client, nbytes: int, repeats: int, partition_bytes: int) -> tuple[floa
     rtts = []
     for _ in range(_RTT_SAMPLES):
         start = time.perf_counter()
-        client.push_pull(tiny, key=0).wait()
+        client.push_pull_batch([(tiny, 0)]).wait()  # a batch of one partition, as the engine sends
         rtts.append(time.perf_counter() - start)
     data = torch.ones(max(1, nbytes // 4))
     # 16 partitions or more: the pull of one overlaps the push of the next, as in a collective, so the time is

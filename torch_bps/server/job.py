@@ -25,7 +25,7 @@ UNBOUNDED = (1 << 64) - 1  # a HELLO's staleness bound that bounds nothing: full
 def job_settings(h: Header) -> tuple[int, int, int]:
     """Return (backup workers, live rounds per key, staleness bound) a HELLO asks for; ProtocolError(JOB_MISMATCH) if
     they cannot be."""
-    backups, window, staleness = h.mode, h.rounds or 2, h.round
+    backups, window, staleness = h.backups, h.window or 2, h.staleness
     if backups and staleness:
         raise ProtocolError(Status.JOB_MISMATCH, f"HELLO of job {h.job_id:#x} from worker {h.worker}: {backups} backup "
                             f"workers and staleness {_bound(staleness)}: a job has one or the other")  # fmt: skip

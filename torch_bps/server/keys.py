@@ -1,7 +1,7 @@
 """The keys a server knows, and the checks INIT, PUSH and PULL pass against a key's declaration.
 
 The first INIT of a key fixes its size, dtype, mode (SUM, COPY or MODEL) and codec (a compressed key's: its
-requests' `num_workers`, docs/protocol.md "Compressed keys"); every later INIT, PUSH and PULL must agree, and a PUSH
+requests' `codec`, docs/protocol.md "Compressed keys"); every later INIT, PUSH and PULL must agree, and a PUSH
 or PULL must name a byte range inside the key (a SUM or MODEL key's PUSH: the whole key). These run on metadata
 alone, before any payload is looked at, so a worker whose plan disagrees with the others' gets KEY_MISMATCH naming
 both sides instead of a wrong result. The server's native core makes the same checks on
@@ -28,7 +28,7 @@ class KeyInfo:
     nbytes: int
     dtype: int
     mode: Mode
-    codec: int = 0  # a compressed key's codec word (its requests' `num_workers`); nbytes is then what travels
+    codec: int = 0  # a compressed key's codec word (its requests' `codec`); nbytes is then what travels
     dense_bytes: int = 0  # a compressed key's fp32 partition (its INIT's `length`)
 
 
@@ -47,9 +47,9 @@ def check_init(h: Header) -> None:
         raise ProtocolError(
             Status.KEY_MISMATCH, f"{what}: {h.nbytes} bytes is not a whole number of {dtype_name(h.dtype)}"
         )
-    if h.num_workers:  # a compressed key
-        why = check_codec(h.num_workers, h.length, h.nbytes)
-        if not why and (h.mode != Mode.SUM or DTYPES[h.dtype] != torch.float32 or h.length % 4):
+    if h.codec:  # a compressed key
+        why = check_codec(h.codec, h.dense_bytes, h.nbytes)
+        if not why and (h.mode != Mode.SUM or DTYPES[h.dtype] != torch.float32 or h.dense_bytes % 4):
             why = "a compressed key is an fp32 SUM key"
         if why:
             raise ProtocolError(Status.KEY_MISMATCH, f"{what}: {why}")
@@ -57,9 +57,9 @@ def check_init(h: Header) -> None:
 
 def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> KeyInfo:
     """Return the key's info if `h` (INIT, PUSH with payload_bytes, or PULL) agrees with it; else raise."""
-    codec = h.num_workers  # INIT/PUSH/PULL: the codec word
+    codec = h.codec
     same = info is not None and (h.nbytes, h.dtype, h.mode, codec) == (info.nbytes, info.dtype, info.mode, info.codec)
-    if same and h.command == Command.INIT and h.length != info.dense_bytes and codec:
+    if same and h.command == Command.INIT and h.dense_bytes != info.dense_bytes and codec:
         same = False
     if same:
         if h.command == Command.INIT or _range_ok(info, h, payload_bytes):
@@ -67,11 +67,11 @@ def check_request(info: KeyInfo | None, h: Header, payload_bytes: int = 0) -> Ke
     what = f"{Command(h.command).name} of job {h.job_id:#x} key {h.key} round {h.round} by worker {h.worker}"
     if info is None:
         raise ProtocolError(Status.UNKNOWN_KEY, f"{what}: key was never declared with INIT")
-    if codec != info.codec or (h.command == Command.INIT and codec and h.length != info.dense_bytes):
+    if codec != info.codec or (h.command == Command.INIT and codec and h.dense_bytes != info.dense_bytes):
         raise ProtocolError(
             Status.KEY_MISMATCH,
             f"{what}: the key was declared {_codec_text(info.codec, info.dense_bytes)}, this request is "
-            f"{_codec_text(codec, h.length if h.command == Command.INIT else None)}",
+            f"{_codec_text(codec, h.dense_bytes if h.command == Command.INIT else None)}",
         )
     if h.nbytes != info.nbytes or h.dtype != info.dtype or h.mode != info.mode:
         raise ProtocolError(

@@ -45,7 +45,7 @@ from torch_bps.server.keys import KeyInfo, check_init, check_request
 from torch_bps.server.limits import FRAME_SLACK, Limits, MemoryBook
 from torch_bps.server.metrics import resident_bytes
 from torch_bps.server.timeline import ServerTimeline
-from torch_bps.wire import LOCAL_PEER, REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status
+from torch_bps.wire import LOCAL_PEER, REPLY, STATS_FIELDS, STREAM_LOCAL, Command, Header, Mode, Status, foreign_reply
 
 log = logging.getLogger("torch_bps.server")
 
@@ -53,9 +53,14 @@ _TICK_S = 0.2  # how often the loop calls _tick: the stop flag, the parent proce
 _SWEEP_SECONDS = 10.0  # how often jobs past their lease are looked for
 
 
-def _error(ident: bytes, header: Header | None, status: int, message: str) -> list[bytes]:
-    reply = header.reply(status, nbytes=0) if header is not None else Header(command=REPLY, status=status)
-    return [ident, reply.pack(), message.encode()]
+def _error(ident: bytes, header: Header | None, status: int, message: str, frame: bytes = b"") -> list[bytes]:
+    if header is not None:
+        packed = header.reply(status, nbytes=0).pack()
+    elif status == Status.BAD_VERSION:  # answered in the asker's framing, which its own version can read
+        packed = foreign_reply(frame, status)
+    else:
+        packed = Header(command=REPLY, status=status).pack()
+    return [ident, packed, message.encode()]
 
 
 def _no_zap(frames: list[bytes]) -> list[bytes]:
@@ -257,7 +262,7 @@ class SummationServer:
                 # A refused push fails its round for every worker: the others would wait for a sum that can
                 # never be right.
                 self._core.refuse(header.job_id, header.key, header.worker, header.round, str(e))
-            return _error(ident, header, e.status, str(e))
+            return _error(ident, header, e.status, str(e), rest[0] if rest else b"")
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("control plane failed on %s", header)
             return _error(ident, header, Status.INTERNAL, f"{type(e).__name__}: {e}")
@@ -333,17 +338,17 @@ class SummationServer:
         self._book.touch(h.job_id, time.monotonic())
         self._core.hello(h.job_id, h.worker, h.num_workers, backups, window, staleness, job.peers[h.worker],
                          identity)  # fmt: skip
-        return [ident, h.reply(incarnation=self.incarnation, length=self._stream_offer).pack()]
+        return [ident, h.reply(incarnation=self.incarnation, stream=self._stream_offer).pack()]
 
     def _init(self, ident: bytes, h: Header) -> list:
         check_init(h)
         info = self._keys.get((h.job_id, h.key))
         if info is None:
             job = self._jobs[h.job_id]
-            dense = h.length if h.num_workers else 0  # a compressed key's fp32 partition
+            dense = h.dense_bytes if h.codec else 0  # a compressed key's fp32 partition
             self._charge(self._book.add_key, h.job_id, h.nbytes, job.num_workers, job.window, h.dtype, h.mode, dense)
-            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode), h.num_workers, dense)
-            self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode, h.num_workers, dense)
+            self._keys[(h.job_id, h.key)] = KeyInfo(h.nbytes, h.dtype, Mode(h.mode), h.codec, dense)
+            self._core.declare(h.job_id, h.key, h.nbytes, h.dtype, h.mode, h.codec, dense)
         else:
             check_request(info, h)
         return [ident, h.reply().pack()]

@@ -10,6 +10,7 @@ import gc
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -20,11 +21,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import ServerProcess, exact_floats
+from tests.helpers import ServerProcess, exact_floats, push_pull_part
 from torch_bps import _C
 from torch_bps.client import OUTCOME_FAILED, OUTCOME_NOT_RUN, Client, job_id_from_name
 from torch_bps.config import Config
-from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ServerError, TransportError
+from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError, ProtocolError, ServerError, TransportError
 from torch_bps.wire import HEADER_SIZE, STATS_FIELDS, Mode, Status
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,7 +67,7 @@ def run_worker(servers, job_id, worker, num_workers, specs, rounds, pipelined):
         pending = []
         for rnd in range(rounds):
             for key, dtype, shape in specs:
-                fut = client.push_pull(make_data(key, worker, rnd, dtype, shape), key)
+                fut = push_pull_part(client, make_data(key, worker, rnd, dtype, shape), key)
                 pending.append(((key, rnd), fut))
             if not pipelined:
                 for name, fut in pending:
@@ -183,7 +184,7 @@ def test_fast_worker_many_rounds_ahead_of_slow_one(server, job_id, streams):
 
     def fast():
         with Client([server.address], job_id, 0, 2, timeout=30, stream=streams[0]) as c:
-            futs = [c.push_pull(torch.full((100,), float(r)), 7) for r in range(rounds)]  # all at once
+            futs = [push_pull_part(c, torch.full((100,), float(r)), 7) for r in range(rounds)]  # all at once
             return [f.wait() for f in futs]
 
     def slow():
@@ -191,7 +192,7 @@ def test_fast_worker_many_rounds_ahead_of_slow_one(server, job_id, streams):
             out = []
             for r in range(rounds):
                 time.sleep(0.02)
-                out.append(c.push_pull(torch.full((100,), 1000.0 * r), 7).wait())
+                out.append(push_pull_part(c, torch.full((100,), 1000.0 * r), 7).wait())
             return out
 
     for sums in in_threads(fast, slow):
@@ -203,9 +204,9 @@ def test_out_and_in_place(server, job_id):
     with Client([server.address], job_id, 0, 1) as c:
         t = torch.arange(6, dtype=torch.int32)
         out = torch.empty(6, dtype=torch.int32)
-        assert c.push_pull(t, 0, out=out).wait() is out
+        assert push_pull_part(c, t, 0, out=out).wait() is out
         assert torch.equal(out, t)
-        assert c.push_pull(t, 0).wait() is t
+        assert push_pull_part(c, t, 0).wait() is t
 
 
 def test_size_mismatch_across_workers_fails_only_that_key(server, job_id):
@@ -213,15 +214,15 @@ def test_size_mismatch_across_workers_fails_only_that_key(server, job_id):
     a = Client([addr], job_id, 0, 2, timeout=3)
     b = Client([addr], job_id, 1, 2, timeout=10)
     try:
-        first = a.push_pull(torch.zeros(10), 0)  # declares key 0: 10 float32
+        first = push_pull_part(a, torch.zeros(10), 0)  # declares key 0: 10 float32
         a.server_stats(0)  # answered after a's INIT on the same connection: a declared first
         with pytest.raises(ServerError) as info:
-            b.push_pull(torch.zeros(12), 0).wait()
+            push_pull_part(b, torch.zeros(12), 0).wait()
         assert info.value.status == Status.KEY_MISMATCH
         message = str(info.value)
         assert "key 0" in message and "40" in message and "48" in message and addr in message
         # Other keys of the same workers still sum.
-        fa, fb = a.push_pull(torch.ones(4), 1), b.push_pull(torch.ones(4), 1)
+        fa, fb = push_pull_part(a, torch.ones(4), 1), push_pull_part(b, torch.ones(4), 1)
         assert torch.equal(fa.wait(), torch.full((4,), 2.0)) and torch.equal(fb.wait(), torch.full((4,), 2.0))
         # The server fails round 0 of key 0 for every worker at once: it can never close.
         with pytest.raises(ServerError) as info:
@@ -236,7 +237,7 @@ def test_timeout_names_server_job_key_round_worker_and_command(server, job_id):
     with Client([server.address], job_id, 1, 2, timeout=0.5) as c:
         t0 = time.monotonic()
         with pytest.raises(BpsTimeoutError) as info:
-            c.push_pull(torch.zeros(3), 42).wait()
+            push_pull_part(c, torch.zeros(3), 42).wait()
         assert time.monotonic() - t0 < 5
     message = str(info.value)
     for word in (server.address, f"{job_id:016x}", "key 42", "round 0", "worker 1 of 2", "PULL"):
@@ -250,12 +251,12 @@ def test_callbacks_run_off_the_io_thread_and_may_block(server, job_id):
 
         def chained(fut):
             seen["thread"] = threading.get_ident()
-            return c.push_pull(fut.value() * 2, 1).wait()  # blocks this completion thread
+            return push_pull_part(c, fut.value() * 2, 1).wait()  # blocks this completion thread
 
         # Worker 1 pushes only once every callback is attached: a future already complete runs `then` on the
         # caller's thread (which a fast reply made happen with one worker).
-        chains = [c.push_pull(torch.ones(5) * i, 0).then(chained) for i in range(3)]
-        zeros = [other.push_pull(torch.zeros(5), key) for key in (0, 0, 0, 1, 1, 1)]
+        chains = [push_pull_part(c, torch.ones(5) * i, 0).then(chained) for i in range(3)]
+        zeros = [push_pull_part(other, torch.zeros(5), key) for key in (0, 0, 0, 1, 1, 1)]
         results = [f.wait() for f in chains]
         for f in zeros:
             f.wait()
@@ -266,7 +267,7 @@ def test_callbacks_run_off_the_io_thread_and_may_block(server, job_id):
 def test_a_burst_of_completions_does_not_start_a_thread_each(server, job_id):
     """Short callbacks share the completion threads: more threads would only contend for the GIL."""
     with Client([server.address], job_id, 0, 1, timeout=10) as c:
-        futures = [c.push_pull(torch.ones(64), key).then(lambda f: f.value()) for key in range(200)]
+        futures = [push_pull_part(c, torch.ones(64), key).then(lambda f: f.value()) for key in range(200)]
         assert all(f.wait()[0].item() == 1.0 for f in futures)
         # Not one thread per completion that finds none idle: a thread is added only when none started a task for
         # 2 ms, which a loaded 2-core machine does now and then.
@@ -279,11 +280,11 @@ def test_server_stats_and_byte_counts(server, job_id):
         before = c.server_stats(0)
         assert set(before) == set(STATS_FIELDS)
         sent0, recv0 = c.bytes_sent()[0], c.bytes_received()[0]
-        c.push_pull(torch.zeros(n), 3).wait()
+        push_pull_part(c, torch.zeros(n), 3).wait()
         # INIT + PUSH (+payload) + PULL out; their three replies back, the PULL's with the sum.
         assert c.bytes_sent()[0] - sent0 == 3 * HEADER_SIZE + 4 * n
         assert c.bytes_received()[0] - recv0 == 3 * HEADER_SIZE + 4 * n
-        c.push_pull(torch.zeros(n), 3).wait()  # no INIT the second time
+        push_pull_part(c, torch.zeros(n), 3).wait()  # no INIT the second time
         assert c.bytes_sent()[0] - sent0 == 5 * HEADER_SIZE + 8 * n
         after = c.server_stats(0)
         assert after["pushes"] >= before["pushes"] + 2 and after["bytes_in"] >= before["bytes_in"] + 8 * n
@@ -298,7 +299,7 @@ def test_big_replies_reuse_receive_buffers(server, job_id):
         before = _C._testing.buffer_cache_stats()
         for rnd in range(3):
             tensors = {key: torch.full((n,), float(rnd * 10 + key)) for key, n in sizes.items()}
-            futs = {key: c.push_pull(t, key) for key, t in tensors.items()}
+            futs = {key: push_pull_part(c, t, key) for key, t in tensors.items()}
             for key, fut in futs.items():
                 assert torch.equal(fut.wait(), torch.full((sizes[key],), float(rnd * 10 + key)))
         after = _C._testing.buffer_cache_stats()
@@ -328,26 +329,26 @@ def test_addresses_in_the_environment_are_named_with_their_variable(monkeypatch)
 def test_bad_tensors_are_refused(server, job_id):
     with Client([server.address], job_id, 0, 1) as c:
         with pytest.raises(TypeError, match="complex64"):
-            c.push_pull(torch.zeros(3, dtype=torch.complex64), 0)
+            push_pull_part(c, torch.zeros(3, dtype=torch.complex64), 0)
         with pytest.raises(TypeError, match="bool"):
-            c.push_pull(torch.zeros(3, dtype=torch.bool), 0)
+            push_pull_part(c, torch.zeros(3, dtype=torch.bool), 0)
         with pytest.raises(ValueError, match="not contiguous"):
-            c.push_pull(torch.zeros(4, 4).t(), 0)
+            push_pull_part(c, torch.zeros(4, 4).t(), 0)
         with pytest.raises(ValueError, match="meta"):
-            c.push_pull(torch.zeros(3, device="meta"), 0)
+            push_pull_part(c, torch.zeros(3, device="meta"), 0)
         with pytest.raises(TypeError, match="torch.Tensor"):
-            c.push_pull([1.0, 2.0], 0)
+            push_pull_part(c, [1.0, 2.0], 0)
         with pytest.raises(ValueError, match="out"):
-            c.push_pull(torch.zeros(3), 0, out=torch.zeros(4))
+            push_pull_part(c, torch.zeros(3), 0, out=torch.zeros(4))
         with pytest.raises(ValueError, match="server index 5"):
-            c.push_pull(torch.zeros(3), 0, server=5)
+            push_pull_part(c, torch.zeros(3), 0, server=5)
         with pytest.raises(ValueError, match="u64"):
-            c.push_pull(torch.zeros(3), -1)
-        c.push_pull(torch.zeros(3), 9).wait()
+            push_pull_part(c, torch.zeros(3), -1)
+        push_pull_part(c, torch.zeros(3), 9).wait()
         with pytest.raises(ValueError, match="key 9 was first used with 3 elements"):
-            c.push_pull(torch.zeros(4), 9)
+            push_pull_part(c, torch.zeros(4), 9)
         with pytest.raises(ValueError, match="float64"):
-            c.push_pull(torch.zeros(3, dtype=torch.float64), 9)
+            push_pull_part(c, torch.zeros(3, dtype=torch.float64), 9)
 
 
 def test_job_id_from_name_is_a_stable_u64():
@@ -387,7 +388,7 @@ def test_killed_server_fails_outstanding_requests_promptly(job_id):
     dying = ServerProcess()
     try:
         with Client([dying.address], job_id, 0, 2, timeout=60) as c:
-            futs = [c.push_pull(torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
+            futs = [push_pull_part(c, torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
             time.sleep(0.3)
             t0 = time.monotonic()
             dying.kill()
@@ -405,7 +406,7 @@ def test_a_server_lost_later_names_the_one_lost_first(job_id):
     first, second = ServerProcess(), ServerProcess()
     try:
         with Client([first.address, second.address], job_id, 0, 2, timeout=60) as c:
-            waiting = c.push_pull(torch.zeros(100), 1, server=1)  # no second worker: it waits on `second`
+            waiting = push_pull_part(c, torch.zeros(100), 1, server=1)  # no second worker: it waits on `second`
             time.sleep(0.3)
             first.kill()
             time.sleep(0.5)
@@ -424,7 +425,7 @@ def test_a_worker_lost_after_a_server_went_down_is_that_server_s_loss(job_id):
     try:
         with Client([first.address, second.address], job_id, 0, 2, timeout=60) as c:
             other = Client([first.address, second.address], job_id, 1, 2, timeout=60)
-            waiting = c.push_pull(torch.zeros(100), 1, server=1)  # worker 1 never pushes: it waits on `second`
+            waiting = push_pull_part(c, torch.zeros(100), 1, server=1)  # worker 1 never pushes: it waits on `second`
             time.sleep(0.3)
             first.kill()
             time.sleep(0.5)
@@ -443,7 +444,7 @@ def test_requests_to_a_lost_server_fail_at_once_and_a_restart_is_named(job_id):
     srv = ServerProcess()
     try:
         with Client([srv.address], job_id, 0, 1, timeout=60) as c:
-            c.push_pull(torch.ones(8), 0).wait()
+            push_pull_part(c, torch.ones(8), 0).wait()
             srv.kill()
             t0 = time.monotonic()
             # The first one may be in flight when the connection drops (on the local stream, a unix socket, the drop
@@ -451,13 +452,13 @@ def test_requests_to_a_lost_server_fail_at_once_and_a_restart_is_named(job_id):
             lost = rf"lost the connection to server {srv.address} while|server {srv.address} is unreachable: lost"
             with pytest.raises(TransportError, match=lost):
                 while True:
-                    c.push_pull(torch.ones(8), 0).wait()
+                    push_pull_part(c, torch.ones(8), 0).wait()
             assert time.monotonic() - t0 < 5
             srv.start()  # same port, new incarnation
             deadline, message = time.monotonic() + 15, ""
             while "restarted" not in message and time.monotonic() < deadline:
                 with pytest.raises(TransportError) as info:
-                    c.push_pull(torch.ones(8), 0).wait()
+                    push_pull_part(c, torch.ones(8), 0).wait()
                 message = str(info.value)
                 time.sleep(0.05)
             assert f"{srv.incarnation:016x}" in message and "lost this job's sums" in message, message
@@ -467,7 +468,7 @@ def test_requests_to_a_lost_server_fail_at_once_and_a_restart_is_named(job_id):
 
 def test_close_fails_outstanding_futures_and_never_hangs(server, job_id):
     c = Client([server.address], job_id, 0, 2, timeout=60)
-    futs = [c.push_pull(torch.zeros(10), 0) for _ in range(3)]  # one in flight, two held back
+    futs = [push_pull_part(c, torch.zeros(10), 0) for _ in range(3)]  # one in flight, two held back
     t0 = time.monotonic()
     c.close()
     assert time.monotonic() - t0 < 5
@@ -476,12 +477,12 @@ def test_close_fails_outstanding_futures_and_never_hangs(server, job_id):
             f.wait()
     c.close()  # idempotent
     with pytest.raises(BpsError, match="closed"):
-        c.push_pull(torch.zeros(10), 0)
+        push_pull_part(c, torch.zeros(10), 0)
 
 
 def test_close_from_inside_a_callback(server, job_id):
     c = Client([server.address], job_id, 0, 1)
-    done = c.push_pull(torch.ones(3), 0).then(lambda fut: c.close())
+    done = push_pull_part(c, torch.ones(3), 0).then(lambda fut: c.close())
     done.wait()
     assert c.closed
 
@@ -495,7 +496,7 @@ def test_dropping_a_client_joins_its_threads(server, job_id):
     # on its own) may still be on its way out.
     before = thread_ids()
     c = Client([server.address], job_id, 0, 1)
-    c.push_pull(torch.ones(3), 0).wait()
+    push_pull_part(c, torch.ones(3), 0).wait()
     assert thread_ids() - before  # IO thread, completion thread, ZeroMQ's own
     del c
     gc.collect()
@@ -518,7 +519,7 @@ def test_client_threads_are_named_for_profilers(server, job_id):
     before = thread_ids()
     c = Client([server.address], job_id, 0, 1)
     try:
-        c.push_pull(torch.ones(3), 0).wait()  # its completion ran on a completion thread
+        push_pull_part(c, torch.ones(3), 0).wait()  # its completion ran on a completion thread
         names = thread_names(thread_ids() - before)
         assert names.count("bps-client-io") == 1, names
         assert "bps-completion" in names, names
@@ -535,9 +536,9 @@ def test_pushed_future_completes_on_the_acknowledgement_before_the_sum(server, j
         total = a.push_pull(torch.ones(1000), 3, pushed=pushed)
         pushed.wait()  # no other worker has pushed yet
         assert not total.done()
-        b.push_pull(torch.ones(1000), 3).wait()
+        push_pull_part(b, torch.ones(1000), 3).wait()
         assert torch.equal(total.wait(), torch.full((1000,), 2.0))
-        b.push_pull(torch.ones(8), 4)  # b declares key 4 with 8 elements
+        push_pull_part(b, torch.ones(8), 4)  # b declares key 4 with 8 elements
         time.sleep(0.2)
         failed = torch.futures.Future()  # an op refused by the server still fires it, exactly once
         with pytest.raises(ServerError):
@@ -548,16 +549,56 @@ def test_pushed_future_completes_on_the_acknowledgement_before_the_sum(server, j
         b.close()
 
 
+class _Version2Server:
+    """A pyzmq ROUTER answering every request as a version 2 server does a header it cannot parse: a zeroed version 2
+    header (96 bytes), BAD_FRAME, and its message."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        reply = struct.pack("<IHHHHIIIII8Q", 0x31535042, 2, 0x80, Status.BAD_FRAME, *[0] * 14)
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart()
+                said = f"header frame is {len(frames[1])} bytes, expected 96".encode()
+                self.sock.send_multipart([frames[0], reply, said])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def test_a_server_of_protocol_version_2_fails_the_hello_at_once_naming_both_versions(job_id):
+    """Its reply names no request (it could not parse ours): every request to it fails, never waits out a timeout."""
+    old = _Version2Server()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="protocol version 2, this side speaks 3") as info:
+            Client([old.address], job_id, 0, 1, timeout=30, connect_timeout=30, auth=False)
+        assert time.monotonic() - t0 < 5 and old.address in str(info.value) and "expected 96" in str(info.value)
+    finally:
+        old.close()
+
+
 def test_a_stopped_server_is_lost_after_the_heartbeat_timeout(job_id):
     """SIGSTOP: the server keeps its connections open but answers nothing, heartbeats included."""
     srv = ServerProcess()
     try:
         with Client([srv.address], job_id, 0, 1, timeout=60, heartbeat_interval=0.2, heartbeat_timeout=1) as c:
-            c.push_pull(torch.ones(8), 0).wait()
+            push_pull_part(c, torch.ones(8), 0).wait()
             srv.proc.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
             with pytest.raises(TransportError, match=rf"lost the connection to server {srv.address}"):
-                c.push_pull(torch.ones(8), 0).wait()
+                push_pull_part(c, torch.ones(8), 0).wait()
             took = time.monotonic() - t0
             print(f"stopped server lost after {took:.2f} s")
             assert 0.5 < took < 5
@@ -668,7 +709,7 @@ def test_batch_failure_names_server_key_round_and_sends_no_more(server, job_id):
         Client([server.address], job_id, 0, 1, timeout=10) as a,
         Client([server.address], job_id, 0, 1, timeout=10, credit_bytes=1) as b,
     ):
-        a.push_pull(torch.ones(10), 3).wait()  # declares key 3: 10 float32
+        push_pull_part(a, torch.ones(10), 3).wait()  # declares key 3: 10 float32
         calls = []
         parts = _parts(torch.ones(100), 0, 10)
         parts[3] = (torch.ones(12), 3, None, None, Mode.SUM, None, 0, 0)  # 12 elements: KEY_MISMATCH
@@ -693,7 +734,7 @@ def test_a_refused_part_ends_its_batch_at_once_though_its_other_parts_wait(serve
         Client([server.address], job_id, 1, 2, timeout=30) as a,
         Client([server.address], job_id, 0, 2, timeout=30, failover=failover) as b,
     ):
-        a.push_pull(torch.ones(10), 3)  # declares key 3: 10 float32
+        push_pull_part(a, torch.ones(10), 3)  # declares key 3: 10 float32
         deadline = time.monotonic() + 10
         while a.server_stats(0)["pushes"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)

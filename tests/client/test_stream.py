@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from tests.helpers import ServerProcess, run_ranks
+from tests.helpers import ServerProcess, push_pull_part, run_ranks
 from torch_bps.client import Client, default_credentials, job_id_from_name
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError, TransportError
@@ -154,7 +154,7 @@ class FakeServer:
         self.requests[via][Command(h.command).name] += 1
         if h.command == Command.HELLO:
             incarnation = INCARNATION if via == "zmq" else self.stream_incarnation
-            return [h.reply(incarnation=incarnation, length=self.offer if via == "zmq" else 0).pack()]
+            return [h.reply(incarnation=incarnation, stream=self.offer if via == "zmq" else 0).pack()]
         if h.command == Command.PUSH:
             self.keys.setdefault((h.key, h.round), bytearray(h.nbytes))[h.offset : h.offset + h.length] = frames[1]
         if h.command == Command.PULL:
@@ -232,7 +232,7 @@ class FakeServer:
 def sums(client: Client, rounds: int, n: int = 1000, key: int = 7) -> None:
     for rnd in range(rounds):
         t = torch.arange(n, dtype=torch.float32) + rnd
-        assert torch.equal(client.push_pull(t.clone(), key).wait(), t)
+        assert torch.equal(push_pull_part(client, t.clone(), key).wait(), t)
 
 
 # ---- against the protocol peer above ----
@@ -246,7 +246,7 @@ def test_requests_go_on_a_ready_stream_and_sums_come_back():
         stream0 = c.stream_bytes()[0]
         sums(c, 3, n=1000)
         big = torch.randn(3 << 20)  # 12 MiB: many partial writes and reads
-        assert torch.equal(c.push_pull(big.clone(), 9).wait(), big)
+        assert torch.equal(push_pull_part(c, big.clone(), 9).wait(), big)
         assert c.server_stats(0) == dict.fromkeys(STATS_FIELDS, 0)
         # Every request went on the stream (ZeroMQ carried the HELLO only), counted in the totals too.
         assert srv.requests["zmq"] == {"HELLO": 1}
@@ -341,7 +341,7 @@ def test_a_dropped_stream_fails_the_round_at_once_then_a_new_stream_opens():
         sums(c, 1, n=10)
         t0 = time.monotonic()
         with pytest.raises(TransportError, match=rf"lost the connection to server {srv.address} \(its stream closed"):
-            c.push_pull(torch.ones(10), 7).wait()
+            push_pull_part(c, torch.ones(10), 7).wait()
         assert time.monotonic() - t0 < 5
         # Re-HELLO on ZeroMQ (same incarnation), then a new stream; requests meanwhile fail or go on ZeroMQ.
         deadline = time.monotonic() + 10
@@ -351,7 +351,7 @@ def test_a_dropped_stream_fails_the_round_at_once_then_a_new_stream_opens():
         assert srv.requests["zmq"]["HELLO"] == 2
         pushes = srv.requests["stream"]["PUSH"]
         t = torch.arange(10.0)
-        assert torch.equal(c.push_pull(t.clone(), 7).wait(), t)
+        assert torch.equal(push_pull_part(c, t.clone(), 7).wait(), t)
         assert srv.requests["stream"]["PUSH"] == pushes + 1
 
 
@@ -361,7 +361,7 @@ def test_a_message_arriving_in_pieces_does_not_spin_the_io_thread():
     with FakeServer(pause_in_replies=1.0) as srv, Client([srv.address], 1, 0, 1, auth=False, stream=True) as c:
         t = torch.arange(100.0)
         cpu = time.process_time()  # every thread of this process: the client's IO thread and the peer's
-        assert torch.equal(c.push_pull(t.clone(), 3).wait(), t)
+        assert torch.equal(push_pull_part(c, t.clone(), 3).wait(), t)
         assert time.process_time() - cpu < 0.4
         assert srv.requests["stream"]["PULL"] == 1
 
@@ -394,7 +394,7 @@ def test_a_pull_that_times_out_mid_reply_leaves_its_destination_alone():
                                                          timeout=0.5) as c:  # fmt: skip
         out = torch.zeros(n)
         with pytest.raises(Exception, match="timed out"):
-            c.push_pull(torch.ones(n), 3, out=out).wait()  # the PULL's deadline: 0.5 s + 2 s of grace
+            push_pull_part(c, torch.ones(n), 3, out=out).wait()  # the PULL's deadline: 0.5 s + 2 s of grace
         seen = out.clone()
         assert seen.any(), "the first half of the reply was read into out"
         time.sleep(2.5)  # the fake server sends the rest now
@@ -417,7 +417,7 @@ def test_abandon_and_close_close_the_stream():
             assert not c.stream_ready(0)
             assert wait_for(lambda: not srv.conns)  # the peer saw it close
             with pytest.raises(TransportError, match="failed over by a test"):
-                c.push_pull(torch.ones(4), 1).wait()
+                push_pull_part(c, torch.ones(4), 1).wait()
             assert srv.streams_accepted == 1  # and no new one
         with Client([srv.address], 2, 0, 1, auth=False, stream=True) as c:
             assert c.stream_ready(0) and wait_for(lambda: len(srv.conns) == 1)
@@ -469,7 +469,7 @@ def run_job(address: str, job_id: int, stream: bool, auth, num_workers: int = 2,
             futures = []
             for w, c in enumerate(clients):
                 for key, dtype in enumerate(DTYPES):
-                    futures.append((w, key, c.push_pull(worker_data(w, rnd, key, dtype), key)))
+                    futures.append((w, key, push_pull_part(c, worker_data(w, rnd, key, dtype), key)))
             for w, key, f in futures:
                 results[w][(key, rnd)] = f.wait()
         ready = [c.stream_ready(0) for c in clients]
@@ -528,7 +528,7 @@ def test_a_killed_server_fails_the_rounds_on_its_stream_at_once(local):
     try:
         with Client([server.address], 7, 0, 2, stream=True, local_stream=local, timeout=60) as c:
             assert c.stream_ready(0) and c.stream_local(0) == local
-            waiting = [c.push_pull(torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
+            waiting = [push_pull_part(c, torch.zeros(100), key) for key in range(4)]  # no second worker: they wait
             time.sleep(0.3)
             t0 = time.monotonic()
             server.kill()
@@ -551,7 +551,7 @@ def test_a_stream_dropping_while_a_forked_child_holds_its_socket_does_not_spin_t
     try:
         with Client([server.address], 8, 0, 2, local_stream=local, timeout=60) as c:
             assert c.stream_ready(0) and c.stream_local(0) == local
-            waiting = c.push_pull(torch.zeros(100), 0)  # no second worker: it waits
+            waiting = push_pull_part(c, torch.zeros(100), 0)  # no second worker: it waits
             child = os.fork()
             if child == 0:  # holds every socket of the parent until killed
                 time.sleep(60)
@@ -581,7 +581,7 @@ def test_a_server_on_this_machine_is_reached_over_its_local_stream():
             with Client([server.address], job_id_from_name(f"local-{local}"), 0, 1, local_stream=local) as c:
                 assert c.stream_ready(0) and c.stream_local(0) == local
                 for key in range(3):
-                    assert torch.equal(c.push_pull(t.clone(), key).wait(), t)
+                    assert torch.equal(push_pull_part(c, t.clone(), key).wait(), t)
                 sent, received = c.stream_bytes()[0]
                 assert sent > 3 * t.nbytes and received > 3 * t.nbytes  # the payloads went on the stream
     finally:
@@ -609,7 +609,7 @@ def test_the_local_stream_closes_on_garbage_and_on_a_wrong_token_and_serves_on()
         assert wrong.recv(64) == b"", "the server should refuse a wrong token on the local stream, as on TCP"
         with Client([server.address], job_id_from_name("local-after-garbage"), 0, 1) as c:
             assert c.stream_local(0)
-            assert torch.equal(c.push_pull(torch.ones(1000), 0).wait(), torch.ones(1000))
+            assert torch.equal(push_pull_part(c, torch.ones(1000), 0).wait(), torch.ones(1000))
     finally:
         server.stop()
 
@@ -628,13 +628,13 @@ def test_a_local_stream_moves_big_frames_through_shared_memory_and_the_socket_wh
         for shared in (True, False):
             with Client([server.address], job_id_from_name(f"shared-{shared}"), 0, 1, shared_memory=shared) as c:
                 assert c.stream_local(0) and c.stream_shared(0) == shared
-                futures = [c.push_pull(t.clone(), key) for key, t in enumerate(few)]
+                futures = [push_pull_part(c, t.clone(), key) for key, t in enumerate(few)]
                 for t, f in zip(few, futures, strict=True):
                     assert torch.equal(f.wait(), t)
                 roomy = c.stream_shared_bytes()[0]
                 assert roomy == (2 * sum(t.nbytes for t in few) if shared else 0), roomy  # every payload, both ways
                 for _ in range(3):  # the rings wrap around several times
-                    futures = [c.push_pull(t.clone(), key) for key, t in enumerate(tensors)]
+                    futures = [push_pull_part(c, t.clone(), key) for key, t in enumerate(tensors)]
                     for t, f in zip(tensors, futures, strict=True):
                         assert torch.equal(f.wait(), t)
                 sent, received = c.stream_bytes()[0]
@@ -658,7 +658,7 @@ def test_frames_that_fill_a_shared_ring_exactly_or_outgrow_it_sum_right():
             for key, numel in enumerate([1 << 19] * 6 + [1 << 21, (1 << 21) + 1]):
                 t = torch.arange(numel, dtype=torch.float32) + key
                 before = c.stream_shared_bytes()[0]
-                assert torch.equal(c.push_pull(t.clone(), key).wait(), t), (key, numel)
+                assert torch.equal(push_pull_part(c, t.clone(), key).wait(), t), (key, numel)
                 through_rings = c.stream_shared_bytes()[0] - before
                 assert through_rings == (2 * t.nbytes if numel <= 1 << 21 else 0), (key, through_rings)
     finally:
@@ -714,7 +714,7 @@ def test_the_server_maps_only_sound_shared_memory_and_closes_a_stream_that_lies_
         assert s.recv(64) == b""
         with Client([server.address], job, 0, 1) as c:
             assert c.stream_shared(0)
-            assert torch.equal(c.push_pull(torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
+            assert torch.equal(push_pull_part(c, torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
     finally:
         server.stop()
 

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import start_servers, stop_servers
+from tests.helpers import push_pull_part, start_servers, stop_servers
 from torch_bps.address import split_host_port
 from torch_bps.client import Client
 from torch_bps.config import Config
@@ -99,7 +99,7 @@ def test_socket_buffers_are_set_on_every_server_connection(server, job_id):
     port = split_host_port(server.address)[1]
     before = set(_client_buffers(port))
     with Client([server.address], job_id, 0, 1, timeout=30, socket_buffer_bytes=24 << 10) as c:
-        assert torch.equal(c.push_pull(torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
+        assert torch.equal(push_pull_part(c, torch.ones(1 << 16), 0).wait(), torch.ones(1 << 16))
         mine = [b for b in _client_buffers(port) if b not in before] or _client_buffers(port)
     assert (48 << 10, 48 << 10) in mine, mine  # the kernel stores twice the value asked for
 
@@ -122,7 +122,9 @@ def test_receive_buffers_are_set_per_server_on_both_ends_of_the_stream(job_id):
                     receive_buffer_bytes=[14000, 30000], local_stream=False) as c:  # TCP's buffers  # fmt: skip
             assert c.stream_ready(0) and c.stream_ready(1)
             for key, server in enumerate((0, 1)):
-                assert torch.equal(c.push_pull(torch.ones(1 << 14), key, server=server).wait(), torch.ones(1 << 14))
+                assert torch.equal(
+                    push_pull_part(c, torch.ones(1 << 14), key, server=server).wait(), torch.ones(1 << 14)
+                )
             new = [s for s in _loopback_sockets() if s not in before]
     finally:
         stop_servers(servers)
@@ -175,7 +177,7 @@ def _stream_socket(receive_buffer: int, pid: int | None = None) -> socket.socket
 
 
 def _check_push_pull(client: Client, t: torch.Tensor) -> None:
-    assert torch.equal(client.push_pull(t, 0, server=0).wait(), t)
+    assert torch.equal(push_pull_part(client, t, 0, server=0).wait(), t)
 
 
 def _sample_low_water(stream: socket.socket, push_pull) -> list[int]:
