@@ -8,7 +8,7 @@ authenticated peer: a stranger cannot even complete the handshake). Attacks:
   pulls:   100,000 PULLs of one round that never closes
 
 Usage: python benchmarks/attacks.py [--max-memory-bytes N] [--json out.json]
-May import: the standard library, pyzmq and torch_bps (and benchmarks.pushpull's helpers).
+May import: the standard library, pyzmq and torch_bps (and benchmarks._harness).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import zmq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.pushpull import MB, start_process, stop  # noqa: E402
+from benchmarks._harness import Server  # noqa: E402
 from torch_bps.client import default_credentials  # noqa: E402
 from torch_bps.security import new_secret  # noqa: E402
 from torch_bps.wire import Command, Header  # noqa: E402
+
+MB = 1 << 20
 
 
 def rss(pid: int) -> int:
@@ -121,20 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"server bound --max-memory-bytes {args.max_memory_bytes >> 20} MiB, --max-frame-bytes 16 MiB (default)")
     for name in args.attacks.split(","):
-        server, port = start_process(
-            [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0",
-             "--max-memory-bytes", str(args.max_memory_bytes)],
-            r"port (\d+) incarnation",
-        )  # fmt: skip
+        server = Server("--max-memory-bytes", str(args.max_memory_bytes))
         try:
             before = rss(server.pid)
             start = time.perf_counter()
-            outcome = ATTACKS[name](f"127.0.0.1:{port}")
+            outcome = ATTACKS[name](server.address)
             seconds = time.perf_counter() - start
             time.sleep(0.5)
-            after, alive = rss(server.pid), server.poll() is None
+            after, alive = rss(server.pid), server.proc.poll() is None
         finally:
-            stop(server)
+            server.stop()
         results.append(dict(attack=name, rss_before=before, rss_after=after, alive=alive, outcome=outcome))
         print(f"{name:>7}: RSS {before / MB:7.1f} -> {after / MB:7.1f} MiB (+{(after - before) / MB:6.1f}), "
               f"alive {alive}, {outcome}, {seconds:.1f} s", flush=True)  # fmt: skip

@@ -19,7 +19,6 @@ import argparse
 import inspect
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,9 @@ KB, MB = 1 << 10, 1 << 20
 
 def child(repo: str, partition: int, size: int, seconds: float) -> dict:
     """Measure one tree (imported from `repo`) at one partition size; runs in its own process."""
+    sys.path.insert(0, REPO)
+    from benchmarks._harness import Server  # this tree's, whichever tree is measured
+
     sys.path.insert(0, repo)
     import torch
 
@@ -40,15 +42,8 @@ def child(repo: str, partition: int, size: int, seconds: float) -> dict:
     from torch_bps.engine.placement import Placement, server_weights
 
     torch.set_num_threads(1)
-    env = {**os.environ, "PYTHONPATH": repo}
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", "off"]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=repo)
-    try:
-        port = None
-        while port is None and server.poll() is None:
-            if m := re.search(r"port (\d+) incarnation", server.stdout.readline()):
-                port = int(m.group(1))
-        address = f"127.0.0.1:{port}"
+    with Server("--auth", "off", repo=repo) as server:
+        address = server.address
         with Client([address], 1, 0, 1, timeout=60, auth=False) as client:
             keys = KeyBook(Placement(server_weights([address], [])), partition, lambda n: [(0, n)])
             # A baseline tree whose engine schedules in Python (its CreditScheduler lived in torch_bps.engine then).
@@ -68,9 +63,6 @@ def child(repo: str, partition: int, size: int, seconds: float) -> dict:
                 steps += 1
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             engine.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     return dict(cpu_us_per_part=cpu / (steps * parts) * 1e6, cpu_s_per_gib=cpu / (steps * size) * (1 << 30),
                 goodput_gbps=steps * size / wall / 1e9, parts_per_step=parts, steps=steps)  # fmt: skip
 

@@ -73,11 +73,11 @@ def overhead(repeats: int, mb: float, steps: int) -> list[dict]:
     import resource
     import subprocess
 
-    from tests.helpers import ServerProcess, _free_port
+    from benchmarks._harness import Server, free_port
 
     rows = []
     os.environ.setdefault("BPS_POOL_CREDENTIAL", secrets.token_urlsafe(32))  # servers and ranks share it
-    servers = [ServerProcess(), ServerProcess()]
+    servers = [Server(), Server()]
     try:
         for _ in range(repeats):
             for failover in ("1", "0"):
@@ -85,7 +85,7 @@ def overhead(repeats: int, mb: float, steps: int) -> list[dict]:
                        "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER": failover}  # fmt: skip
                 # Rank 0's output only: two ranks' RESULT lines would interleave.
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                       "127.0.0.1", "--master-port", str(_free_port()), "--tee", "1", "--local-ranks-filter", "0", "-m",
+                       "127.0.0.1", "--master-port", str(free_port()), "--tee", "1", "--local-ranks-filter", "0", "-m",
                        "benchmarks.cluster.workers.failover_steps", "--mb", str(mb), "--steps", str(steps)]  # fmt: skip
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)

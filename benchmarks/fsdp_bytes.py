@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -31,6 +29,8 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks._harness import spawn_ranks  # noqa: E402
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
@@ -148,28 +148,6 @@ def _rank(rank: int, world: int, port: int, backend: str, args, results) -> None
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         results.put((rank, "error", traceback.format_exc()))
-
-
-def spawn_ranks(target, world: int, backend: str, *args) -> list:
-    """Run `target(rank, world, port, backend, *args, results)` in `world` spawned processes; return what each put
-    on `results` as (rank, "ok", value), by rank (raising with the traceback of a rank that put "error")."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=target, args=(r, world, port, backend, *args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    for _ in range(world):
-        rank, status, value = results.get(timeout=600)
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} on {backend}:\n{value}")
-        out[rank] = value
-    for p in procs:
-        p.join(timeout=60)
-    return [out[r] for r in range(world)]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +39,8 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import spawn_ranks  # noqa: E402
 
 MB = 1 << 20
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -177,13 +177,9 @@ def _reduce_row(dtype_name: str, count: int, size_mb: int, iters: int) -> dict:
 # --- multi-process parts ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, world: int, port: int, fn, backend: str, local: int, args: tuple, results) -> None:
+    import traceback
 
-
-def _rank(fn, rank: int, world: int, port: int, backend: str, local: int, args: tuple, results) -> None:
     import torch.distributed as dist
 
     import torch_bps  # noqa: F401 - registers "byteps"
@@ -197,36 +193,16 @@ def _rank(fn, rank: int, world: int, port: int, backend: str, local: int, args: 
                                 timeout=timedelta(seconds=300))  # fmt: skip
         out = fn(rank, world, *args)
         dist.barrier()
-        results.put((rank, out))
+        results.put((rank, "ok", out))
         dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put((rank, "error", f"{backend}: {traceback.format_exc()}"))
 
 
 def _run(fn, world: int, backend: str, *args, local: int = 1, timeout: float = 600) -> dict:
     """Run fn(rank, world, *args) in `world` spawned processes on `backend`, machines of `local` ranks; return rank
     0's result."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    job = (port, backend, local, args, results)
-    procs = [ctx.Process(target=_rank, args=(fn, r, world, *job)) for r in range(world)]
-    for p in procs:
-        p.start()
-    outs = {}
-    try:
-        for _ in range(world):
-            rank, out = results.get(timeout=timeout)
-            outs[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [o["error"] for o in outs.values() if isinstance(o, dict) and "error" in o]
-    if errors:
-        raise RuntimeError(f"{backend}: {errors[0]}")
-    return outs[0]
+    return spawn_ranks(_rank, world, fn, backend, local, args, timeout=timeout)[0]
 
 
 def _allreduce_times(rank: int, world: int, device: str, sizes_mb: list[int], iters: int) -> dict:

@@ -47,11 +47,11 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks._harness import Server  # noqa: E402
 from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 from benchmarks.pslite import KEYS as PSLITE_KEYS  # noqa: E402
 from benchmarks.pslite import PsLite  # noqa: E402
 from torch_bps.client import Client, job_id_from_name  # noqa: E402
-from torch_bps.security import new_secret  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 FULL_SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -165,7 +165,7 @@ def library_engine(client: Client, address: str):
     return PushPullEngine(client, keys)
 
 
-def server_rate(server: subprocess.Popen, address: str, size: int, budget: float, tag: str) -> dict:
+def server_rate(server: Server, address: str, size: int, budget: float, tag: str) -> dict:
     """2 workers keep SERVER_BYTES_IN_FLIGHT of keys in flight each; return the server's receive-to-reply rate."""
     keys = max(1, min(16, SERVER_BYTES_IN_FLIGHT // size))
     job = job_id_from_name(f"bench-server-{tag}")
@@ -221,17 +221,12 @@ FIGURES = ("one_message", "tcp_one_message", "one_message_vs_tcp", "engine", "tc
            "server_add_kernel")  # fmt: skip
 
 
-def start_server(max_frame: int, auth: str = "") -> tuple[subprocess.Popen, str]:
+def start_server(max_frame: int, auth: str = "") -> tuple[Server, str]:
     """A summation server on loopback: `auth` token, curve (with the pool credential of BPS_POOL_CREDENTIAL,
     which Client also picks up) or off; default BPS_AUTH's, as Client's. Returns it and its address."""
-    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
     auth = auth or os.environ.get("BPS_AUTH", "token")
-    server, port = start_process(
-        [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", auth,
-         "--max-frame-bytes", str(max(max_frame, 16 * MB))],
-        r"port (\d+) incarnation",
-    )  # fmt: skip
-    return server, f"127.0.0.1:{port}"
+    server = Server("--auth", auth, "--max-frame-bytes", str(max(max_frame, 16 * MB)))
+    return server, server.address
 
 
 def measure(sizes: list[int], budget: float, repeats: int) -> list[dict]:
@@ -254,7 +249,7 @@ def measure(sizes: list[int], budget: float, repeats: int) -> list[dict]:
             engine.close()
     finally:
         echo.close()
-        stop(server)
+        server.stop()
     return rows
 
 
@@ -311,7 +306,7 @@ def measure_like_for_like(sizes: list[int], budget: float, repeats: int, pslite:
                 print(f"{size_name(size)} | " + " | ".join(cells), flush=True)
             engine.close()
     finally:
-        stop(server)
+        server.stop()
     return rows
 
 

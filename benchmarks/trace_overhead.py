@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks._harness import Server  # noqa: E402
 from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
@@ -55,16 +55,9 @@ def child(mode: str, partition: int, size: int, seconds: float) -> dict:
 
     torch.set_num_threads(1)
     directory = tempfile.mkdtemp(prefix="bps-trace-overhead-")
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", "off"]
-    if mode == "trace":
-        cmd += ["--trace", directory]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    server = Server("--auth", "off", *(["--trace", directory] if mode == "trace" else []))
     try:
-        port = None
-        while port is None and server.poll() is None:
-            if m := re.search(r"port (\d+) incarnation", server.stdout.readline()):
-                port = int(m.group(1))
-        address = f"127.0.0.1:{port}"
+        address = server.address
         with Client([address], 1, 0, 1, timeout=60, auth=False) as client:
             keys = KeyBook(Placement(server_weights([address], [])), partition, lambda n: [(0, n)])
             engine = PushPullEngine(client, keys)
@@ -90,8 +83,7 @@ def child(mode: str, partition: int, size: int, seconds: float) -> dict:
             write_s = time.perf_counter() - write0
             engine.close()
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
         files = os.listdir(directory)
         shutil.rmtree(directory, ignore_errors=True)
     if mode == "trace":

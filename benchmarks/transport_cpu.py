@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks._harness import Server  # noqa: E402
 from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
 from torch_bps.client import Client  # noqa: E402
 from torch_bps.config import TRANSPORTS, transport_options  # noqa: E402
 
@@ -37,7 +37,7 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(server: ServerProcess, job_id: int, size: int, transport: str, seconds: float) -> dict:
+def measure(server: Server, job_id: int, size: int, transport: str, seconds: float) -> dict:
     """Push_pull KEYS keys of `size` bytes for `seconds`; return CPU us per partition and MB/s."""
     how = transport_options(transport)
     with Client([server.address], job_id, 0, 1, timeout=30, **how) as client:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     base = transports[0]
     metrics = ("worker_us", "server_us", "mb_s")
     torch.set_num_threads(1)
-    server = ServerProcess()
+    server = Server()
     results: dict = {}
     job = 1
     try:

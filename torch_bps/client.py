@@ -213,18 +213,11 @@ class Client:
         self._tokens = itertools.count(1)  # 0 means "no token" to the C++ side
         self._keys: dict[int, tuple[int, torch.dtype, int, Mode, int]] = {}  # key -> its signature
         self._pending = _Pending()
-        credentials = {}  # the C++ client's keywords
         if auth is None:
             auth = default_credentials(job_id, len(self._servers))
-        if isinstance(auth, ClientCredentials):
-            if len(auth.tokens) != len(self._servers):
-                raise ValueError(f"auth has credentials for {len(auth.tokens)} servers, not {len(self._servers)}")
-            credentials = {"identity": auth.client.public.decode()}
-            if auth.mechanism == "curve":
-                credentials["curve_secret"] = auth.client.secret.decode()
-                credentials["curve_server_keys"] = [k.decode() for k in auth.server_keys]
-            else:
-                credentials["tokens"] = [t.decode() for t in auth.tokens]
+        if isinstance(auth, ClientCredentials) and len(auth.tokens) != len(self._servers):
+            raise ValueError(f"auth has credentials for {len(auth.tokens)} servers, not {len(self._servers)}")
+        credentials = auth.keywords() if isinstance(auth, ClientCredentials) else {}
         self._impl = _C.Client(list(self._servers), job_id, worker, num_workers, timeout, heartbeat_interval,
                                heartbeat_timeout, self._pending.complete, credit_bytes=credit_bytes,
                                server_credit_bytes=server_credit_bytes, socket_buffer_bytes=socket_buffer_bytes,
@@ -499,9 +492,8 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        who = f"job_id={self.job_id:#x}, worker={self.worker}/{self.num_workers}"
-        return f"Client(servers={self._servers}, {who}, {state})"
+        return (f"Client(servers={self._servers}, job_id={self.job_id:#x}, worker={self.worker}/{self.num_workers}, "
+                f"{'closed' if self.closed else 'open'})")  # fmt: skip
 
 
 __all__ = ["Client", "job_id_from_name"]

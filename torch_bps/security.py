@@ -121,6 +121,13 @@ class ClientCredentials:
         """
         return cls._make(derive(f"{credential}/job/{job_id:#x}", "client"), [credential] * num_servers, mechanism)
 
+    def keywords(self) -> dict:
+        """What the C++ client (`_C.Client`) takes of these credentials, as its keyword arguments."""
+        if self.mechanism == "curve":
+            return {"identity": self.client.public.decode(), "curve_secret": self.client.secret.decode(),
+                    "curve_server_keys": [k.decode() for k in self.server_keys]}  # fmt: skip
+        return {"identity": self.client.public.decode(), "tokens": [t.decode() for t in self.tokens]}
+
 
 if __name__ == "__main__":  # `python -m torch_bps.security`: print a new pool credential
     print(new_secret())

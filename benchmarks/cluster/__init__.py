@@ -5,8 +5,10 @@ all_reduce and torch_bps push/pull per number of server hosts k next to the pape
 and DDP samples/s with gloo vs the "byteps" backend. See `cli.py` for the options, `topology.py` for the
 network, `byteps.py` for the pluggable torch_bps runner.
 
-Importing this package is cheap (no torch): the worker programs under `workers/` share it. It holds the errors
-every module of the package raises.
+Importing this package is cheap (no torch): the worker programs under `workers/` share it. Those run inside the
+emulated hosts (`python -m benchmarks.cluster.workers.<name>`), print their measurement as one `RESULT {json}` line
+on stdout and exit 0, or exit non-zero with the reason on stderr; they import nothing from the orchestrator but
+`benchmarks.cluster.cpu`. This module holds the errors every module of the package raises.
 """
 
 

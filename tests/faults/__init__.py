@@ -1,1 +1,0 @@
-"""Fault tests with real processes: killed and stalled ranks and servers, failover, garbage on the wire."""

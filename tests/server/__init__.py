@@ -1,1 +1,0 @@
-"""Tests of the summation server: the protocol by hand, rounds, limits, authentication, counters, streams."""
