@@ -11,7 +11,7 @@ Example:
         procs = [job.cluster.spawn(f"w{i}", h, [...]) for i, h in enumerate(job.workers)]
         ...
         return StepTime(seconds_per_step=1.23, cpu={"w0": {...}})
-May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{cpu,placement,procs,topology}.
+May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{cpu,procs,theory,topology}.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.cluster import BackendUnavailable, placement, procs
+from benchmarks.cluster import BackendUnavailable, procs, theory
 from benchmarks.cluster.topology import IFNAME, Cluster, Host
 from torch_bps.engine import placement as library_placement
 
@@ -161,7 +161,7 @@ def run_torch_bps(
 
     Servers: one on each of the k dedicated hosts and, when the split gives them bytes (k < n), one
     colocated on each worker host. Every worker then runs workers/bps_pushpull.py. `placement_mode`
-    "exact" splits to the byte (benchmarks/cluster/placement.py); "library" places 4 MB partitions
+    "exact" splits to the byte (benchmarks/cluster/theory.py); "library" places 4 MB partitions
     with torch_bps.engine.placement. Either way no partition exceeds `partition_bytes` (BytePS's default
     4096000). `socket_buffer_bytes` is the workers' BPS_SOCKET_BUFFER_BYTES: -1 picks it from the links' queue
     (`socket_buffer_for`: 0 where the queue holds every connection's minimum), 0 leaves the kernel's buffers.
@@ -177,7 +177,7 @@ def run_torch_bps(
         raise BackendUnavailable(f"torch_bps.client is not usable: {reason}")
     n, k = len(job.workers), job.k
     port += k  # a fresh port per point: no wait for the previous point's sockets to close
-    colocated = list(job.workers) if placement.dedicated_fraction(n, k) < 1.0 else []
+    colocated = list(job.workers) if theory.dedicated_fraction(n, k) < 1.0 else []
     cluster = job.cluster
     trace = os.path.join(trace_dir, f"k{k}") if trace_dir else ""
     if trace:
@@ -287,7 +287,7 @@ def uplink_connections(n: int, k: int) -> int:
     A worker host: its pushes to every such server but its own colocated one (a local stream), and that server's
     replies to the other n - 1 workers. A dedicated server host: its replies to the n workers.
     """
-    shares = placement.server_shares(n, k)
+    shares = theory.server_shares(n, k)
     colocated = shares[-1] > 0
     pushes = sum(share > 0 for share in shares) - colocated
     return max(pushes + (n - 1 if colocated else 0), n if k else 0)
@@ -303,13 +303,13 @@ def socket_buffer_for(link_queue_bytes: int, n: int, k: int) -> int:
     value for its bookkeeping). A third more than an even share of the queue per connection fits: the flows are
     rarely all full at once.
 
-    The share is per server that carries bytes, counted by the paper's split (`placement.server_shares`): the
+    The share is per server that carries bytes, counted by the paper's split (`theory.server_shares`): the
     effective number of servers, 1 / sum(share^2), is about n at every k. Counting every server alike would starve
     the dedicated servers' connections, which carry most bytes, of window.
     """
     if uplink_connections(n, k) * KERNEL_QUEUE_PER_CONNECTION <= link_queue_bytes:
         return 0
-    return max(4096, int(link_queue_bytes / (3 * placement.effective_servers(n, k))))
+    return max(4096, int(link_queue_bytes / (3 * theory.effective_servers(n, k))))
 
 
 def _run_workers(job: BytepsJob, server_list: str, extra: list[str], env: dict[str, str], watch: str) -> list[dict]:

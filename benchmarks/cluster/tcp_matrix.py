@@ -9,7 +9,7 @@ connection is held to the rate t_opt needs instead.
     python -m benchmarks.cluster -n 8 --rate 250 --size-mb 32 --ks 4 --repeats 1 --no-ddp --runner tcp-free
 
 May import: the standard library, benchmarks.cluster (its errors) and
-benchmarks.cluster.{byteps,placement,procs,theory}.
+benchmarks.cluster.{byteps,procs,theory}.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import subprocess
 import tempfile
 
-from benchmarks.cluster import BackendUnavailable, placement, procs, theory
+from benchmarks.cluster import BackendUnavailable, procs, theory
 from benchmarks.cluster.byteps import BytepsJob, StepTime, socket_buffer_for
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "tcp_matrix.c")
@@ -67,14 +67,14 @@ def run_tcp_matrix(
         socket_buffer_bytes = socket_buffer_for(job.cluster.shaping.limit_bytes, n, k)
     hosts = list(job.servers) + list(job.workers)
     # k dedicated servers, then n colocated ones (with no bytes at k = n: x = 1)
-    shares = placement.server_shares(n, k)
+    shares = theory.server_shares(n, k)
     step_bytes = [round(share * job.size_bytes) for share in shares]
     steps = job.warmup + job.steps
     pace_seconds = pace * theory.t_opt_s(n, k, job.size_bytes, job.cluster.shaping.rate_mbit * 1e6)
     common = ["--mode", mode, "--steps", str(steps), "--warmup", str(job.warmup), "--timeout", str(job.timeout_s),
               "--partition-bytes", str(partition_bytes), "--pace-seconds", str(pace_seconds),
               "--lead-bytes", str(lead_bytes)]  # fmt: skip
-    effective = placement.effective_servers(n, k)
+    effective = theory.effective_servers(n, k)
     buffers = [int(socket_buffer_bytes * share * effective) if buffers_by_share else socket_buffer_bytes
                for share in shares]  # fmt: skip
     servers = []

@@ -24,7 +24,6 @@ from benchmarks.cluster import (
     cli,
     cpu,
     netns,
-    placement,
     procs,
     scaling_model,
     sweep,
@@ -302,7 +301,7 @@ def test_socket_buffers_are_the_kernels_where_the_queue_holds_every_connections_
 @pytest.mark.parametrize("n,k", [(2, 0), (2, 2), (4, 1), (4, 3), (3, 5)])
 def test_split_covers_the_tensor_with_the_paper_shares(n, k):
     numel = 3_000_001
-    parts = placement.split(numel, 4, n, k, partition_bytes=1 << 20)
+    parts = theory.split(numel, 4, n, k, partition_bytes=1 << 20)
     covered = sorted((p.start, p.start + p.length) for p in parts)
     assert covered[0][0] == 0 and covered[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))

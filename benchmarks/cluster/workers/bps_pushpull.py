@@ -5,7 +5,7 @@
 
 `--servers` lists the k dedicated servers, then the n colocated ones (worker host i's own server); a
 server that gets no bytes may be given as `-`. Which bytes go where (`--placement`):
-- `exact` (default): the paper's x / 1-x split to the byte (benchmarks/cluster/placement.py, a stand-in
+- `exact` (default): the paper's x / 1-x split to the byte (benchmarks/cluster/theory.py, a stand-in
   until the library's placement is the reference);
 - `library`: partitions of `--partition-bytes` placed by torch_bps.engine.placement, as the library does.
 - `engine` (the default): the library's whole worker pipeline, torch_bps.engine's PushPullEngine (its
@@ -24,7 +24,7 @@ import argparse
 import contextlib
 import os
 
-from benchmarks.cluster import placement
+from benchmarks.cluster import theory
 from benchmarks.cluster.cpu import CpuWindow
 from benchmarks.cluster.workers.common import emit, fail, settle, store, timed_steps
 from torch_bps.engine.placement import Placement, receive_buffers, server_weights
@@ -32,7 +32,7 @@ from torch_bps.engine.placement import Placement, receive_buffers, server_weight
 
 def exact_partitions(numel: int, n: int, k: int, servers: list[str], partition_bytes: int) -> tuple[list[str], list]:
     """Return (server addresses, [(server index, key, start, length)]) under the exact split."""
-    parts = placement.split(numel, 4, n, k, partition_bytes)
+    parts = theory.split(numel, 4, n, k, partition_bytes)
     used = sorted({p.server for p in parts})
     if any(servers[s] == "-" for s in used):
         fail(f"the split sends bytes to servers {used}, but some were not started: {servers}")
