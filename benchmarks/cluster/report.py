@@ -102,15 +102,18 @@ def format_table(report: dict) -> str:
             f"(the best a measured/theory ratio can be is ~{1 / c['ratio']:.3f})"
         )
     lines.append(
-        f"{'k':>3} {'x':>6} {'t_opt s':>9} {'t_opt/AR':>9} {'byteps s':>9} {'bps/t_opt':>9} "
+        f"{'k':>3} {'x':>6} {'t_opt s':>9} {'t_opt/AR':>9} {'byteps s':>9} {'bps/t_opt':>9} {'runs':>9} "
         f"{'gloo s':>8} {'gloo/AR':>8}"
     )
+    points = (report.get("byteps") or {}).get("points") or {}
     for row in report["sweep"]:
         bound = row["allreduce_bound_s"]
         bps, gloo = row["byteps_s"], row["gloo_s"]
+        runs = (points.get(str(row["k"])) or {}).get("runs_seconds_per_step") or []  # every run, not only the median
+        spread = f"{min(runs) / row['t_opt_s']:.2f}-{max(runs) / row['t_opt_s']:.2f}" if len(runs) > 1 else "-"
         lines.append(
             f"{row['k']:>3} {row['x']:>6.3f} {row['t_opt_s']:>9.3f} {row['t_opt_s'] / bound:>9.3f} "
-            f"{_f(bps, '9.3f')} {_f(bps and bps / row['t_opt_s'], '9.2f')} "
+            f"{_f(bps, '9.3f')} {_f(bps and bps / row['t_opt_s'], '9.2f')} {spread:>9} "
             f"{_f(gloo, '8.3f')} {_f(gloo and gloo / bound, '8.2f')}"
         )
     if report["sweep"]:
