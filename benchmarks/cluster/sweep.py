@@ -17,11 +17,10 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.cluster import BackendUnavailable, ClusterError, procs, theory
 from benchmarks.cluster.byteps import WARMUP, BytepsJob, BytepsRunner, run_torch_bps
-from benchmarks.cluster.calibrate import calibrate
 from benchmarks.cluster.cpu import machine_busy_over
 from benchmarks.cluster.ddp import DdpSpec, run_ddp, run_ddp_byteps
 from benchmarks.cluster.report import cpu_summary, tcp_total
-from benchmarks.cluster.topology import IFNAME, TCP_LOSS_COUNTERS, Cluster
+from benchmarks.cluster.topology import IFNAME, TCP_LOSS_COUNTERS, Cluster, calibrate
 
 STARTUP_ALLOWANCE_S = 90.0  # n Python processes importing torch on 2 shared cores
 

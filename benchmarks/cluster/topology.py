@@ -11,7 +11,7 @@ subnet exists only inside the run. Each link is shaped with tc tbf in both direc
 its own TCP congestion control (a namespace's own sysctl): the machine's default may not be a datacenter's.
 
 `Cluster` is a context manager; leaving it by any path (exception, Ctrl-C, SIGTERM, SIGHUP, interpreter
-exit) kills the processes it started and deletes every namespace it created.
+exit) kills the processes it started and deletes every namespace it created. `calibrate` measures one shaped link.
 May import: the standard library, benchmarks.cluster (its errors) and benchmarks.cluster.{netns,procs}.
 """
 
@@ -312,3 +312,31 @@ def proc_net_counters(text: str) -> dict[str, int]:
         for name, value in zip(names, values.split()[1:], strict=False):
             counters[f"{group}{name}"] = int(value)
     return counters
+
+
+def calibrate(cluster: Cluster, seconds: float = 3.0, port: int = 5201) -> dict:
+    """Calibration: stream for `seconds` from the first worker to the next host, to show the shaped link delivers
+    about B; return goodput next to the rate.
+
+    Example: `calibrate(c)` -> `{"from": "w0", "to": "w1", "mbit_s": 478.0, "ratio": 0.956, ...}`.
+    The ratio is TCP goodput over the tbf rate: headers cost ~4% at MTU 1500, so ~0.95 is a link
+    working as configured.
+    """
+    src = cluster.workers[0]
+    dst = (cluster.workers[1:] + cluster.servers)[0]
+    timeout = seconds + 30.0
+    stream = [sys.executable, "-m", "benchmarks.cluster.workers.stream"]
+    recv = cluster.spawn("stream recv", dst, [*stream, "recv", "--port", str(port), "--timeout", str(timeout)])
+    send = cluster.spawn("stream send", src, [*stream, "send", "--to", f"{dst.ip}:{port}", "--seconds", str(seconds),
+                                              "--timeout", str(timeout)])  # fmt: skip
+    got, _ = procs.wait_all([recv, send], timeout + 10.0, "calibration stream")
+    shaping = cluster.shaping
+    return {
+        "from": src.name,
+        "to": dst.name,
+        "mbit_s": round(got["mbit_s"], 1),
+        "rate_mbit": shaping.rate_mbit,
+        "ratio": round(got["mbit_s"] / shaping.rate_mbit, 3),
+        "seconds": round(got["seconds"], 2),
+        "tbf": {"burst_bytes": shaping.burst_bytes, "limit_bytes": shaping.limit_bytes},
+    }

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.deploy.jobs import finish, lines_of, torchrun
+from tests.deploy.train import finish, lines_of, torchrun
 from tests.helpers import start_servers, stop_servers
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.deploy.jobs import SCRIPT, finish, lines_of, torchrun
+from tests.deploy.train import SCRIPT, finish, lines_of, torchrun
 from tests.helpers import REPO, _free_port, start_servers, stop_servers
 
 pytest.importorskip("torchx", reason="torchx is missing: pip install torchx (`make deploy-check` installs it)")

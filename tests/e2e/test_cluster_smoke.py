@@ -32,8 +32,7 @@ from benchmarks.cluster import (
     topology,
 )
 from benchmarks.cluster import report as report_mod
-from benchmarks.cluster.calibrate import calibrate
-from benchmarks.cluster.topology import IFNAME, Cluster, Shaping, _bridge_port
+from benchmarks.cluster.topology import IFNAME, Cluster, Shaping, _bridge_port, calibrate
 from benchmarks.cluster.workers import ddp_train
 from tests.helpers import REPO
 
