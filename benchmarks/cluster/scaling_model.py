@@ -1,4 +1,5 @@
-"""A model of torch_bps's push/pull step time past what one machine can emulate (docs/scaling.md).
+"""A model of torch_bps's push/pull step time past what one machine can emulate (docs/benchmarks.md, "Scaling
+past what one machine can emulate").
 
     python -m benchmarks.cluster.scaling_model --plot results/scaling.png --json results/scaling_model.json
 
