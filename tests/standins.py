@@ -81,6 +81,10 @@ class RecordingOps:
         finally:
             self._current.stream = before
 
+    def future(self, devices):
+        self._add("future", tuple(str(d) for d in devices))
+        return torch.futures.Future()
+
     def index(self, entry: tuple) -> int:
         return self.log.index(entry)
 

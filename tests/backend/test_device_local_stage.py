@@ -319,3 +319,62 @@ def test_ddp_through_the_device_stage_trains_as_gloo_does():
     for rank, (worst, staged) in enumerate(results):
         assert worst < 1e-5, f"rank {rank}: parameters differ from gloo's by {worst:.3g}"
         assert staged > 0, f"rank {rank}: no bucket went through the device stage"
+
+
+def _route(rank, world, gloo):
+    import torch_bps
+    from torch_bps.pg.device_local import route
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    opened = []
+    open_channels = rt.open_device_channels
+    rt.open_device_channels = lambda device: opened.append(device) or open_channels(device)
+    # CPU tensors share "device memory" through the CPU stand-in (/dev/shm), as CUDA ones through CUDA IPC.
+    path = route(rt, torch.ones(64))
+    return type(path).__name__, len(opened)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_bps_device_local_0_sends_tensors_to_the_host_path_without_opening_the_device_stage(switch):
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_DEVICE_LOCAL": switch}
+    want = ("DeviceLocalStage", 1) if switch == "1" else ("NoneType", 0)
+    assert run_ranks(_route, 2, env=env, timeout=100) == [want, want]
+
+
+def _then_waits(rank, world, gloo):
+    """A `then` callback of one device-stage collective launches a second one and waits for it with no timeout, as
+    PowerSGD's callbacks do: (chained result equals, second sum equals), or a failure naming the hang."""
+    import time
+
+    import torch_bps
+    from tests.standins import RecordingOps
+    from torch_bps.pg.work import launch_on_device
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    stage, _, pipe, _ = _stage(rt, RecordingOps())
+    n = 3 * rt.config.partition_bytes // 2 + 5
+    first, second = _data(rank, n, 1), _data(rank, n, 2)
+
+    def then(fut):
+        work = launch_on_device(rt, "allreduce", second, stage, [second], average=False, where="in a callback",
+                                timeout=60)  # fmt: skip
+        work.get_future().wait()  # no timeout, as PowerSGD: only a thread free to complete it ends this wait
+        return fut.value()
+
+    chained = launch_on_device(rt, "allreduce", first, stage, [first], average=False, where="in a test",
+                               timeout=60).get_future().then(then)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not chained.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not chained.done():
+        return "hung: the callback's collective never completed"
+    result = (torch.equal(chained.value()[0], sum(_data(r, n, 1) for r in range(world))),
+              torch.equal(second, sum(_data(r, n, 2) for r in range(world))))  # fmt: skip
+    stage.close()
+    pipe.close()
+    return result
+
+
+def test_a_then_callback_that_waits_for_a_later_device_collective_does_not_hang():
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_PARTITION_BYTES": "32768", "BPS_MIN_PARTITION_BYTES": "16384"}
+    assert run_ranks(_then_waits, 4, env=env, timeout=60) == [(True, True)] * 4

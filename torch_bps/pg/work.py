@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
-from torch_bps.pg.device import completion_context
+from torch_bps.pg.device import completion_context, cuda_ops, order_after_caller
 from torch_bps.pg.device_local import DeviceLocalStage
 
 
@@ -38,7 +38,9 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
     """
     on_device = device is not None and device.type != "cpu"
-    future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
+    future = cuda_ops().future([device] if on_device else [])
+    if on_device:  # the finishes may write into outputs the collective only writes (scatter, gather...)
+        order_after_caller(device)
 
     def done(error: BaseException | None) -> None:
         # On a completion thread: device set and the side stream current, so copies back and the Future's event
@@ -69,7 +71,7 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
     where="on group 0", timeout=60)`.
     """
     device = tensor.device
-    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()  # (tests: CPU)
+    future = cuda_ops().future([device])
 
     def done(error: BaseException | None) -> None:
         with completion_context(device):  # the copier calls it with its side stream current
