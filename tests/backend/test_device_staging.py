@@ -100,6 +100,20 @@ def test_the_side_stream_waits_for_the_callers_stream_before_any_copy():
     pipe.close()
 
 
+def test_the_staging_thread_allocates_copies_and_pushes_with_the_device_set():
+    # A thread that never set its device makes a CUDA context on cuda:0 at its first allocation, event or copy.
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=64, slots=2, ops=ops)
+    service = FakeService(ops)
+    streams = []
+    push = service.push
+    service.push = lambda *args: (streams.append(ops.current_stream(DEVICE)), push(*args))
+    result, finished = _run(pipe, torch.zeros(16), _bounds(16, 4), service)
+    assert finished.wait(10)
+    assert [e for e in ops.log if e[0] == "pinned"] == [("pinned", "side")] * 2 and streams == ["side"] * 4
+    pipe.close()
+
+
 def test_pinned_memory_is_bounded_a_copy_waits_for_a_slot_given_back_by_a_pull():
     ops = RecordingOps()
     pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=ops)

@@ -214,6 +214,12 @@ class PartitionPipeline:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # The device set for the thread's life (its pinned allocations, events and copies make no context on cuda:0),
+        # and the side stream current.
+        with self._ops.on_stream(self.device, self._stream):
+            self._serve()
+
+    def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
                 if isinstance(job, _Job):
