@@ -322,23 +322,29 @@ def test_ddp_through_the_device_stage_trains_as_gloo_does():
 
 
 def _route(rank, world, gloo):
+    """How often the machine's device channels are opened, by setting: (switch on, switch off) of `open_device_channels`
+    with the opening itself counted (on CPU a real one is refused: tensors off a GPU share no device memory)."""
+    import dataclasses
+    import types
+
     import torch_bps
-    from torch_bps.pg.device_local import route
+    from torch_bps.local import device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     opened = []
-    open_channels = rt.open_device_channels
-    rt.open_device_channels = lambda device: opened.append(device) or open_channels(device)
-    # CPU tensors share "device memory" through the CPU stand-in (/dev/shm), as CUDA ones through CUDA IPC.
-    path = route(rt, torch.ones(64))
-    return type(path).__name__, len(opened)
+    device.open_local_stage = lambda *args, **kwargs: opened.append(args) or types.SimpleNamespace(close=lambda: None)
+    results = []
+    for config in (dataclasses.replace(rt.config, device_local=True), rt.config):  # the job's: BPS_DEVICE_LOCAL=0
+        rt.config, before = config, len(opened)
+        channels = rt.open_device_channels(torch.device("cpu"))
+        results.append((config.device_local, channels is not None, len(opened) - before))
+    return results
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_bps_device_local_0_sends_tensors_to_the_host_path_without_opening_the_device_stage(switch):
-    env = {"LOCAL_WORLD_SIZE": "2", "BPS_DEVICE_LOCAL": switch}
-    want = ("DeviceLocalStage", 1) if switch == "1" else ("NoneType", 0)
-    assert run_ranks(_route, 2, env=env, timeout=100) == [want, want]
+def test_bps_device_local_0_takes_the_host_path_without_opening_the_device_stage():
+    # With it off no channel is opened (no rendezvous, nothing mapped): route() then answers None, the host path.
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_DEVICE_LOCAL": "0"}
+    assert run_ranks(_route, 2, env=env, timeout=100) == [[(True, True, 2), (False, False, 0)]] * 2
 
 
 def _then_waits(rank, world, gloo):
