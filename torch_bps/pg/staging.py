@@ -133,7 +133,8 @@ class HostCopy:
 def copy_into(dst: torch.Tensor, src_flat: torch.Tensor) -> None:
     """Copy a flat slice of a sum into a caller's tensor (any device, any strides). A bool tensor gets
     `sum != 0` (gloo's sum of bools is a logical or): a byte of 2 in a bool's storage is no bool. A device tensor is
-    written on the side stream (pg/device.py's `copy_on_side`: the collective's launch ordered it after the caller's)."""
+    written on the side stream (pg/device.py's `copy_on_side`; the collective's launch ordered it after the caller's).
+    """
     if dst.dtype == torch.bool:
         dst, src = dst.detach(), src_flat.view(dst.shape) != 0
     else:
