@@ -358,7 +358,7 @@ def _then_waits(rank, world, gloo):
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
-    n = 3 * rt.config.partition_bytes // 2 + 5
+    n = 3000  # several rounds of the channels' 16 KiB
     first, second = _data(rank, n, 1), _data(rank, n, 2)
 
     def then(fut):
