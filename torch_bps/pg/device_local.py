@@ -78,7 +78,7 @@ class DeviceLocalStage:
 
     def launch(self, flat: torch.Tensor, scale: float, done: Done) -> None:
         """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
-        Every rank calls it for the same collective, under the group's launch lock. Returns at once."""
+        Every rank calls it for the same collective, under the Runtime's launch lock. Returns at once."""
         lo, hi = self._rs.slice_range(flat.numel())
         dtype = flat.dtype if self._runtime.alone else self._runtime.travels_as(flat)
         # A wire dtype: the reduce-scatter casts the slice's sum into it in the same pass, and that is what is staged.

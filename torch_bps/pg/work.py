@@ -32,7 +32,7 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     """Sum (or gather) each exchange's tensor over the group, run the finishes, complete the Work's future with
     `result`.
 
-    The caller must hold the group's launch lock so that collectives stay in one order on every rank.
+    The caller must hold the Runtime's launch lock (`Runtime.launch_lock`) so that collectives stay in one order on every rank.
     Exchanges with no elements send nothing (every rank skips them alike, since shapes must agree).
 
     Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
@@ -65,7 +65,7 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
     `path`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
     (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
     machine: copied to the host, pushed, pulled and copied back, a partition at a time, overlapped). The caller
-    holds the group's launch lock.
+    holds the Runtime's launch lock.
 
     Example: `launch_on_device(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
     where="on group 0", timeout=60)`.
