@@ -32,7 +32,7 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     """Sum (or gather) each exchange's tensor over the group, run the finishes, complete the Work's future with
     `result`.
 
-    The caller must hold the Runtime's launch lock (`Runtime.launch_lock`) so that collectives stay in one order on every rank.
+    The caller holds the Runtime's launch lock (`Runtime.launch_lock`): collectives stay in one order on every rank.
     Exchanges with no elements send nothing (every rank skips them alike, since shapes must agree).
 
     Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
