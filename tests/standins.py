@@ -66,6 +66,7 @@ class RecordingOps:
         self._add("record_stream", stream)
 
     def pinned(self, nbytes):
+        self._add("pinned", self.current_stream(DEVICE))  # "side": allocated with the device set (on_stream)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
             self._pinned.append(buf)
@@ -80,6 +81,10 @@ class RecordingOps:
             yield
         finally:
             self._current.stream = before
+
+    def future(self, devices):
+        self._add("future", tuple(str(d) for d in devices))
+        return torch.futures.Future()
 
     def index(self, entry: tuple) -> int:
         return self.log.index(entry)

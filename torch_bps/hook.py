@@ -101,6 +101,11 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     Example: `ddp.register_comm_hook(BpsHookState(), bps_hook)`.
     """
     runtime = state.connect()
+    with runtime.launch_lock:  # as the "byteps" group's collectives: path choice, staging and launch in one order
+        return _launch_bucket(state, bucket, runtime)
+
+
+def _launch_bucket(state: BpsHookState, bucket: dist.GradBucket, runtime) -> torch.futures.Future:
     buffer = bucket.buffer()
     where = f"for DDP bucket {bucket.index()} (rank {runtime.rank} of {runtime.world_size})"
 
@@ -117,7 +122,7 @@ def bps_hook(state: BpsHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     path = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
     if path is not None:
         # The local stages on the device, or one partition at a time through pinned host memory on a side stream
-        # (docs/gpu.md). DDP calls its hook from one thread, so buckets reach the engine in one order on every rank.
+        # (docs/gpu.md).
         return launch_on_device(runtime, "bps_hook", buffer, path, buffer, average=True, where=where,
                                 timeout=runtime.config.timeout).get_future()  # fmt: skip
     host = HostCopy("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket

@@ -24,9 +24,9 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 
 Point-to-point (send, recv, recv_anysource, and so batch_isend_irecv), all-to-all and monitored_barrier
 go worker to worker through an internal gloo group on the same store (torch_bps/pg/p2p.py). Collectives
-are launched under a per-group lock, so one collective's push_pulls stay contiguous even when several
-threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must still call
-collectives in the same order, as with any backend.
+are staged and launched under the group's Runtime's launch lock (bps_hook takes the same one), so one
+collective's push_pulls stay contiguous even when several threads use the group (DDP's autograd thread and a
+comm hook's callbacks); ranks must still call collectives in the same order, as with any backend.
 
 May import: torch, torch_bps.config, torch_bps.engine.exchange, torch_bps.errors, torch_bps.wire, torch_bps.pg;
 torch_bps.runtime and torch_bps._C only when a group is created (they load the C++ client, which
@@ -36,8 +36,8 @@ torch_bps.runtime and torch_bps._C only when a group is created (they load the C
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -68,6 +68,18 @@ from torch_bps.wire import Mode
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
 
+def _locked(collective):
+    """Run a collective from its checks, path choice and staging to its launch under the Runtime's launch lock: what
+    two threads launch at once (DDP's autograd thread, a hook's callbacks) is then staged and launched in one order."""
+
+    @functools.wraps(collective)
+    def run(self, *args, **kwargs):
+        with self._launch_lock:
+            return collective(self, *args, **kwargs)
+
+    return run
+
+
 class BackendBPS:
     """One "byteps" group's collectives, on a torch_bps Runtime (and point-to-point on `p2p`, a GlooSide).
 
@@ -80,7 +92,7 @@ class BackendBPS:
         self.p2p = p2p
         self._rank, self._size = rank, size
         self._timeout = timeout.total_seconds()
-        self._launch_lock = threading.RLock()  # a sparse all_reduce launches several
+        self._launch_lock = runtime.launch_lock  # shared with bps_hook on this group's Runtime
         self._sparse_room = sparse.Room()
         self._group_name = ""
 
@@ -114,15 +126,15 @@ class BackendBPS:
         self.runtime.close()
 
     # -- reductions -----------------------------------------------------------------------------------------
+    @_locked
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("allreduce", tensors)
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
         if (path := self._device_path(t, op)) is not None:
-            with self._launch_lock:
-                return launch_on_device(self.runtime, "allreduce", t.detach().view(-1), path, tensors,
-                                        average=op == "AVG", where=self._where(), timeout=self._timeout)  # fmt: skip
+            return launch_on_device(self.runtime, "allreduce", t.detach().view(-1), path, tensors, average=op == "AVG",
+                                    where=self._where(), timeout=self._timeout)  # fmt: skip
         s = HostCopy("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
 
@@ -133,6 +145,7 @@ class BackendBPS:
             return None
         return route(self.runtime, t)
 
+    @_locked
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""
         name = "allreduce_coalesced"
@@ -154,6 +167,7 @@ class BackendBPS:
                                      lambda ts, result, device: self._launch("allreduce", ts, result, device),
                                      self._reduce, [t], self._sparse_room)  # fmt: skip
 
+    @_locked
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)
         op = self._op("reduce", opts, t)
@@ -164,15 +178,18 @@ class BackendBPS:
             transfer = self._reduce(t.dtype, cpu_flat(t), op, None)
         return self._launch("reduce", [transfer], tensors, device=t.device)
 
+    @_locked
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("reduce_scatter_single", self._reduce_scatter_plan(output, input, opts), [output],
                             device=output.device)  # fmt: skip
 
+    @_locked
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._reduce_scatter_plan(o, i, opts)]
         return self._launch("reduce_scatter_single_coalesced", plans, outputs, device=_device(outputs))
 
+    @_locked
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
     ) -> dist.Work:
@@ -189,6 +206,7 @@ class BackendBPS:
         return self._launch(name, [_pull_only(transfer, op, slots)], outputs, device=out.device)
 
     # -- data movement: bytes copied, never summed (bit-exact for every pattern, any dtype) -------------------
+    @_locked
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("broadcast", tensors)
         root = opts.rootRank if opts is not None else 0
@@ -200,10 +218,12 @@ class BackendBPS:
         transfer = Exchange(buf, Mode.COPY, push, pull, finish=s.write_back)
         return self._launch("broadcast", [transfer], tensors, device=t.device)
 
+    @_locked
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         return self._launch("all_gather", self._allgather_plan(output_lists, inputs), output_lists,
                             device=_device(inputs))  # fmt: skip
 
+    @_locked
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts=None) -> dist.Work:  # fmt: skip
         """output_lists[r][j] receives rank r's inputs[j] (torch's layout): one all_gather per input."""
@@ -214,15 +234,18 @@ class BackendBPS:
         plans = [t for outs, i in zip(per_input, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
         return self._launch("all_gather_coalesced", plans, output_lists, device=_device(inputs))
 
+    @_locked
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("all_gather_single", self._gather_single_plan(output, input), [output],
                             device=output.device)  # fmt: skip
 
+    @_locked
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._gather_single_plan(o, i)]
         return self._launch("all_gather_single_coalesced", plans, outputs, device=_device(outputs))
 
+    @_locked
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         name = "gather"
         inp = self._single(name, inputs)
@@ -238,6 +261,7 @@ class BackendBPS:
         finish = (lambda: [copy_into(o, buf[i * n : (i + 1) * n]) for i, o in enumerate(outs)]) if is_root else None
         return self._launch(name, [Exchange(buf, finish=finish)], output_lists, device=inp.device)
 
+    @_locked
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         name = "scatter"
         out = self._single(name, outputs)
@@ -252,6 +276,7 @@ class BackendBPS:
         mine = buf[self.rank() * n : (self.rank() + 1) * n]
         return self._launch(name, [Exchange(buf, finish=lambda: copy_into(out, mine))], outputs, device=out.device)
 
+    @_locked
     def barrier(self, opts=None) -> dist.Work:
         return self._launch("barrier", [Exchange(torch.zeros(1, dtype=torch.int32))], [])
 

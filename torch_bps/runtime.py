@@ -84,6 +84,10 @@ class Runtime:
         self._timeline = None
         self._closed = False
         self._close_lock = threading.Lock()
+        # Held by both front doors (the "byteps" group, bps_hook) from a collective's path choice and staging to its
+        # launch: threads launching at once (DDP's, a hook's callbacks) keep one order per launch. Reentrant: a
+        # sparse all_reduce launches several.
+        self.launch_lock = threading.RLock()
 
     def _start(self, engine: PushPullEngine, client) -> None:
         """Take the engine `create` made, and its client (the router's first one, with failover)."""
@@ -251,10 +255,11 @@ class Runtime:
 
     def open_device_channels(self, device: torch.device, capacity_bytes: int = 64 << 20):
         """The machine's local ranks' channels on `device` (reduce-scatter, all-gather: local/device.py), or None:
-        one local rank per worker, or devices that cannot share memory (the CPU-assisted path; the log says which).
-        Collective among the machine's local ranks, each at its first collective on the device; closed with the
-        runtime."""
-        if self._local_channels is None:
+        one local rank per worker, Config.device_local off, or devices that cannot share memory (the CPU-assisted
+        path; the log says which). Collective among the machine's local ranks, each at its first collective on the
+        device; closed with the runtime."""
+        # Off: no rendezvous at all (every local rank reads the same setting, so none waits for the others).
+        if self._local_channels is None or not self.config.device_local:
             return None
         from torch_bps.local.device import open_local_stage
 
@@ -269,6 +274,11 @@ class Runtime:
             return None
         self._device_channels.extend(channels)
         return tuple(channels)
+
+    def post(self, fn) -> None:
+        """Run `fn()` on the client's completion pool, which starts another thread when its tasks block: where a
+        collective's Future is completed, since its callbacks may wait for a later collective (PowerSGD)."""
+        self._client.post(fn)
 
     def take_behind(self) -> int:
         """Backup workers: how many rounds past one this worker pulled had already closed, since the last call."""

@@ -2,9 +2,11 @@
 #include "python/future_work.h"
 
 #include <ATen/core/ivalue.h>
+#include <pybind11/pybind11.h>
 
 #include "common/errors.h"
 
+#include <optional>
 #include <utility>
 
 namespace bps::python {
@@ -37,6 +39,13 @@ std::vector<at::Tensor> FutureWork::result() {
   if (value.isTensorList()) return value.toTensorVector();
   if (value.isTensor()) return {value.toTensor()};
   return {};
+}
+
+void FutureWork::synchronize() {
+  // torch's Python binding calls this with the GIL held, and the completion that ends the wait needs it.
+  std::optional<pybind11::gil_scoped_release> release;
+  if (PyGILState_Check() != 0) release.emplace();
+  wait();
 }
 
 bool FutureWork::wait(std::chrono::milliseconds timeout) {

@@ -33,7 +33,9 @@ class FutureWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   // Blocks until the future completes or the timeout passes; rethrows the collective's own error.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void synchronize() override {}
+  // The caller's current streams wait for the work (on the devices of a device future): c10d's contract, which
+  // NCCL keeps without a host wait. Completion here is on the host, so this waits for it first, as wait() does.
+  void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // A per-call timeout (a collective's opts.timeout): set before the Work is handed out.
   void setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }

@@ -319,3 +319,69 @@ def test_ddp_through_the_device_stage_trains_as_gloo_does():
     for rank, (worst, staged) in enumerate(results):
         assert worst < 1e-5, f"rank {rank}: parameters differ from gloo's by {worst:.3g}"
         assert staged > 0, f"rank {rank}: no bucket went through the device stage"
+
+
+def _route(rank, world, gloo):
+    """How often the machine's device channels are opened, by setting: (switch on, switch off) of `open_device_channels`
+    with the opening itself counted (on CPU a real one is refused: tensors off a GPU share no device memory)."""
+    import dataclasses
+    import types
+
+    import torch_bps
+    from torch_bps.local import device
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    opened = []
+    device.open_local_stage = lambda *args, **kwargs: opened.append(args) or types.SimpleNamespace(close=lambda: None)
+    results = []
+    for config in (dataclasses.replace(rt.config, device_local=True), rt.config):  # the job's: BPS_DEVICE_LOCAL=0
+        rt.config, before = config, len(opened)
+        channels = rt.open_device_channels(torch.device("cpu"))
+        results.append((config.device_local, channels is not None, len(opened) - before))
+    return results
+
+
+def test_bps_device_local_0_takes_the_host_path_without_opening_the_device_stage():
+    # With it off no channel is opened (no rendezvous, nothing mapped): route() then answers None, the host path.
+    env = {"LOCAL_WORLD_SIZE": "2", "BPS_DEVICE_LOCAL": "0"}
+    assert run_ranks(_route, 2, env=env, timeout=100) == [[(True, True, 2), (False, False, 0)]] * 2
+
+
+def _then_waits(rank, world, gloo):
+    """A `then` callback of one device-stage collective launches a second one and waits for it with no timeout, as
+    PowerSGD's callbacks do: (chained result equals, second sum equals), or a failure naming the hang."""
+    import time
+
+    import torch_bps
+    from tests.standins import RecordingOps
+    from torch_bps.pg.work import launch_on_device
+
+    rt = torch_bps.implementation(dist.group.WORLD).runtime
+    stage, _, pipe, _ = _stage(rt, RecordingOps())
+    n = 3000  # several rounds of the channels' 16 KiB
+    first, second = _data(rank, n, 1), _data(rank, n, 2)
+
+    def then(fut):
+        work = launch_on_device(rt, "allreduce", second, stage, [second], average=False, where="in a callback",
+                                timeout=60)  # fmt: skip
+        work.get_future().wait()  # no timeout, as PowerSGD: only a thread free to complete it ends this wait
+        return fut.value()
+
+    chained = launch_on_device(rt, "allreduce", first, stage, [first], average=False, where="in a test",
+                               timeout=60).get_future().then(then)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not chained.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not chained.done():
+        return "hung: the callback's collective never completed"
+    result = (torch.equal(chained.value()[0], sum(_data(r, n, 1) for r in range(world))),
+              torch.equal(second, sum(_data(r, n, 2) for r in range(world))))  # fmt: skip
+    stage.close()
+    pipe.close()
+    return result
+
+
+def test_a_then_callback_that_waits_for_a_later_device_collective_does_not_hang():
+    # One machine of two local ranks: the device local stages alone make the sum, and their gather thread is the one
+    # the callback's collective needs.
+    assert run_ranks(_then_waits, 2, env={"LOCAL_WORLD_SIZE": "2"}, timeout=60) == [(True, True)] * 2

@@ -100,6 +100,20 @@ def test_the_side_stream_waits_for_the_callers_stream_before_any_copy():
     pipe.close()
 
 
+def test_the_staging_thread_allocates_copies_and_pushes_with_the_device_set():
+    # A thread that never set its device makes a CUDA context on cuda:0 at its first allocation, event or copy.
+    ops = RecordingOps()
+    pipe = PartitionPipeline(DEVICE, slot_bytes=64, slots=2, ops=ops)
+    service = FakeService(ops)
+    streams = []
+    push = service.push
+    service.push = lambda *args: (streams.append(ops.current_stream(DEVICE)), push(*args))
+    result, finished = _run(pipe, torch.zeros(16), _bounds(16, 4), service)
+    assert finished.wait(10)
+    assert [e for e in ops.log if e[0] == "pinned"] == [("pinned", "side")] * 2 and streams == ["side"] * 4
+    pipe.close()
+
+
 def test_pinned_memory_is_bounded_a_copy_waits_for_a_slot_given_back_by_a_pull():
     ops = RecordingOps()
     pipe = PartitionPipeline(DEVICE, slot_bytes=16, slots=2, ops=ops)
@@ -208,3 +222,100 @@ def test_a_runtime_gets_one_pipeline_per_device_closed_when_the_runtime_goes(mon
     gc.collect()
     first._thread.join(5)
     assert not first._thread.is_alive(), "the pipeline's thread outlived its runtime"
+
+
+def _finished_on_a_thread(exchanges, done) -> None:
+    """What launch needs of a Runtime: `run`, whose `done` comes on another thread (a completion thread)."""
+    threading.Thread(target=done, args=(None,)).start()
+
+
+def test_a_collective_writing_into_device_outputs_orders_the_side_stream_after_the_callers_and_carries_the_device(
+    monkeypatch,
+):
+    # A scatter's receivers (and every finish through copy_into) write outputs the collective only writes: the write
+    # must land after what the caller's stream queued before the launch, and the Future must carry the device.
+    import types
+
+    from torch_bps.engine.exchange import Exchange
+    from torch_bps.pg import device
+    from torch_bps.pg.work import launch
+
+    ops = RecordingOps()
+    monkeypatch.setattr(device, "_ops", ops)
+    out, mine = torch.zeros(4), torch.arange(4.0)
+    finish = lambda: device.copy_on_side(out, mine, DEVICE)  # noqa: E731
+    runtime = types.SimpleNamespace(run=_finished_on_a_thread)
+    work = launch(runtime, "scatter", [Exchange(torch.zeros(8), finish=finish)], [out], where="in a test", timeout=10,
+                  device=DEVICE)  # fmt: skip
+    assert work.wait() and torch.equal(out, mine)
+    assert ops.log[0] == ("future", (str(DEVICE),)), "the Future carries the outputs' device"
+    ready = ops.log[1]
+    assert ready[:2] == ("record", "caller") and ops.log[2] == ("wait", "side", ready[2]), "at launch, in order"
+    copied = ops.index(("copy", "side", "d2d", 4))
+    assert ops.log[copied + 1] == ("record_stream", "side"), "the caller may drop the output before the copy ran"
+    assert ops.index(("enter", "side")) < copied, "the finish runs with the device set and the side stream current"
+
+
+def test_a_recv_into_a_device_tensor_copies_back_on_the_side_stream_after_the_callers_with_the_device_set(
+    monkeypatch,
+):
+    import types
+
+    from torch_bps.pg import device, p2p
+
+    ops = RecordingOps()
+    monkeypatch.setattr(device, "_ops", ops)
+    received = threading.Event()
+    gloo_work = types.SimpleNamespace(wait=lambda: received.wait(10))  # gloo's recv Work, into the host copy
+    t, host = torch.zeros(3), torch.zeros(3)
+    work = p2p.copied_back(gloo_work, [host], [t], DEVICE, "recv in a test", 10)
+    ready = ops.log[1]
+    assert ops.log[0] == ("future", ("cpu",)) and ready[:2] == ("record", "caller")
+    assert ops.log[2] == ("wait", "side", ready[2]), "ordered on the caller's thread, before gloo's data arrive"
+    host.fill_(5)
+    received.set()
+    assert work.wait() and torch.equal(t, torch.full((3,), 5.0))
+    enter, copied = ops.index(("enter", "side")), ops.index(("copy", "side", "d2d", 3))
+    assert enter < copied and ops.log[copied + 1] == ("record_stream", "side")
+
+
+def test_the_list_form_of_all_to_all_returns_a_future_with_its_outputs_devices(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torch_bps.pg import device, p2p
+
+    ops = RecordingOps()
+    monkeypatch.setattr(device, "_ops", ops)
+    side = p2p.GlooSide(dist.HashStore(), 0, 1, timedelta(seconds=10), "test")
+    outputs = [torch.zeros(3)]  # one per rank
+    work = side.alltoall(outputs, [torch.full((3,), 2.0)], dist.AllToAllOptions())
+    assert work.wait() and torch.equal(outputs[0], torch.full((3,), 2.0))
+    assert ("future", ("cpu",)) in ops.log, "a Future made without the outputs' devices"
+
+
+def test_a_copy_on_a_side_stream_sets_the_streams_device_first(monkeypatch):
+    # A bare torch.cuda.stream() returns the thread to the device it found (cuda:0 on a fresh thread): a context on
+    # GPU 0 for a rank on another GPU.
+    import contextlib
+    import types
+
+    from torch_bps.pg.cuda_ops import TorchCudaOps
+
+    entered = []
+
+    def recorded(kind):
+        @contextlib.contextmanager
+        def enter(arg):
+            entered.append((kind, arg))
+            yield
+
+        return enter
+
+    monkeypatch.setattr(torch.cuda, "device", recorded("device"))
+    monkeypatch.setattr(torch.cuda, "stream", recorded("stream"))
+    stream = types.SimpleNamespace(device=torch.device("cuda", 1))
+    dst = torch.zeros(3)
+    TorchCudaOps().copy(dst, torch.ones(3), stream)
+    assert entered == [("device", torch.device("cuda", 1)), ("stream", stream)] and torch.equal(dst, torch.ones(3))

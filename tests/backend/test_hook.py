@@ -4,6 +4,7 @@ DDP on gloo without a hook (gradients within TOL every step, parameters identica
 from __future__ import annotations
 
 import inspect
+import threading
 
 import pytest
 import torch
@@ -59,3 +60,45 @@ def test_hook_signature_is_what_ddp_accepts():
     sig = inspect.signature(torch_bps.bps_hook)
     assert sig.parameters["bucket"].annotation is dist.GradBucket
     assert sig.return_annotation == torch.futures.Future[torch.Tensor]
+
+
+def test_bps_hook_stages_and_launches_a_bucket_under_the_runtimes_launch_lock(monkeypatch):
+    """The launch lock the "byteps" group's collectives take: without it a bucket launched from DDP's thread and a
+    collective from another thread can be ordered differently on two ranks."""
+    from torch_bps import hook
+
+    class Runtime:  # what bps_hook reads of a Runtime; the sum of one rank is its own tensor
+        rank, world_size, config = 0, 2, torch_bps.Config.resolve()
+        launch_lock = threading.RLock()
+
+        def run(self, exchanges, done):
+            done(None)
+
+    class Bucket:  # what bps_hook reads of a dist.GradBucket
+        def __init__(self):
+            self._grad, self._param = torch.full((4,), 3.0), torch.nn.Parameter(torch.zeros(4))
+
+        def buffer(self):
+            return self._grad
+
+        def index(self):
+            return 0
+
+        def parameters(self):
+            return [self._param]
+
+        def gradients(self):
+            return [self._grad]
+
+    held = []
+
+    class Recorded(hook.HostCopy):
+        def __init__(self, *args, **kwargs):
+            held.append(Runtime.launch_lock._is_owned())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(hook, "HostCopy", Recorded)
+    state = torch_bps.BpsHookState()
+    state._runtime = Runtime()
+    assert torch.equal(torch_bps.bps_hook(state, Bucket()).wait(), torch.full((4,), 1.5))
+    assert held == [True]

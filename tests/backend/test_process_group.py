@@ -379,6 +379,7 @@ class _FakeRuntime:
         self.config = torch_bps.Config.resolve()
         self.calls = 0
         self.priorities: list[int] = []
+        self.launch_lock = threading.RLock()
 
     def run(self, tensors, done, *, priority: int = 0) -> None:
         """Like Runtime.run; `done` runs on a thread of its own, as the client's completion pool would give a
@@ -565,3 +566,40 @@ def test_staging_dispatch_by_device():
     s.flat.mul_(2)
     s.write_back()
     assert torch.equal(t, torch.arange(12.0).view(3, 4) * 2)
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_is_checked_routed_staged_and_launched_under_the_runtimes_launch_lock(monkeypatch):
+    """Two threads launching at once (DDP's autograd thread, a hook's callbacks) must stage and launch in one order:
+    the path choice and the staging run under the lock, not only the launch (bps_hook takes the same lock)."""
+    from torch_bps import process_group
+
+    (pg,) = _threaded_groups(1)
+    held = []
+
+    class Recorded(process_group.HostCopy):
+        def __init__(self, *args, **kwargs):
+            held.append(("staging", pg.runtime.launch_lock._is_owned()))
+            super().__init__(*args, **kwargs)
+
+    def device_path(self, t, op):
+        held.append(("path", self.runtime.launch_lock._is_owned()))
+
+    monkeypatch.setattr(process_group, "HostCopy", Recorded)
+    monkeypatch.setattr(BackendBPS, "_device_path", device_path)
+    assert pg.allreduce([torch.ones(4)], _opts(dist.AllreduceOptions)).wait()
+    assert pg.broadcast([torch.ones(4)], _opts(dist.BroadcastOptions, rootRank=0)).wait()
+    assert held == [("path", True), ("staging", True), ("staging", True)]
+
+
+@pytest.mark.timeout(60)
+def test_synchronize_returns_once_the_work_is_done():
+    # c10d's synchronize() makes the caller's current stream wait for the work: completion is on the host here, so it
+    # waits for it (and a device future's wait then makes the current streams wait for its events).
+    from torch_bps import _C
+
+    future = torch.futures.Future()
+    work = _C.make_work(future, 10.0, "a test")
+    threading.Timer(0.3, future.set_result, args=([torch.ones(1)],)).start()
+    work.synchronize()
+    assert future.done()

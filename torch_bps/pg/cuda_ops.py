@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,8 @@ from torch_bps.errors import BpsTimeoutError
 
 
 class CudaOps(Protocol):
-    """What staging needs from a device: streams, events, asynchronous copies and pinned host memory."""
+    """What staging needs from a device: streams, events, asynchronous copies, pinned host memory, and Futures that
+    carry device tensors."""
 
     def current_stream(self, device: torch.device) -> Any: ...
     def side_stream(self, device: torch.device) -> Any: ...
@@ -33,6 +35,7 @@ class CudaOps(Protocol):
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
     def pinned(self, nbytes: int) -> torch.Tensor: ...
     def on_stream(self, device: torch.device, stream: Any) -> contextlib.AbstractContextManager: ...
+    def future(self, devices: Sequence[torch.device]) -> torch.futures.Future: ...
 
 
 class TorchCudaOps:
@@ -70,7 +73,9 @@ class TorchCudaOps:
             pause = min(pause * 2, 1e-3)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        with torch.cuda.stream(stream):
+        # The stream's device first: a bare torch.cuda.stream() returns the thread to the device it found, cuda:0 on a
+        # fresh thread, and so makes a context there for a rank on another GPU.
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)  # pinned host memory on one side: truly asynchronous
 
     def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -84,3 +89,8 @@ class TorchCudaOps:
         stack.enter_context(torch.cuda.device(device))  # a completion thread's device is otherwise cuda:0
         stack.enter_context(torch.cuda.stream(stream))
         return stack
+
+    def future(self, devices: Sequence[torch.device]) -> torch.futures.Future:
+        # With its CUDA devices, set_result records an event on each one's current stream, and a waiter's stream
+        # waits for it; without them a reader may see the tensors before the copies into them ran.
+        return torch.futures.Future(devices=list(dict.fromkeys(d for d in devices if d.type == "cuda")))

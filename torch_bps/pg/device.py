@@ -89,6 +89,25 @@ def completion_context(device: torch.device | None) -> contextlib.AbstractContex
     return ops.on_stream(device, ops.side_stream(device))
 
 
+def order_after_caller(device: torch.device) -> None:
+    """Make `device`'s side stream wait for what the caller's stream has queued so far. On the caller's thread, at
+    launch, for a collective that writes into a user's tensor from the side stream (`copy_on_side`): a write the
+    caller queued before the collective must not land after its result."""
+    ops = cuda_ops()
+    ready = ops.new_event()
+    ops.record(ready, ops.current_stream(device))
+    ops.wait_event(ops.side_stream(device), ready)
+
+
+def copy_on_side(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+    """Copy `src` (host memory) into a user's tensor `dst` on `device`'s side stream: after `order_after_caller` at
+    launch, and before the Future's event (run under `completion_context`)."""
+    ops = cuda_ops()
+    stream = ops.side_stream(device)
+    ops.copy(dst, src, stream)
+    ops.record_stream(dst, stream)  # the caller may drop it before the copy ran
+
+
 class DeviceStaging:
     """One CUDA tensor's flat pinned host copy (`flat`) and the way back (`write_back`)."""
 
@@ -195,6 +214,12 @@ class PartitionPipeline:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # The device set for the thread's life (its pinned allocations, events and copies make no context on cuda:0),
+        # and the side stream current.
+        with self._ops.on_stream(self.device, self._stream):
+            self._serve()
+
+    def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
                 if isinstance(job, _Job):

@@ -11,7 +11,8 @@ Every local rank must meet the others in each channel in the same order. The red
 thread (its `prepare`: one thread, submission order, right before the slice's copies to the host); the
 all-gathers on this stage's thread, in submission order, each once its collective's network stage ended. Two
 threads and two channels: a rank waiting in an all-gather never holds up a reduce-scatter a peer's network stage
-needs. When the machine is the whole job nothing is staged: the two local stages make the sum.
+needs. The Futures complete on the client's completion pool (`Runtime.post`), never on either thread: a callback may
+wait for a later collective. When the machine is the whole job nothing is staged: the two local stages make the sum.
 
 `route` picks a CUDA tensor's path: this stage, the one-rank `PartitionPipeline` (pg/device.py), or None (whole-
 tensor staging and the host local stages: the CPU-assisted path).
@@ -21,7 +22,6 @@ May import: torch, torch_bps.errors, torch_bps.pg.cuda_ops, torch_bps.pg.device.
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 import weakref
 from collections import deque
@@ -52,14 +52,14 @@ class DeviceLocalStage:
     """Sum CUDA tensors over the group with the machine's local stages on the device.
 
     Args:
-        runtime: the group's Runtime (`run_copied`, `alone`).
+        runtime: the group's Runtime (`run_copied`, `alone`, `post`: where Futures are completed).
         device: the tensors' device.
         channels: (reduce-scatter, all-gather) DeviceLocalComm channels of the machine's local ranks.
         copier: the PartitionPipeline of `device` (its thread runs the reduce-scatters).
         ops: stream operations (default torch.cuda; tests pass CPU stand-ins).
 
-    Example: `stage.launch(grad.view(-1), 1 / world, done)`; `done(error or None)` runs on this stage's completion
-    thread with the side stream current, after the all-gather's copies were queued on it.
+    Example: `stage.launch(grad.view(-1), 1 / world, done)`; `done(error or None)` runs on a thread of the client's
+    completion pool with the side stream current, after the all-gather's copies were queued on it.
     """
 
     def __init__(self, runtime, device: torch.device, channels, copier: PartitionPipeline, ops: CudaOps | None = None):
@@ -72,17 +72,13 @@ class DeviceLocalStage:
         self._order: deque[_Job] = deque()  # launched, not yet gathered: submission order
         self._cv = threading.Condition()
         self._closed = False
-        self._completions: queue.Queue = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._gather_loop, name="bps-device-ag", daemon=True),
-            threading.Thread(target=self._complete_loop, name="bps-device-done", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._gather_loop, name="bps-device-ag", daemon=True)]
         for t in self._threads:
             t.start()
 
     def launch(self, flat: torch.Tensor, scale: float, done: Done) -> None:
         """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
-        Every rank calls it for the same collective, under the group's launch lock. Returns at once."""
+        Every rank calls it for the same collective, under the Runtime's launch lock. Returns at once."""
         lo, hi = self._rs.slice_range(flat.numel())
         dtype = flat.dtype if self._runtime.alone else self._runtime.travels_as(flat)
         # A wire dtype: the reduce-scatter casts the slice's sum into it in the same pass, and that is what is staged.
@@ -134,17 +130,23 @@ class DeviceLocalStage:
                     self._ag.all_gather(mine, job.flat, failed=error is not None)
             except BaseException as e:  # noqa: BLE001 - the collective fails with it (a failed one keeps its own)
                 error = error or e
-            self._completions.put((job, error))
+            self._hand_over(job, error)
         for job in left:
-            self._completions.put((job, BpsError(f"the device local stage on {self.device} closed before the sum")))
-        self._completions.put(None)
+            self._hand_over(job, BpsError(f"the device local stage on {self.device} closed before the sum"))
 
-    def _complete_loop(self) -> None:
-        # Not on the gather thread: `done` runs the Future's callbacks, which may wait for a later collective.
-        while (item := self._completions.get()) is not None:
-            job, error = item
-            with self._ops.on_stream(self.device, self._stream):
-                job.done(error)
+    def _hand_over(self, job: _Job, error: BaseException | None) -> None:
+        # Not on the gather thread, nor on any one thread of this stage: `done` runs the Future's callbacks, which may
+        # wait for a later collective (PowerSGD) that only this stage's gather thread gathers. The client's completion
+        # pool starts another thread when its tasks block, as it does for the host path.
+        complete = functools.partial(self._complete, job, error)
+        try:
+            self._runtime.post(complete)
+        except BaseException:  # noqa: BLE001 - the runtime or its client is gone: never lose a completion
+            complete()
+
+    def _complete(self, job: _Job, error: BaseException | None) -> None:
+        with self._ops.on_stream(self.device, self._stream):
+            job.done(error)
 
 
 def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline | None:
@@ -160,8 +162,8 @@ def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline
 
 
 def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:
-    """The runtime's DeviceLocalStage for `device`, opened on first use (None: one local rank, or the CPU-assisted
-    path); the decision is kept."""
+    """The runtime's DeviceLocalStage for `device`, opened on first use (None: one local rank, the CPU-assisted
+    path, or Config.device_local off); the decision is kept."""
     with _stages_lock:
         stages = _stages.setdefault(runtime, {})
         if device not in stages:

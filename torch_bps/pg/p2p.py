@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.futures import fail
+from torch_bps.pg.device import completion_context, copy_on_side, cuda_ops, order_after_caller
 from torch_bps.pg.staging import BACKEND
 from torch_bps.pg.work import make_work
 
@@ -49,7 +50,10 @@ class GlooSide:
         if all(t.device.type == "cpu" for t in tensors):
             return self._gloo.recv(tensors, src, tag)
         hosts = [_on_host(t, load=False) for t in tensors]
-        return self._copied_back(self._gloo.recv(hosts, src, tag), hosts, tensors, f"recv from rank {src}")
+        device = next(t.device for t in tensors if t.device.type != "cpu")
+        work = self._gloo.recv(hosts, src, tag)
+        what = f"recv from rank {src} on the internal gloo group of '{BACKEND}'"
+        return copied_back(work, hosts, tensors, device, what, self._timeout)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         _check(tensors, "recv_anysource")
@@ -58,27 +62,6 @@ class GlooSide:
             raise TypeError(f"recv from any source: CUDA tensors are not supported ('{BACKEND}' backend); "
                             "name the source rank, or receive into a CPU tensor")  # fmt: skip
         return self._gloo.recv_anysource(tensors, tag)
-
-    def _copied_back(self, work: dist.Work, hosts: list[torch.Tensor], tensors: list[torch.Tensor],
-                     what: str) -> dist.Work:  # fmt: skip
-        """A Work that completes once gloo's `work` received into `hosts` and they are copied into `tensors`.
-
-        gloo's recv Work has no future to chain on, so a thread of its own waits for it (p2p on CUDA tensors is
-        rare; a collective never takes this path)."""
-        future = torch.futures.Future(devices=list(dict.fromkeys(t.device for t in tensors if t.device.type != "cpu")))
-
-        def wait_and_copy() -> None:
-            try:
-                work.wait()
-                for t, h in zip(tensors, hosts, strict=True):
-                    t.copy_(h)
-            except BaseException as e:  # noqa: BLE001 - the receive fails with it
-                fail(future, e)
-                return
-            future.set_result(tensors)
-
-        threading.Thread(target=wait_and_copy, name="torch_bps-recv", daemon=True).start()
-        return make_work(future, self._timeout, f"{what} on the internal gloo group of '{BACKEND}'")
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts) -> dist.Work:  # fmt: skip
@@ -94,7 +77,9 @@ class GlooSide:
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype, device=flat_in.device)
         work = self._gloo.alltoall_base(flat_out, flat_in, [t.numel() for t in outputs],
                                         [t.numel() for t in inputs], opts)  # fmt: skip
-        future = torch.futures.Future()
+        # With the outputs' devices: on CUDA its event follows the copies below (gloo runs this callback on a stream
+        # that waits for its own work), and a reader's stream waits for it.
+        future = cuda_ops().future([t.device for t in outputs])
 
         def unpack(done: torch.futures.Future) -> None:
             try:
@@ -114,6 +99,31 @@ class GlooSide:
 
     def monitored_barrier(self, opts, wait_all_ranks: bool) -> None:
         self._gloo.monitored_barrier(opts.timeout, wait_all_ranks=wait_all_ranks)
+
+
+def copied_back(work: dist.Work, hosts: list[torch.Tensor], tensors: list[torch.Tensor], device: torch.device,
+                what: str, timeout: float) -> dist.Work:  # fmt: skip
+    """A Work that completes once gloo's `work` received into `hosts` and they are copied into `tensors` (on
+    `device`, whose side stream the caller ordered after its own at launch: `order_after_caller`).
+
+    gloo's recv Work has no future to chain on, so a thread of its own waits for it (p2p on CUDA tensors is
+    rare; a collective never takes this path). The copies go on the side stream with the device set, and the
+    Future, which carries the device, records its event after them."""
+    future = cuda_ops().future([t.device for t in tensors])
+    order_after_caller(device)  # on the caller's thread: the copies back land after what it queued before the recv
+
+    def wait_and_copy() -> None:
+        try:
+            work.wait()
+            with completion_context(device):
+                for t, h in zip(tensors, hosts, strict=True):
+                    copy_on_side(t, h, device)
+                future.set_result(tensors)
+        except BaseException as e:  # noqa: BLE001 - the receive fails with it
+            fail(future, e)
+
+    threading.Thread(target=wait_and_copy, name="torch_bps-recv", daemon=True).start()
+    return make_work(future, timeout, what)
 
 
 def _on_host(t: torch.Tensor, load: bool = True) -> torch.Tensor:

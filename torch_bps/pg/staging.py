@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torch_bps.pg.device import DeviceStaging, staging_kind
+from torch_bps.pg.device import DeviceStaging, copy_on_side, staging_kind
 from torch_bps.wire import DTYPES
 
 BACKEND = "byteps"
@@ -132,12 +132,18 @@ class HostCopy:
 
 def copy_into(dst: torch.Tensor, src_flat: torch.Tensor) -> None:
     """Copy a flat slice of a sum into a caller's tensor (any device, any strides). A bool tensor gets
-    `sum != 0` (gloo's sum of bools is a logical or): a byte of 2 in a bool's storage is no bool."""
+    `sum != 0` (gloo's sum of bools is a logical or): a byte of 2 in a bool's storage is no bool. A device tensor is
+    written on the side stream (pg/device.py's `copy_on_side`; the collective's launch ordered it after the caller's).
+    """
     if dst.dtype == torch.bool:
-        dst.detach().copy_(src_flat.view(dst.shape) != 0)
-        return
-    r = real(dst)
-    r.copy_(src_flat.view(r.shape))
+        dst, src = dst.detach(), src_flat.view(dst.shape) != 0
+    else:
+        dst = real(dst)
+        src = src_flat.view(dst.shape)
+    if dst.device.type == "cpu":
+        dst.copy_(src)
+    else:
+        copy_on_side(dst, src, dst.device)
 
 
 def logical_counts(flat: torch.Tensor, op: str, world: int) -> tuple[torch.Tensor, Callable[[], None]]:

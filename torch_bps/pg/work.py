@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
-from torch_bps.pg.device import completion_context
+from torch_bps.pg.device import completion_context, cuda_ops, order_after_caller
 from torch_bps.pg.device_local import DeviceLocalStage
 
 
@@ -32,13 +32,15 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     """Sum (or gather) each exchange's tensor over the group, run the finishes, complete the Work's future with
     `result`.
 
-    The caller must hold the group's launch lock so that collectives stay in one order on every rank.
+    The caller holds the Runtime's launch lock (`Runtime.launch_lock`): collectives stay in one order on every rank.
     Exchanges with no elements send nothing (every rank skips them alike, since shapes must agree).
 
     Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
     """
     on_device = device is not None and device.type != "cpu"
-    future = torch.futures.Future(devices=[device]) if on_device else torch.futures.Future()
+    future = cuda_ops().future([device] if on_device else [])
+    if on_device:  # the finishes may write into outputs the collective only writes (scatter, gather...)
+        order_after_caller(device)
 
     def done(error: BaseException | None) -> None:
         # On a completion thread: device set and the side stream current, so copies back and the Future's event
@@ -63,13 +65,13 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
     `path`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
     (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
     machine: copied to the host, pushed, pulled and copied back, a partition at a time, overlapped). The caller
-    holds the group's launch lock.
+    holds the Runtime's launch lock.
 
     Example: `launch_on_device(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
     where="on group 0", timeout=60)`.
     """
     device = tensor.device
-    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()  # (tests: CPU)
+    future = cuda_ops().future([device])
 
     def done(error: BaseException | None) -> None:
         with completion_context(device):  # the copier calls it with its side stream current
