@@ -471,3 +471,44 @@ def test_torchrun_restart_starts_clean_on_the_same_servers(tmp_path, baseline):
     assert before == [(0, 0), (0, 0)]
     assert after == before, f"the servers still hold (jobs, bytes) {after}"
     assert_identical(torch.load(out + ".pt"), baseline)
+
+
+# -- The nemesis in small (benchmarks/chaos.py): seeded faults of several kinds, overlapping, while a job trains.
+def test_a_short_seeded_chaos_run_loses_no_update(tmp_path):
+    """Asynchronous training (staleness 2) on loopback, 2 dedicated servers and a standby, while servers are
+    killed, stopped, drained, flooded with garbage and filled by another job: the checker finds every acknowledged
+    update in the servers' model once, no hang, memory within the bound and nothing left behind."""
+    from benchmarks import chaos
+
+    settings = chaos.Settings(workload="async", seed=5, seconds=24, servers=2, gap=3.0, netns=False, heartbeat=2.0,
+                              kinds=("kill", "stop_short", "stop_long", "drain", "hostile", "hog"))  # fmt: skip
+    path = str(tmp_path / "record.jsonl")
+    verdict = chaos.run(settings, path)
+    table = chaos.table(chaos.verdict(path))
+    assert verdict == 0, table
+    assert len(chaos.verdict(path)["faults"]) >= 4, table
+
+
+def test_the_chaos_checker_names_what_went_wrong(tmp_path):
+    """A record where an update was applied twice, a step took 3x the timeout and a process was left behind."""
+    from benchmarks import chaos
+
+    meta = {**chaos.Settings(workload="async", workers=2).__dict__, "kinds": ["kill"], "link_faults_skipped": "x"}
+    steps = [{"t": 100.0 + 5 * i, "rank": r, "step": i, "crc": i} for i in range(3) for r in range(2)]
+    for late in steps[-2:]:  # step 2 came 35 s after step 1: more than twice the timeout (10 s)
+        late["t"] += 30
+    done = [{"t": 200.0, "rank": r, "step": -1, "event": "done", "steps": 3, "acked": 3, "powers": 7.0,
+             "model": [-3.0, -3.0 - r, -7.0, -7.0]} for r in range(2)]  # fmt: skip
+    records = [
+        {"meta": meta},
+        *steps,
+        *done,
+        {"fault": "kill", "t": 104.0, "end": 104.5, "target": "s0"},
+        {"result": {"exits": {"rank 0": 0, "rank 1": 0}, "leftovers": {"processes": ["1: bps-server"]}}},
+    ]
+    path = tmp_path / "record.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    v = chaos.verdict(str(path))
+    assert (v["lost"], v["duplicated"], v["hangs"]) == (0, 1, 1), v
+    assert v["faults"] == {"kill": [1, 1]} and v["left_behind"] == {"processes": ["1: bps-server"]}
+    assert v["failures"] == ["updates lost or duplicated", "hangs", "left behind"]
