@@ -74,7 +74,7 @@ class Settings:
     job_quota: int = 32 * MB  # each server's --job-quota-bytes: what a hog may hold
     rate_mbit: float = 1000.0  # namespaces' link rate
     backups: int = 1
-    step_sleep: float = 0.0
+    step_sleep: float = 0.02  # per step: leaves the 2 cores' CPU to replacements starting
     netns: bool = True  # use namespaces where they are available
 
 
@@ -118,6 +118,15 @@ class Site:
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
+    def registry(self, address: str):
+        """The job's registry at `address`: a TCPStore the servers register in (loopback: in this process)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
     def close(self) -> None:
         for p in self.procs:
             _signal(p.pid, signal.SIGCONT)
@@ -149,6 +158,12 @@ class NamespaceSite(Site):
         env = {TOKEN_ENV: self.token, "BPS_HOST": host.ip, "GLOO_SOCKET_IFNAME": "bps0", **(env or {})}
         proc = procs.start(name, host.name, host.ns_host.netns, argv, env, self.logdir)
         self.procs.append(proc)
+        return proc
+
+    def registry(self, address: str) -> procs.Proc:
+        """The registry in the first worker's namespace (this process is outside every namespace): a process."""
+        proc = self.spawn("registry", self.workers[0], [sys.executable, "-m", "benchmarks.chaos", "registry", address])
+        wait_line(proc, lambda line: line if line.startswith("registry listening") else None, 60, "the registry")
         return proc
 
     def link(self, host: Host, up: bool) -> None:
@@ -201,14 +216,20 @@ class Pool:
         self.peak: dict[str, tuple[int, int]] = {}  # address -> (RSS at start, peak RSS)
 
     def start(self, host: Host) -> Server:
-        port = self.site.port(host)
+        return self.ready(self.launch(host))
+
+    def launch(self, host: Host) -> procs.Proc:
+        """Start a server on `host`; `ready` waits for it to listen (servers import torch: seconds of CPU each)."""
         s = self.s
-        argv = [sys.executable, "-m", "torch_bps.server", "--host", host.ip, "--port", str(port), "--register",
-                self.registry, "--heartbeat-timeout", str(s.heartbeat), "--heartbeat-interval", str(s.heartbeat / 6),
-                "--max-memory-bytes", str(s.max_memory), "--job-quota-bytes", str(s.job_quota),
+        argv = [sys.executable, "-m", "torch_bps.server", "--host", host.ip, "--port", str(self.site.port(host)),
+                "--register", self.registry, "--heartbeat-timeout", str(s.heartbeat), "--heartbeat-interval",
+                str(s.heartbeat / 6), "--max-memory-bytes", str(s.max_memory), "--job-quota-bytes", str(s.job_quota),
                 "--drain-timeout", str(2 * s.timeout), "--lost-job-lease", "5"]  # fmt: skip
-        proc = self.site.spawn(f"server {host.name}", host, argv, {"OMP_NUM_THREADS": "1"})
+        return self.site.spawn(f"server {host.name}", host, argv, {"OMP_NUM_THREADS": "1"})
+
+    def ready(self, proc: procs.Proc) -> Server:
         port, _ = wait_line(proc, parse_listening, 120, "a summation server")
+        host = next(h for h in self.site.servers if h.name == proc.host)
         server = Server(host, proc, f"{host.ip}:{port}")
         with self.lock:
             self.servers.append(server)
@@ -254,7 +275,9 @@ def schedule(s: Settings, kinds: tuple[str, ...]) -> list[tuple[float, str]]:
 
 
 class Nemesis:
-    """Plays the schedule: each fault in a thread of its own, recorded when it begins and when it ends."""
+    """Plays the schedule: each fault in a thread of its own, recorded with when it struck (`t`), when its effect
+    ended (`cleared`: the kill sent, the server continued, the link up, the peer gone) and when its thread ended
+    (`end`: replacements started)."""
 
     def __init__(self, site: Site, pool: Pool, ranks: list, s: Settings, record):
         self.site, self.pool, self.ranks, self.s, self.record = site, pool, ranks, s, record
@@ -280,41 +303,49 @@ class Nemesis:
             if kind == "kill":
                 v.retired = True
                 _signal(v.proc.pid, signal.SIGKILL)
+                entry["cleared"] = time.time()
                 self.pool.start(v.host)
             elif kind == "drain":
                 v.retired = True
                 _signal(v.proc.pid, signal.SIGTERM)
+                entry["cleared"] = time.time()
                 self.pool.start(v.host)
             elif kind in ("stop_short", "stop_long"):
                 long = kind == "stop_long"
                 v.retired = v.retired or long
                 _signal(v.proc.pid, signal.SIGSTOP)
-                if long:
-                    self.pool.start(v.host)  # the job fails it over: the next failover claims this one
+                replacement = self.pool.launch(v.host) if long else None  # the next failover claims it
                 self._sleep(2 * hb if long else hb / 3, started)
                 _signal(v.proc.pid, signal.SIGCONT)
-                if long:
+                entry["cleared"] = time.time()
+                if replacement is not None:
                     v.proc.kill(grace_s=1.0)  # it lost its job; a retired server is no target and no load
+                    self.pool.ready(replacement)
             elif kind == "link_down":
                 v.retired = True
+                replacement = self.pool.launch(v.host)
                 self.site.link(v.host, up=False)
                 self._sleep(2 * hb, started)
                 self.site.link(v.host, up=True)
-                self.pool.start(v.host)
+                entry["cleared"] = time.time()
                 v.proc.kill(grace_s=1.0)
+                self.pool.ready(replacement)
             elif kind == "link_slow":
                 self.site.slow(v.host, 0.1)
                 self._sleep(self.rng.uniform(hb, 3 * hb), started)
                 self.site.slow(v.host, None)
+                entry["cleared"] = time.time()
             elif kind == "hostile":
                 p = self.site.spawn("hostile", self.site.workers[-1], [sys.executable, "-m", "benchmarks.chaos",
                                                                         "hostile", v.address])  # fmt: skip
                 entry["exit"] = p.popen.wait(timeout=60)
+                entry["cleared"] = time.time()
             elif kind == "hog":
                 hold = self.rng.uniform(hb, 3 * hb)
                 p = self.site.spawn("hog", self.site.workers[-1], [sys.executable, "-m", "benchmarks.chaos", "hog",
                                                                    v.address, "--seconds", str(hold)])  # fmt: skip
                 entry["exit"] = p.popen.wait(timeout=60 + hold)
+                entry["cleared"] = time.time()
                 entry["held"] = p.stdout().strip()[-200:]
             elif kind == "worker_kill":
                 victims = [r for r in self.ranks[1:] if r.poll() is None]
@@ -325,6 +356,7 @@ class Nemesis:
                     rank = self.rng.choice(victims)
                     entry["target"] = rank.name
                     _signal(rank.pid, signal.SIGKILL)
+                    entry["cleared"] = time.time()
             if kind in ("hostile", "hog") and v.proc.poll() is not None:
                 entry["error"] = f"the server died under the {kind} peer (exit {v.proc.poll()})"
         except Exception as e:  # noqa: BLE001 - recorded: the checker counts it as a fault not recovered
@@ -393,11 +425,10 @@ def run(s: Settings, record_path: str) -> int:
 def _run_on(site: Site, s: Settings, kinds, record: Record, record_path: str) -> dict:
     w0 = site.workers[0]
     registry, master = f"{w0.ip}:{site.port(w0)}", f"{w0.ip}:{site.port(w0)}"
-    reg = site.spawn("registry", w0, [sys.executable, "-m", "benchmarks.chaos", "registry", registry])
-    wait_line(reg, lambda line: line if line.startswith("registry listening") else None, 60, "the registry")
     pool = Pool(site, s, registry, record)
-    for host in site.servers:  # one at a time: the first k to register are the dedicated ones, the last the standby
-        pool.start(host)
+    pool.store = site.registry(registry)  # held while the run lasts
+    for proc in [pool.launch(host) for host in site.servers]:  # the first k to register are the job's, then a standby
+        pool.ready(proc)
     worker = [sys.executable, "-m", "benchmarks.cluster.workers.chaos_train", "--workload", s.workload, "--record",
               record_path, "--seconds", str(s.seconds), "--backups", str(s.backups), "--step-sleep",
               str(s.step_sleep)]  # fmt: skip
@@ -425,7 +456,6 @@ def _run_on(site: Site, s: Settings, kinds, record: Record, record_path: str) ->
         result["baseline"] = baseline(site, s, pool, record_path, out)
     result["memory"] = {a: {"start": st, "peak": pk} for a, (st, pk) in pool.peak.items()}
     pool.stop_all()
-    reg.kill()
     return result
 
 
@@ -523,7 +553,7 @@ def hog(address: str, seconds: float) -> int:
     for key in range(4096):
         if p.request(Command.INIT, key=key, nbytes=MB, dtype=7).status:
             break
-        if p.request(Command.PUSH, b"\1" * MB, key=key, round=0, nbytes=MB, dtype=7).status:
+        if p.request(Command.PUSH, b"\1" * MB, key=key, round=0, nbytes=MB, length=MB, dtype=7).status:
             break
         held += MB
     print(f"hog: held {held >> 20} MiB", flush=True)
@@ -573,19 +603,20 @@ def verdict(path: str) -> dict:
     kinds: dict[str, list[int]] = {}
     recoveries, errors = [], []
     for fault in faults:
-        if "skipped" in fault:
+        if "skipped" in fault or not t0 or fault["t"] > t0[-1]:  # none, or after the job's last step
             continue
         counted = kinds.setdefault(fault["fault"], [0, 0])
         counted[0] += 1
-        after = [t for t in t0 if t > fault.get("end", fault["t"])]
+        after = [t for t in t0 if t > fault.get("cleared", fault["t"])]
         if "error" in fault:
             errors.append(f"{fault['fault']} {fault.get('target')}: {fault['error']}")
         elif after:
             counted[1] += 1
-            recoveries.append(min(t for t in t0 if t > fault["t"]) - fault["t"])
+            recoveries.append(after[0] - fault["t"])
     out["faults"] = kinds
     out["fault_errors"] = errors
     out["recovery_s"] = (statistics.median(recoveries), max(recoveries)) if recoveries else None
+    out["slow_recoveries"] = sum(r > 2 * timeout for r in recoveries)
     gaps = [b - a for a, b in zip(t0, t0[1:], strict=False)]
     out["longest_gap_s"] = max(gaps, default=0.0)
     out["hangs"] = sum(g > 2 * timeout for g in gaps) + len(result.get("hung_ranks", []))
@@ -593,7 +624,7 @@ def verdict(path: str) -> dict:
     out_of_order = [r for r, es in by_rank.items() if [e["step"] for e in es] != list(range(len(es)))]
     crcs: dict[int, set] = {}
     for e in steps:
-        if e["step"] >= 0:
+        if e["step"] >= 0 and meta["workload"] != "async":  # asynchronous replicas differ by design
             crcs.setdefault(e["step"], set()).add(e["crc"])
     out["out_of_order_ranks"] = out_of_order
     out["replicas_differ_at"] = sorted(step for step, c in crcs.items() if len(c) > 1)[:5]
@@ -643,7 +674,8 @@ def table(v: dict) -> str:
          ", ".join(f"{k} {a}/{b}" for k, (a, b) in sorted(v["faults"].items())) or "none"),
         ("faults in all", f"{sum(a for a, _ in v['faults'].values())} of {len(v['faults'])} kinds"),
         ("link faults", "skipped: " + v["link_faults_skipped"] if v["link_faults_skipped"] else "on (namespaces)"),
-        ("fault to next step, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
+        ("fault to next step after it cleared, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
+        ("recoveries slower than 2x the timeout", str(v["slow_recoveries"])),
         ("longest step gap; hangs", f"{v['longest_gap_s']:.2f} s; {v['hangs']}"),
         ("updates lost / duplicated", f"{v['lost']} / {v['duplicated']}"),
         ("replicas differ at steps; ranks out of order", f"{v['replicas_differ_at']}; {v['out_of_order_ranks']}"),

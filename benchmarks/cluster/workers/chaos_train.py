@@ -62,7 +62,7 @@ class Stop:
     """Rank 0 decides the last step; the others read it from the store (a key of their own client: no waits)."""
 
     def __init__(self, rank: int, seconds: float, steps: int):
-        self.rank, self.deadline, self.last = rank, time.monotonic() + seconds, steps - 1
+        self.rank, self.seconds, self.deadline, self.last = rank, seconds, None, steps - 1
         self.published = False
         self._store = None
 
@@ -75,6 +75,8 @@ class Stop:
 
     def done(self, step: int) -> bool:
         """Whether `step` was the last one (call after it)."""
+        if self.deadline is None:  # counted from the first step: start-ups take what they take
+            self.deadline = time.monotonic() + self.seconds
         if self.rank == 0 and not self.published and time.monotonic() > self.deadline:
             self.last = min(self.last, step + MARGIN)
             self.store.set("chaos/last", str(self.last))
