@@ -393,9 +393,12 @@ class Router:
         """Rank 0: the servers that remain (and standbys), where the lost servers' keys go, who finishes which
         open round; from every rank's counts (JSON: key -> [completed, whole, bytes])."""
         current = self._current_servers()
-        dedicated = [s.address for s in current if s.dedicated and s.address not in lost]
+        remaining = [s.address for s in current if s.dedicated and s.address not in lost]
+        # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
+        # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
+        dedicated = [address for address in remaining if self._agree.answers(address)]
         colocated = [s.address for s in current if not s.dedicated]
-        standby = self._agree.standby(len(lost))
+        standby = self._agree.standby(len(lost) + len(remaining) - len(dedicated))
         dedicated += standby
         decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
                     "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip
