@@ -338,13 +338,13 @@ class Nemesis:
             elif kind == "hostile":
                 p = self.site.spawn("hostile", self.site.workers[-1], [sys.executable, "-m", "benchmarks.chaos",
                                                                         "hostile", v.address])  # fmt: skip
-                entry["exit"] = p.popen.wait(timeout=60)
+                entry["exit"] = self._wait(p, 60)
                 entry["cleared"] = time.time()
             elif kind == "hog":
                 hold = self.rng.uniform(hb, 3 * hb)
                 p = self.site.spawn("hog", self.site.workers[-1], [sys.executable, "-m", "benchmarks.chaos", "hog",
                                                                    v.address, "--seconds", str(hold)])  # fmt: skip
-                entry["exit"] = p.popen.wait(timeout=60 + hold)
+                entry["exit"] = self._wait(p, 60 + hold)
                 entry["cleared"] = time.time()
                 entry["held"] = p.stdout().strip()[-200:]
             elif kind == "worker_kill":
@@ -357,12 +357,21 @@ class Nemesis:
                     entry["target"] = rank.name
                     _signal(rank.pid, signal.SIGKILL)
                     entry["cleared"] = time.time()
-            if kind in ("hostile", "hog") and v.proc.poll() is not None:
-                entry["error"] = f"the server died under the {kind} peer (exit {v.proc.poll()})"
+            if kind in ("hostile", "hog") and v.retired:
+                entry["note"] = "the target was lost to another fault meanwhile"
+            elif kind in ("hostile", "hog") and (v.proc.poll() is not None or entry["exit"]):
+                entry["error"] = f"the {kind} peer exited {entry['exit']}, the server {v.proc.poll()} (None: alive)"
         except Exception as e:  # noqa: BLE001 - recorded: the checker counts it as a fault not recovered
             entry["error"] = f"{type(e).__name__}: {e}"
         entry["end"] = time.time()
         self.record(entry)
+
+    def _wait(self, p: procs.Proc, timeout: float) -> int | None:
+        try:
+            return p.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return None
 
     def _sleep(self, seconds: float, since: float) -> None:
         time.sleep(max(0.0, since + seconds - time.time()))

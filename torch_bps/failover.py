@@ -398,7 +398,9 @@ class Router:
         # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
         dedicated = [address for address in remaining if self._agree.answers(address)]
         colocated = [s.address for s in current if not s.dedicated]
-        standby = self._agree.standby(len(lost) + len(remaining) - len(dedicated))
+        # A standby may have died since it registered: one that does not answer is claimed and left out.
+        claimed = self._agree.standby(len(lost) + len(remaining) - len(dedicated))
+        standby = [address for address in claimed if self._agree.answers(address)]
         dedicated += standby
         decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
                     "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip

@@ -412,10 +412,11 @@ def test_a_collective_held_through_two_epochs_clients_completes():
 
 def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
     """Server 0 dies while server 1 takes no new job (stalled here, as a draining server refuses new jobs; its
-    connections stay open and it is not noticed yet): the decision leaves server 1 out and moves server 0's keys to
-    the standby. Found by benchmarks/chaos.py: with server 1 in the decision, every rank's new client waited for its
-    HELLO and the failover failed the job."""
-    *servers, standby = start_servers(3)
+    connections stay open and it is not noticed yet), and the first standby died while it waited: the decision
+    leaves both out and moves server 0's keys to the second standby. Found by benchmarks/chaos.py: with either in the
+    decision, every rank's new client waited for its HELLO and the failover failed the job."""
+    *servers, dead, standby = start_servers(4)
+    dead.kill()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}  # one key on each server
 
@@ -431,7 +432,8 @@ def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
             return False
 
     own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
-    agreement = Agreement(store, 0, 1, 30.0, "optimal", own_keys, make_client, lambda n: [standby.address][:n],
+    standbys = lambda n: [dead.address, standby.address][:n]  # noqa: E731
+    agreement = Agreement(store, 0, 1, 30.0, "optimal", own_keys, make_client, standbys,
                           lambda prefix: pytest.fail("no colocated"), lambda: ([], []), answers)  # fmt: skip
     router = Router(server_weights([], [s.address for s in servers]), agreement, "test", job_id=0x5EED0002)
     try:
@@ -443,11 +445,11 @@ def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
         t = torch.full((N,), 2.0)
         submit(router, [(t, 0x7 << 24, 0, t, Mode.SUM, N, 0, 0)]).wait()
         assert torch.equal(t, torch.full((N,), 2.0))
-        assert [r["servers"] for r in router.failovers] == [[standby.address]]
+        assert [(r["servers"], r["standby"]) for r in router.failovers] == [([standby.address], [standby.address])]
     finally:
         os.kill(servers[1].proc.pid, signal.SIGCONT)
         router.close()
-        stop_servers([*servers, standby])
+        stop_servers([*servers, dead, standby])
 
 
 def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
