@@ -610,7 +610,7 @@ def verdict(path: str) -> dict:
     out: dict = {"workload": meta["workload"], "seed": meta["seed"], "seconds": meta["seconds"],
                  "link_faults_skipped": meta["link_faults_skipped"], "steps": len(t0)}  # fmt: skip
     kinds: dict[str, list[int]] = {}
-    recoveries, errors = [], []
+    recoveries, errors, unfinished = [], [], 0
     for fault in faults:
         if "skipped" in fault or not t0 or fault["t"] > t0[-1]:  # none, or after the job's last step
             continue
@@ -622,8 +622,11 @@ def verdict(path: str) -> dict:
         elif after:
             counted[1] += 1
             recoveries.append(after[0] - fault["t"])
+        else:
+            unfinished += 1  # it cleared after the job's last step: nothing left to recover
     out["faults"] = kinds
     out["fault_errors"] = errors
+    out["cleared_after_end"] = unfinished
     out["recovery_s"] = (statistics.median(recoveries), max(recoveries)) if recoveries else None
     out["slow_recoveries"] = sum(r > 2 * timeout for r in recoveries)
     gaps = [b - a for a, b in zip(t0, t0[1:], strict=False)]
@@ -681,7 +684,8 @@ def table(v: dict) -> str:
         ("steps (rank 0)", str(v["steps"])),
         ("faults by kind (injected/recovered)",
          ", ".join(f"{k} {a}/{b}" for k, (a, b) in sorted(v["faults"].items())) or "none"),
-        ("faults in all", f"{sum(a for a, _ in v['faults'].values())} of {len(v['faults'])} kinds"),
+        ("faults in all; cleared after the last step",
+         f"{sum(a for a, _ in v['faults'].values())} of {len(v['faults'])} kinds; {v['cleared_after_end']}"),
         ("link faults", "skipped: " + v["link_faults_skipped"] if v["link_faults_skipped"] else "on (namespaces)"),
         ("fault to next step after it cleared, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
         ("recoveries slower than 2x the timeout", str(v["slow_recoveries"])),
