@@ -621,7 +621,7 @@ def verdict(path: str) -> dict:
             errors.append(f"{fault['fault']} {fault.get('target')}: {fault['error']}")
         elif after:
             counted[1] += 1
-            recoveries.append(after[0] - fault["t"])
+            recoveries.append(after[0] - fault.get("cleared", fault["t"]))
         else:
             unfinished += 1  # it cleared after the job's last step: nothing left to recover
     out["faults"] = kinds
@@ -687,7 +687,7 @@ def table(v: dict) -> str:
         ("faults in all; cleared after the last step",
          f"{sum(a for a, _ in v['faults'].values())} of {len(v['faults'])} kinds; {v['cleared_after_end']}"),
         ("link faults", "skipped: " + v["link_faults_skipped"] if v["link_faults_skipped"] else "on (namespaces)"),
-        ("fault to next step after it cleared, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
+        ("fault cleared to the next step, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
         ("recoveries slower than 2x the timeout", str(v["slow_recoveries"])),
         ("longest step gap; hangs", f"{v['longest_gap_s']:.2f} s; {v['hangs']}"),
         ("updates lost / duplicated", f"{v['lost']} / {v['duplicated']}"),
