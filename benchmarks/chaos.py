@@ -643,7 +643,7 @@ def verdict(path: str) -> dict:
     lost = dup = 0
     if meta["workload"] == "async":
         for r, e in done.items():
-            counted, powers = -e["model"][r], -e["model"][n + r]
+            counted, powers = round(-e["model"][r]), -e["model"][n + r]  # a whole number of updates, if exact
             lost += max(0, e["acked"] - counted) + (powers < e["powers"])
             dup += max(0, counted - e["acked"]) + (powers > e["powers"])
     out["lost"], out["duplicated"] = lost, dup
