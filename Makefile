@@ -10,7 +10,7 @@ PYTEST ?= $(PY) -m pytest
 # two fill 2 cores. No test may depend on another having run before it in the same process.
 TEST_JOBS ?= 2
 
-.PHONY: test stress demo bench cluster lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check gpu-compat
+.PHONY: test stress demo bench cluster chaos lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check gpu-compat
 
 test: install deploy-tools $(XDIST_STAMP)
 	$(PYTEST) -q -n $(TEST_JOBS) tests -m "not slow"
@@ -28,6 +28,16 @@ bench: install
 
 cluster: install
 	$(PY) -m benchmarks.cluster --quick
+
+# The nemesis (benchmarks/chaos.py): WORKLOAD (ddp, backup, async) trains for MINUTES under a seeded schedule of
+# faults, then the checker's table. Link faults need root and iproute2 (network namespaces); else they are skipped.
+SEED ?= 1
+MINUTES ?= 5
+WORKLOAD ?= ddp
+chaos: install
+	mkdir -p results
+	$(PY) -m benchmarks.chaos run --workload $(WORKLOAD) --seed $(SEED) --minutes $(MINUTES) \
+	  --record results/chaos-$(WORKLOAD)-$(SEED).jsonl
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -104,6 +104,8 @@ class Agreement:
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
     start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
     available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
+    # rank 0: whether a server takes a new job now (a draining or stalled one does not: the failover leaves it out)
+    answers: Callable[[str], bool] = lambda address: True
 
 
 def wait_all(a: Agreement, prefix: str, what: str) -> list[bytes]:

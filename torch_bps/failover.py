@@ -45,6 +45,13 @@ from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps")
 
+
+def _weights(colocated: list[str], dedicated: list[str], placement: str) -> list[Server]:
+    """`server_weights`, but with every dedicated server lost the colocated fallback takes every byte whatever the
+    placement (BPS_PLACEMENT=dedicated has no colocated share to give it)."""
+    return server_weights(colocated, dedicated, placement if dedicated else "colocated")
+
+
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
 _CARRIED = (0, -1)  # the order of a MODEL key's carried sum (_carry_totals)
@@ -337,7 +344,7 @@ class Router:
         colocated = decision["colocated"]
         if not decision["dedicated"] and not colocated:  # nothing left: every machine starts a server of its own
             colocated = a.start_colocated(ns + "colocated")
-        servers = server_weights(colocated, decision["dedicated"], a.placement)
+        servers = _weights(colocated, decision["dedicated"], a.placement)
         client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
         actions = {int(k): tuple(v) for k, v in decision["actions"].items()}
         # 3. Finish the open rounds on the new owners, send the held parts there, go on.
@@ -393,16 +400,21 @@ class Router:
         """Rank 0: the servers that remain (and standbys), where the lost servers' keys go, who finishes which
         open round; from every rank's counts (JSON: key -> [completed, whole, bytes])."""
         current = self._current_servers()
-        dedicated = [s.address for s in current if s.dedicated and s.address not in lost]
+        remaining = [s.address for s in current if s.dedicated and s.address not in lost]
+        # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
+        # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
+        dedicated = [address for address in remaining if self._agree.answers(address)]
         colocated = [s.address for s in current if not s.dedicated]
-        standby = self._agree.standby(len(lost))
+        # A standby may have died since it registered: one that does not answer is claimed and left out.
+        claimed = self._agree.standby(len(lost) + len(remaining) - len(dedicated))
+        standby = [address for address in claimed if self._agree.answers(address)]
         dedicated += standby
         decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
                     "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip
         counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
         decision["actions"] = {str(k): v for k, v in decide(counts).items()}
         if dedicated or colocated:  # else colocated servers are started and keys spread by `owner`
-            servers = server_weights(colocated, dedicated, self._agree.placement)
+            servers = _weights(colocated, dedicated, self._agree.placement)
             moved = {int(k): v[2] for r in reports for k, v in r.items()}
             loads: dict[str, int] = {}
             with self._lock:
@@ -455,7 +467,7 @@ class Router:
             }
             a.store.set(ns + "decision", json.dumps(decision))
         decision = json.loads(wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
-        servers = server_weights(decision["colocated"], decision["dedicated"], a.placement)
+        servers = _weights(decision["colocated"], decision["dedicated"], a.placement)
         e = len(self._epochs)
         client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
         keys = a.own_keys(True)  # every slice's keys, in one order: every rank places them alike
