@@ -22,11 +22,11 @@ Each collective becomes one or more `Runtime.push_pull`s of flat CPU buffers:
 | reduce | an all-reduce; only the root's tensor is written |
 | barrier | a 1-element sum |
 
-Point-to-point (send, recv, recv_anysource, and so batch_isend_irecv), all-to-all and monitored_barrier
-go worker to worker through an internal gloo group on the same store (torch_bps/pg/p2p.py). Collectives
-are staged and launched under the group's Runtime's launch lock (bps_hook takes the same one), so one
-collective's push_pulls stay contiguous even when several threads use the group (DDP's autograd thread and a
-comm hook's callbacks); ranks must still call collectives in the same order, as with any backend.
+Point-to-point (send, recv, recv_anysource, and so batch_isend_irecv), all-to-all and monitored_barrier go worker
+to worker through an internal gloo group on the same store (torch_bps/pg/p2p.py). Collectives are staged and
+launched under the group's Runtime's launch lock (bps_hook takes the same one), so one collective's push_pulls stay
+contiguous even when several threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must
+still call collectives in the same order, as with any backend.
 
 May import: torch, torch_bps.config, torch_bps.engine.exchange, torch_bps.errors, torch_bps.wire, torch_bps.pg;
 torch_bps.runtime and torch_bps._C only when a group is created (they load the C++ client, which
@@ -36,7 +36,6 @@ torch_bps.runtime and torch_bps._C only when a group is created (they load the C
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Sequence
 from datetime import timedelta
@@ -62,30 +61,17 @@ from torch_bps.pg.staging import (
     neutral,
     real,
 )
-from torch_bps.pg.work import launch, launch_on_device
+from torch_bps.pg.work import launch, launch_on_device, locked
 from torch_bps.wire import Mode
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
 
-def _locked(collective):
-    """Run a collective from its checks, path choice and staging to its launch under the Runtime's launch lock: what
-    two threads launch at once (DDP's autograd thread, a hook's callbacks) is then staged and launched in one order."""
-
-    @functools.wraps(collective)
-    def run(self, *args, **kwargs):
-        with self._launch_lock:
-            return collective(self, *args, **kwargs)
-
-    return run
-
-
 class BackendBPS:
     """One "byteps" group's collectives, on a torch_bps Runtime (and point-to-point on `p2p`, a GlooSide).
 
-    Created by torch through `register_backend`'s creator, not by hand; `implementation(group)` finds it.
-    Its methods carry the names and arguments of torch's ProcessGroup methods.
-    """
+    Created by torch through `register_backend`'s creator, not by hand; `implementation(group)` finds it. Its
+    methods carry the names and arguments of torch's ProcessGroup methods."""
 
     def __init__(self, runtime, rank: int, size: int, timeout: timedelta = _DEFAULT_TIMEOUT, p2p=None):
         self.runtime = runtime
@@ -126,7 +112,7 @@ class BackendBPS:
         self.runtime.close()
 
     # -- reductions -----------------------------------------------------------------------------------------
-    @_locked
+    @locked
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("allreduce", tensors)
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
@@ -145,7 +131,7 @@ class BackendBPS:
             return None
         return route(self.runtime, t)
 
-    @_locked
+    @locked
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One push_pull per dtype: the tensors of that dtype flattened end to end."""
         name = "allreduce_coalesced"
@@ -167,7 +153,7 @@ class BackendBPS:
                                      lambda ts, result, device: self._launch("allreduce", ts, result, device),
                                      self._reduce, [t], self._sparse_room)  # fmt: skip
 
-    @_locked
+    @locked
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("reduce", tensors)
         op = self._op("reduce", opts, t)
@@ -178,18 +164,18 @@ class BackendBPS:
             transfer = self._reduce(t.dtype, cpu_flat(t), op, None)
         return self._launch("reduce", [transfer], tensors, device=t.device)
 
-    @_locked
+    @locked
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("reduce_scatter_single", self._reduce_scatter_plan(output, input, opts), [output],
                             device=output.device)  # fmt: skip
 
-    @_locked
+    @locked
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._reduce_scatter_plan(o, i, opts)]
         return self._launch("reduce_scatter_single_coalesced", plans, outputs, device=_device(outputs))
 
-    @_locked
+    @locked
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None
     ) -> dist.Work:
@@ -206,7 +192,7 @@ class BackendBPS:
         return self._launch(name, [_pull_only(transfer, op, slots)], outputs, device=out.device)
 
     # -- data movement: bytes copied, never summed (bit-exact for every pattern, any dtype) -------------------
-    @_locked
+    @locked
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         t = self._single("broadcast", tensors)
         root = opts.rootRank if opts is not None else 0
@@ -218,12 +204,12 @@ class BackendBPS:
         transfer = Exchange(buf, Mode.COPY, push, pull, finish=s.write_back)
         return self._launch("broadcast", [transfer], tensors, device=t.device)
 
-    @_locked
+    @locked
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         return self._launch("all_gather", self._allgather_plan(output_lists, inputs), output_lists,
                             device=_device(inputs))  # fmt: skip
 
-    @_locked
+    @locked
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts=None) -> dist.Work:  # fmt: skip
         """output_lists[r][j] receives rank r's inputs[j] (torch's layout): one all_gather per input."""
@@ -234,18 +220,18 @@ class BackendBPS:
         plans = [t for outs, i in zip(per_input, inputs, strict=True) for t in self._allgather_plan([outs], [i])]
         return self._launch("all_gather_coalesced", plans, output_lists, device=_device(inputs))
 
-    @_locked
+    @locked
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         return self._launch("all_gather_single", self._gather_single_plan(output, input), [output],
                             device=output.device)  # fmt: skip
 
-    @_locked
+    @locked
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> dist.Work:  # fmt: skip
         plans = [t for o, i in zip(outputs, inputs, strict=True) for t in self._gather_single_plan(o, i)]
         return self._launch("all_gather_single_coalesced", plans, outputs, device=_device(outputs))
 
-    @_locked
+    @locked
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         name = "gather"
         inp = self._single(name, inputs)
@@ -261,7 +247,7 @@ class BackendBPS:
         finish = (lambda: [copy_into(o, buf[i * n : (i + 1) * n]) for i, o in enumerate(outs)]) if is_root else None
         return self._launch(name, [Exchange(buf, finish=finish)], output_lists, device=inp.device)
 
-    @_locked
+    @locked
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> dist.Work:
         name = "scatter"
         out = self._single(name, outputs)
@@ -276,7 +262,7 @@ class BackendBPS:
         mine = buf[self.rank() * n : (self.rank() + 1) * n]
         return self._launch(name, [Exchange(buf, finish=lambda: copy_into(out, mine))], outputs, device=out.device)
 
-    @_locked
+    @locked
     def barrier(self, opts=None) -> dist.Work:
         return self._launch("barrier", [Exchange(torch.zeros(1, dtype=torch.int32))], [])
 

@@ -15,6 +15,7 @@ torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,19 @@ from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
 from torch_bps.pg.device import completion_context, cuda_ops, order_after_caller
 from torch_bps.pg.device_local import DeviceLocalStage
+
+
+def locked(collective):
+    """A BackendBPS collective from its checks, path choice and staging to its launch under the Runtime's launch lock
+    (`self._launch_lock`): what two threads launch at once (DDP's autograd thread, a hook's callbacks) is then staged
+    and launched in one order."""
+
+    @functools.wraps(collective)
+    def run(self, *args, **kwargs):
+        with self._launch_lock:
+            return collective(self, *args, **kwargs)
+
+    return run
 
 
 def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, where: str, timeout: float,
