@@ -486,6 +486,8 @@ class _CrossBarrier(_DistributedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._cb_check()
+        # The updates read each parameter's group from here: load_state_dict replaces the groups
+        self._cb_group = {p: g for g in self.param_groups for p in g["params"]}
         self._bps_send_missing()
         self._cb_steps += 1
         if self._cb_steps >= self._cb_num_steps:

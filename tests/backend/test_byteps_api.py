@@ -252,6 +252,9 @@ def _train(rank: int, way: str, make) -> list[torch.Tensor]:
         x, y = torch.randn(8, 3, 12, 12, generator=gen), torch.randint(0, 10, (8,), generator=gen)
         opt.zero_grad()
         F.cross_entropy(trained(x), y).backward()
+        if way == "distributed_optimizer":  # every used parameter's push started during the backward pass
+            pushed = sorted(n for n, p in model.named_parameters() if p in opt._bps_handles)
+            assert pushed == sorted(n for n, _ in model.named_parameters() if not n.startswith("unused")), pushed
         if clipped and way.startswith("ddp"):
             nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if clipped and not way.startswith("ddp"):
@@ -275,8 +278,8 @@ def _compare(rank, world, gloo):
     differ = {}
     for opt_name, make in OPTIMIZERS.items():
         trained = {way: _train(rank, way, make) for way in WAYS}
-        start = [p.detach() for p in (torch.manual_seed(0), _Net())[1].parameters()]
-        assert not torch.equal(trained["ddp"][0], start[0]), "training did not move the parameters"
+        torch.manual_seed(0)
+        assert not torch.equal(trained["ddp"][0], next(_Net().parameters())), "training did not move the parameters"
         for way, reference in [("distributed_optimizer", "ddp"), ("cross_barrier", "distributed_optimizer"),
                                ("distributed_optimizer_clipped", "ddp_clipped")]:  # fmt: skip
             differ[f"{opt_name} {way}"] = [n for n, a, b in zip(names, trained[way], trained[reference], strict=True)
