@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers import REPO, _free_port, run_ranks
+from tests.helpers import REPO, _free_port, run_losing_last_rank, run_ranks
 
 STEPS = 4
 
@@ -143,20 +144,25 @@ def _reports(results: list[tuple[int, str]]) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["DistributedOptimizer", "CrossBarrier"])
-def test_byteps_script_runs_with_its_import_changed(optimizer):
-    wrap = {"DistributedOptimizer": "bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
-                                    "compression=bps.Compression.fp16, backward_passes_per_step=2)",
-            "CrossBarrier": "bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(), "
-                            "compression=bps.Compression.fp16, backward_passes_per_step=2, "
-                            "num_steps=3)"}[optimizer]  # fmt: skip
-    source = BYTEPS_SCRIPT.replace("{import_line}", "import torch_bps.byteps as bps").replace("{optimizer}", wrap)
-    # BytePS's launcher's variables (DMLC_*, BYTEPS_LOCAL_*), no torchrun's
-    reports = _reports(_run_script(source, BYTEPS_LAUNCHER))
-    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in reports] == [(0, 2, 0, 1), (1, 2, 0, 1)]
-    assert reports[0]["params"] == reports[1]["params"], "the replicas differ after training"
-    for r in reports:
-        assert r["mean"] == [0.5] and r["count"] == [2.0, 2.0, 2.0]
+def test_byteps_scripts_run_with_their_import_changed():
+    # benchmark_byteps.py's shape, then benchmark_cross_barrier_byteps.py's, in one launch (init() the second time
+    # finds the job made), under BytePS's launcher's variables (DMLC_*, BYTEPS_LOCAL_*), no torchrun's
+    optimizers = ["bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
+                  "compression=bps.Compression.fp16, backward_passes_per_step=2)",
+                  "bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(), "
+                  "compression=bps.Compression.fp16, backward_passes_per_step=2, num_steps=3)"]  # fmt: skip
+    source = "".join(BYTEPS_SCRIPT.replace("{import_line}", "import torch_bps.byteps as bps").replace("{optimizer}", o)
+                     for o in optimizers)  # fmt: skip
+    results = _run_script(source, BYTEPS_LAUNCHER)
+    for rank, (status, out) in enumerate(results):
+        assert status == 0, f"rank {rank} exited {status}:\n{out}"
+    for script in (-2, -1):
+        reports = [json.loads(out.strip().splitlines()[script]) for _, out in results]
+        ids = [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in reports]
+        assert ids == [(0, 2, 0, 1), (1, 2, 0, 1)]
+        assert reports[0]["params"] == reports[1]["params"], f"{optimizers[script]}: the replicas differ"
+        for r in reports:
+            assert r["mean"] == [0.5] and r["count"] == [2.0, 2.0, 2.0]
 
 
 @pytest.mark.timeout(180)
@@ -169,36 +175,32 @@ def test_horovod_script_runs_with_its_import_changed():
         assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
 
 
-KILLED_SCRIPT = """
-import os, signal, sys, torch
-import torch.nn.functional as F
-import torch_bps.byteps as bps
-NET
-bps.init()
-model = Net()
-optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
-try:
+def _train_until_killed(rank, world):
+    import torch_bps.byteps as bps
+
+    bps.init()  # beside the job's gloo group: a Runtime of its own
+    torch.manual_seed(0)
+    model = _Net()
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     for step in range(1000):
-        if step == 3 and bps.rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.zero_grad()
-        F.cross_entropy(model(torch.rand(4, 3, 10, 10)), torch.randint(0, 10, (4,))).backward()
-        optimizer.step()
-except Exception as e:
-    print(f"rank {bps.rank()} step {step}: {type(e).__name__}: {e}", flush=True)
-    os._exit(3)
-""".replace("NET", NET)
+        if step == 3:
+            if rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            lost = time.monotonic()  # (about) when the last rank died: the ranks are in step
+        try:
+            optimizer.zero_grad()
+            F.cross_entropy(model(torch.rand(4, 3, 12, 12)), torch.randint(0, 10, (4,))).backward()
+            optimizer.step()
+        except Exception as e:  # noqa: BLE001 - what the test checks
+            return step, time.monotonic() - lost, f"{type(e).__name__}: {e}"
+    return step, None, "no error after 1000 steps"
 
 
 @pytest.mark.timeout(120)
 def test_killed_worker_gives_the_other_an_error_not_a_hang():
-    started = time.monotonic()
-    (status0, out0), (status1, _) = _run_script(KILLED_SCRIPT, TORCHRUN, timeout=90)
-    took = time.monotonic() - started
-    assert status1 == -9
-    assert status0 == 3, f"rank 0 exited {status0} after {took:.0f} s:\n{out0}"
-    assert "rank 0 step" in out0 and "Error" in out0, out0
-    print(f"rank 0 failed after {took:.1f} s (launch included): {out0.strip().splitlines()[-1][:300]}")
+    (status, (step, after, error)) = run_losing_last_rank(_train_until_killed, 2, timeout=90)[0]
+    print(f"rank 0, step {step}, {after} s after the kill: {error[:400]}")
+    assert status == "ok" and after is not None and after < 30, error
 
 
 # -- against DDP on "byteps", in one job --------------------------------------------------------------------------
@@ -231,7 +233,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda params: _slow(torch.optim.SGD)(params, lr=0.05, momentum=0.9),
     "adam": lambda params: _slow(torch.optim.Adam)(params, lr=0.01),
 }
-WAYS = ("ddp", "distributed_optimizer", "cross_barrier", "distributed_optimizer_clipped", "ddp_clipped")
+WAYS = ("ddp", "distributed_optimizer", "cross_barrier")
+CLIPPED = ("distributed_optimizer_clipped", "ddp_clipped")  # with SGD
 
 
 def _train(rank: int, way: str, make) -> list[torch.Tensor]:
@@ -277,11 +280,13 @@ def _compare(rank, world, gloo):
     names = [n for n, _ in _Net().named_parameters()]
     differ = {}
     for opt_name, make in OPTIMIZERS.items():
-        trained = {way: _train(rank, way, make) for way in WAYS}
+        trained = {way: _train(rank, way, make) for way in WAYS + (CLIPPED if opt_name == "sgd_momentum" else ())}
         torch.manual_seed(0)
         assert not torch.equal(trained["ddp"][0], next(_Net().parameters())), "training did not move the parameters"
         for way, reference in [("distributed_optimizer", "ddp"), ("cross_barrier", "distributed_optimizer"),
                                ("distributed_optimizer_clipped", "ddp_clipped")]:  # fmt: skip
+            if way not in trained:
+                continue
             differ[f"{opt_name} {way}"] = [n for n, a, b in zip(names, trained[way], trained[reference], strict=True)
                                            if not torch.equal(a, b)]  # fmt: skip
     refused = []
