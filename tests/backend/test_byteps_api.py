@@ -269,6 +269,9 @@ def _train(rank: int, way: str, make) -> list[torch.Tensor]:
             opt.step()
     if way == "cross_barrier":
         opt.close()
+        # priority by the place in the forward pass: the first layer's parameters the highest (0)
+        by_priority = [n for n, p in sorted(model.named_parameters(), key=lambda np: opt._cb_position.get(np[1], 99))]
+        assert by_priority == [n for n, _ in model.named_parameters()], by_priority
     return [p.detach().clone() for p in model.parameters()]
 
 
