@@ -576,6 +576,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
                  compression=Compression.none, **kwargs):  # fmt: skip
         init()
+        if not any(p.is_cuda for p in module.parameters()):
+            device_ids = None  # BytePS's scripts pass [local_rank()] also on CPU, which torch's DDP refuses there
         super().__init__(module, device_ids=device_ids, broadcast_buffers=broadcast_buffers, **kwargs)
         if compression is Compression.fp16:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
