@@ -292,6 +292,14 @@ def _compare(rank, world, gloo):
                 continue
             differ[f"{opt_name} {way}"] = [n for n, a, b in zip(names, trained[way], trained[reference], strict=True)
                                            if not torch.equal(a, b)]  # fmt: skip
+    # A later push_pull of a higher priority overtakes the partitions of an earlier one still queued under the credit
+    # (one 128 KiB partition in flight: the job's BPS_CREDIT_BYTES)
+    landed = []
+    big = bps.push_pull_async(torch.ones(2 << 20), name="big", priority=0)
+    small = bps.push_pull_async(torch.ones(16), name="small", priority=1)
+    for name, handle in (("big", big), ("small", small)):
+        bps._handles[handle][0].get_future().add_done_callback(lambda _, name=name: landed.append(name))
+    assert bps.synchronize(big).eq(1).all() and bps.synchronize(small).eq(1).all()
     refused = []
     model = _Net()
     cb = bps.CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1), num_steps=1)
@@ -302,13 +310,14 @@ def _compare(rank, world, gloo):
         except ConfigError as e:
             refused.append(str(e).split(":")[0])
     cb.close()
-    return differ, refused
+    return differ, refused, landed
 
 
 @pytest.mark.timeout(240)
 def test_distributed_optimizer_and_cross_barrier_match_ddp_bit_for_bit():
     """Two ranks: x/2 + y/2 rounds the same on any side, so DDP on "byteps", the DistributedOptimizer and CrossBarrier
     (each parameter's update run alone, as its sum lands) must end with the same bits."""
-    for differ, refused in run_ranks(_compare, 2, timeout=220):
+    for differ, refused, landed in run_ranks(_compare, 2, env={"BPS_CREDIT_BYTES": str(128 << 10)}, timeout=220):
         assert differ == dict.fromkeys(differ, []), f"parameters that differ from the reference: {differ}"
         assert len(refused) == 3, refused
+        assert landed == ["small", "big"], "the higher priority did not go first"
