@@ -89,11 +89,14 @@ for step in range(3):
     with optimizer.skip_synchronize():
         optimizer.step()
 x = torch.tensor([1.0 + hvd.rank()])
+handle = hvd.allreduce_async(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+while not hvd.poll(handle):
+    pass
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 print(json.dumps(dict(
     size=hvd.size(), rank=hvd.rank(), params=digest,
     sum=hvd.allreduce(x, op=hvd.Sum).tolist(), mean=hvd.allreduce(x, name="x").tolist(),
-    max=hvd.allreduce(x, op=hvd.Max).tolist(),
+    max=hvd.allreduce(x, op=hvd.Max).tolist(), scaled=hvd.synchronize(handle).tolist(), x=x.tolist(),
     gathered=hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()))).tolist(),
     broadcast=hvd.broadcast(x, root_rank=1).tolist(), obj=hvd.broadcast_object({"from": hvd.rank()}, root_rank=1),
 )))
@@ -173,6 +176,7 @@ def test_horovod_script_runs_with_its_import_changed():
     for r in reports:
         assert (r["sum"], r["mean"], r["max"], r["broadcast"], r["obj"]) == ([3.0], [1.5], [2.0], [2.0], {"from": 1})
         assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert r["scaled"] == [1.5] and r["x"] == [1.0 + r["rank"]]
 
 
 def _train_until_killed(rank, world):
