@@ -1,7 +1,7 @@
 """BytePS's and Horovod's PyTorch API (torch_bps.byteps, torch_bps.horovod) in real processes, 2 ranks on CPU.
 
 Scripts in the shape of BytePS's and Horovod's examples run with only their import line changed, launched as
-BytePS's launcher and torchrun launch; the DistributedOptimizer's parameters are bit-identical to DDP's on "byteps"
+BytePS's launcher launches; the DistributedOptimizer's parameters are bit-identical to DDP's on "byteps"
 after steps of SGD with momentum and of Adam, and CrossBarrier's to the DistributedOptimizer's; a killed worker
 gives the other an error, not a hang.
 """
@@ -102,29 +102,23 @@ print(json.dumps(dict(
 )))
 """.replace("NET", NET)
 
-TORCHRUN = "torchrun"
-BYTEPS_LAUNCHER = "bpslaunch"
 
-
-def _launch_env(rank: int, world: int, port: int, launcher: str) -> dict:
-    """A rank's environment as each launcher gives it: every rank its own machine (its own embedded server)."""
+def _launch_env(rank: int, world: int, port: int) -> dict:
+    """A rank's environment as BytePS's launcher gives it (the scheduler's address, the worker's ids; no torchrun
+    variables): every rank its own machine (its own embedded server)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                              "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}  # fmt: skip
-    env.update(PYTHONPATH=REPO, BPS_TIMEOUT="30")
-    if launcher == TORCHRUN:
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                   GROUP_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    else:  # BytePS's launcher: the scheduler's address and the worker's ids
-        env.update(DMLC_NUM_WORKER=str(world), DMLC_WORKER_ID=str(rank), BYTEPS_LOCAL_RANK="0", BYTEPS_LOCAL_SIZE="1",
-                   DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_ROLE="worker")  # fmt: skip
+    env.update(PYTHONPATH=REPO, BPS_TIMEOUT="30", DMLC_NUM_WORKER=str(world), DMLC_WORKER_ID=str(rank),
+               BYTEPS_LOCAL_RANK="0", BYTEPS_LOCAL_SIZE="1", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+               DMLC_ROLE="worker")  # fmt: skip
     return env
 
 
-def _run_script(source: str, launcher: str, world: int = 2, timeout: float = 120.0) -> list[tuple[int, str]]:
+def _run_script(source: str, world: int = 2, timeout: float = 150.0) -> list[tuple[int, str]]:
     """Run `source` as `world` ranks; return each one's (exit status, output), killing what outlives `timeout`."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", source], env=_launch_env(r, world, port, launcher), cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-c", source], env=_launch_env(r, world, port), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
     deadline = time.monotonic() + timeout
@@ -140,40 +134,29 @@ def _run_script(source: str, launcher: str, world: int = 2, timeout: float = 120
     return results
 
 
-def _reports(results: list[tuple[int, str]]) -> list[dict]:
-    for rank, (status, out) in enumerate(results):
-        assert status == 0, f"rank {rank} exited {status}:\n{out}"
-    return [json.loads(out.strip().splitlines()[-1]) for _, out in results]
-
-
 @pytest.mark.timeout(180)
-def test_byteps_scripts_run_with_their_import_changed():
-    # benchmark_byteps.py's shape, then benchmark_cross_barrier_byteps.py's, in one launch (init() the second time
-    # finds the job made), under BytePS's launcher's variables (DMLC_*, BYTEPS_LOCAL_*), no torchrun's
+def test_byteps_and_horovod_scripts_run_with_their_import_changed():
+    # benchmark_byteps.py's shape, benchmark_cross_barrier_byteps.py's, then Horovod's, in one launch (init() after
+    # the first finds the job made), under BytePS's launcher's variables (DMLC_*, BYTEPS_LOCAL_*), no torchrun's
     optimizers = ["bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
                   "compression=bps.Compression.fp16, backward_passes_per_step=2)",
                   "bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(), "
                   "compression=bps.Compression.fp16, backward_passes_per_step=2, num_steps=3)"]  # fmt: skip
     source = "".join(BYTEPS_SCRIPT.replace("{import_line}", "import torch_bps.byteps as bps").replace("{optimizer}", o)
                      for o in optimizers)  # fmt: skip
-    results = _run_script(source, BYTEPS_LAUNCHER)
+    results = _run_script(source + HOROVOD_SCRIPT.replace("{import_line}", "import torch_bps.horovod as hvd"))
     for rank, (status, out) in enumerate(results):
         assert status == 0, f"rank {rank} exited {status}:\n{out}"
-    for script in (-2, -1):
-        reports = [json.loads(out.strip().splitlines()[script]) for _, out in results]
+    byteps_dist, byteps_cross, horovod = ([json.loads(out.strip().splitlines()[i]) for _, out in results]
+                                          for i in (-3, -2, -1))  # fmt: skip
+    for what, reports in (("DistributedOptimizer", byteps_dist), ("CrossBarrier", byteps_cross)):
         ids = [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in reports]
         assert ids == [(0, 2, 0, 1), (1, 2, 0, 1)]
-        assert reports[0]["params"] == reports[1]["params"], f"{optimizers[script]}: the replicas differ"
+        assert reports[0]["params"] == reports[1]["params"], f"{what}: the replicas differ"
         for r in reports:
             assert r["mean"] == [0.5] and r["count"] == [2.0, 2.0, 2.0]
-
-
-@pytest.mark.timeout(180)
-def test_horovod_script_runs_with_its_import_changed():
-    source = HOROVOD_SCRIPT.replace("{import_line}", "import torch_bps.horovod as hvd")
-    reports = _reports(_run_script(source, TORCHRUN))
-    assert reports[0]["params"] == reports[1]["params"], "the replicas differ after training"
-    for r in reports:
+    assert horovod[0]["params"] == horovod[1]["params"], "Horovod's script: the replicas differ"
+    for r in horovod:
         assert (r["sum"], r["mean"], r["max"], r["broadcast"], r["obj"]) == ([3.0], [1.5], [2.0], [2.0], {"from": 1})
         assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert r["scaled"] == [1.5] and r["x"] == [1.0 + r["rank"]]
