@@ -25,12 +25,15 @@ WORKER = "benchmarks.cluster.workers.ddp_train"
 class DdpSpec:
     """The model and the run: `layers` x Linear(hidden, hidden), `batch` samples per rank per step.
 
-    `wrap`: "ddp" (DistributedDataParallel) or "fsdp" (`fully_shard` on every Linear and the root).
+    `wrap`: "ddp" (DistributedDataParallel) or "fsdp" (`fully_shard` on every Linear and the root); "distopt",
+    "crossbarrier", "crossbarrier-nopri" (torch_bps.byteps's optimizers, on "byteps"); "alone" (no communication).
+    `model`: "mlp", or "convnet" (workers/ddp_train.py; `layers` unused).
     `hook`: "" or "fp16" (DDP with torch's `fp16_compress_hook`).
     `bucket_view`: DDP's `gradient_as_bucket_view` (gradients live in its buckets: no gradient allocated per step).
     """
 
     wrap: str = "ddp"
+    model: str = "mlp"
     hook: str = ""
     bucket_view: bool = False
     hidden: int = 2048
@@ -62,7 +65,7 @@ def run_ddp(
                 sys.executable, "-m", WORKER, "--backend", backend, "--rank", str(r), "--world", str(n),
                 "--store", store, "--hidden", str(spec.hidden), "--layers", str(spec.layers),
                 "--batch", str(spec.batch), "--steps", str(spec.steps), "--warmup", str(spec.warmup),
-                "--timeout", str(spec.timeout_s), "--wrap", spec.wrap, "--hook", spec.hook,
+                "--timeout", str(spec.timeout_s), "--wrap", spec.wrap, "--model", spec.model, "--hook", spec.hook,
                 *(["--bucket-view"] if spec.bucket_view else []),
             ],
             {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env_of(r, h) if env_of else {})},

@@ -42,9 +42,9 @@ def locked(collective):
 
 
 def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, where: str, timeout: float,
-           device: torch.device | None = None) -> dist.Work:  # fmt: skip
+           device: torch.device | None = None, priority: int = 0) -> dist.Work:  # fmt: skip
     """Sum (or gather) each exchange's tensor over the group, run the finishes, complete the Work's future with
-    `result`.
+    `result`. `priority`: the client sends the partitions of a higher one ahead of those queued before them.
 
     The caller holds the Runtime's launch lock (`Runtime.launch_lock`): collectives stay in one order on every rank.
     Exchanges with no elements send nothing (every rank skips them alike, since shapes must agree).
@@ -69,7 +69,7 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
                     error = e
             _settle(future, result, error, f"{op} {where}")
 
-    runtime.run([x for x in exchanges if x.tensor.numel() > 0], done)
+    runtime.run([x for x in exchanges if x.tensor.numel() > 0], done, priority=priority)
     return make_work(future, timeout, f"{op} {where}")
 
 

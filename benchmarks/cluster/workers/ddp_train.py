@@ -14,6 +14,10 @@ BPS_SERVERS); until it does, the rank exits with code 3 and says so.
 `--wrap fsdp` shards every Linear and the root with `fully_shard` instead of wrapping the model in DDP,
 and counts bytes over the timed steps: this host's link (both backends), and on "byteps" the servers'
 payload bytes (STATS, read by rank 0) next to a parameter server's ideal for the collectives FSDP2 issued.
+
+`--wrap distopt` trains with torch_bps.byteps.DistributedOptimizer, `crossbarrier` / `crossbarrier-nopri` with its
+CrossBarrier, priorities on / off (both on a "byteps" group); `alone` without any communication (the compute bound).
+`--model convnet`: convolutions then Linear layers, layers of very different sizes (`--hidden` the Linear width).
 May import: the standard library, torch, torch_bps and benchmarks.{fsdp_bytes,cluster.cpu,cluster.workers.common}.
 """
 
@@ -39,6 +43,20 @@ def build_model(hidden: int, layers: int):
     for _ in range(layers):
         blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
     return nn.Sequential(*blocks)
+
+
+def build_convnet(hidden: int):
+    """Return a conv net on 3x32x32 images: small convolutions first, then two Linear layers of hidden units (most of
+    the bytes, at the end of the forward pass: their gradients come first in the backward pass, needed last)."""
+    import torch.nn as nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(128 * 4 * 4, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )  # fmt: skip
 
 
 def link_bytes() -> dict:
@@ -77,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp", help="DDP, or FSDP2 fully_shard")
+    p.add_argument(
+        "--wrap",
+        choices=["ddp", "fsdp", "distopt", "crossbarrier", "crossbarrier-nopri", "alone"],
+        default="ddp",
+        help="DDP, FSDP2 fully_shard, torch_bps.byteps's optimizers, or no communication",
+    )
+    p.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
     p.add_argument("--hook", choices=["", "fp16"], default="", help="DDP: torch's fp16_compress_hook")
     p.add_argument("--bucket-view", action="store_true", help="DDP: gradient_as_bucket_view=True")
     args = p.parse_args(argv)
@@ -95,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         args.backend, store=rendezvous, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=args.timeout)
     )
     torch.manual_seed(0)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
-    model = build_model(args.hidden, args.layers)
+    model = build_model(args.hidden, args.layers) if args.model == "mlp" else build_convnet(args.hidden)
+    trained = model  # what the forward pass runs
     calls: list[tuple[str, int, int]] = []  # the collectives FSDP2 issues on "byteps", for the ideal
     if args.wrap == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -108,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    else:
-        model = DDP(model, gradient_as_bucket_view=args.bucket_view)
+    elif args.wrap == "ddp":
+        model = trained = DDP(model, gradient_as_bucket_view=args.bucket_view)
         if args.hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -117,15 +142,33 @@ def main(argv: list[str] | None = None) -> int:
     # Barriers around the byte count go through gloo: a "byteps" barrier would show up in the servers' STATS.
     sync = dist.new_group(backend="gloo") if args.backend == "byteps" else dist.group.WORLD
     counts_servers = args.wrap == "fsdp" and args.backend == "byteps" and args.rank == 0
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    total = args.warmup + args.steps
+    if args.wrap == "distopt":
+        import torch_bps.byteps as bps
+
+        bps.init()
+        optimizer = bps.DistributedOptimizer(optimizer, model.named_parameters())
+    elif args.wrap.startswith("crossbarrier"):
+        import torch_bps.byteps as bps
+
+        bps.init()
+        optimizer = bps.CrossBarrier(model, optimizer, model.named_parameters(), num_steps=total,
+                                     priorities=args.wrap == "crossbarrier")  # fmt: skip
     gen = torch.Generator().manual_seed(args.rank)
-    x = torch.randn(args.batch, args.hidden, generator=gen)
-    y = torch.randn(args.batch, args.hidden, generator=gen)
+    if args.model == "mlp":
+        x = torch.randn(args.batch, args.hidden, generator=gen)
+        y = torch.randn(args.batch, args.hidden, generator=gen)
+        loss_of = F.mse_loss
+    else:
+        x = torch.randn(args.batch, 3, 32, 32, generator=gen)
+        y = torch.randint(0, 10, (args.batch,), generator=gen)
+        loss_of = F.cross_entropy
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()  # DDP's all-reduce runs in here, overlapped by bucket
-        optimizer.step()
+        loss_of(trained(x), y).backward()  # DDP's all-reduce runs in here, overlapped by bucket
+        optimizer.step()  # CrossBarrier: returns at once; the last step waits for every update
 
     for _ in range(args.warmup):
         step()
@@ -140,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
+    if args.wrap.startswith("crossbarrier"):
+        optimizer.synchronize()  # (the last step waited already) every update landed inside the timed steps
     elapsed = time.perf_counter() - start
     cpu_use = cpu.stop()
     link1 = link_bytes()

@@ -1,0 +1,310 @@
+"""BytePS's and Horovod's PyTorch API (torch_bps.byteps, torch_bps.horovod) in real processes, 2 ranks on CPU.
+
+Scripts in the shape of BytePS's and Horovod's examples run with only their import line changed, launched as
+BytePS's launcher launches; the DistributedOptimizer's parameters are bit-identical to DDP's on "byteps"
+after steps of SGD with momentum and of Adam, and CrossBarrier's to the DistributedOptimizer's; a killed worker
+gives the other an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.helpers import REPO, _free_port, run_losing_last_rank, run_ranks
+
+STEPS = 4
+
+NET = """
+class Net(torch.nn.Module):  # layers of different sizes
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 16, 3)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
+"""
+
+# The shape of BytePS's example/pytorch/benchmark_byteps.py (and, with {optimizer} CrossBarrier, of
+# benchmark_cross_barrier_byteps.py), small; {import_line} stands where they say `import byteps.torch as bps`.
+BYTEPS_SCRIPT = """
+import hashlib, json, torch
+import torch.nn.functional as F
+{import_line}
+NET
+bps.init()
+torch.manual_seed(bps.rank())  # each rank starts elsewhere: broadcast_parameters must make them one
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+optimizer = {optimizer}
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+bps.broadcast_optimizer_state(optimizer, root_rank=0)
+for step in range(3):
+    optimizer.zero_grad()
+    for _ in range(2):
+        data, target = torch.rand(4, 3, 10, 10), torch.randint(0, 10, (4,))
+        F.cross_entropy(model(data), target).backward()
+    optimizer.step()
+optimizer.synchronize()
+mean = bps.push_pull(torch.tensor([float(bps.rank())]), average=True, name="mean")
+handle = bps.push_pull_async(torch.ones(3), average=False, name="count", priority=1)
+while not bps.poll(handle):
+    pass
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+print(json.dumps(dict(size=bps.size(), rank=bps.rank(), local_rank=bps.local_rank(), local_size=bps.local_size(),
+                      mean=mean.tolist(), count=bps.synchronize(handle).tolist(), params=digest)))
+""".replace("NET", NET)
+
+# The shape of Horovod's examples/pytorch/pytorch_synthetic_benchmark.py, small, with its other collectives.
+HOROVOD_SCRIPT = """
+import hashlib, json, torch
+import torch.nn.functional as F
+{import_line}
+NET
+hvd.init()
+torch.manual_seed(hvd.rank())
+model = Net()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.001 * hvd.size())
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.fp16, op=hvd.Average)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+for step in range(3):
+    optimizer.zero_grad()
+    data, target = torch.rand(4, 3, 10, 10), torch.randint(0, 10, (4,))
+    F.cross_entropy(model(data), target).backward()
+    optimizer.synchronize()  # clipping after synchronize, as Horovod's docs show it
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+x = torch.tensor([1.0 + hvd.rank()])
+handle = hvd.allreduce_async(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+while not hvd.poll(handle):
+    pass
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+print(json.dumps(dict(
+    size=hvd.size(), rank=hvd.rank(), params=digest,
+    sum=hvd.allreduce(x, op=hvd.Sum).tolist(), mean=hvd.allreduce(x, name="x").tolist(),
+    max=hvd.allreduce(x, op=hvd.Max).tolist(), scaled=hvd.synchronize(handle).tolist(), x=x.tolist(),
+    gathered=hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()))).tolist(),
+    broadcast=hvd.broadcast(x, root_rank=1).tolist(), obj=hvd.broadcast_object({"from": hvd.rank()}, root_rank=1),
+)))
+""".replace("NET", NET)
+
+
+def _launch_env(rank: int, world: int, port: int) -> dict:
+    """A rank's environment as BytePS's launcher gives it (the scheduler's address, the worker's ids; no torchrun
+    variables): every rank its own machine (its own embedded server)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                             "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}  # fmt: skip
+    env.update(PYTHONPATH=REPO, BPS_TIMEOUT="30", DMLC_NUM_WORKER=str(world), DMLC_WORKER_ID=str(rank),
+               BYTEPS_LOCAL_RANK="0", BYTEPS_LOCAL_SIZE="1", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+               DMLC_ROLE="worker")  # fmt: skip
+    return env
+
+
+def _run_script(source: str, world: int = 2, timeout: float = 150.0) -> list[tuple[int, str]]:
+    """Run `source` as `world` ranks; return each one's (exit status, output), killing what outlives `timeout`."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", source], env=_launch_env(r, world, port), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += f"\n[killed after {timeout:.0f} s]"
+        results.append((p.returncode, out))
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_byteps_and_horovod_scripts_run_with_their_import_changed():
+    # benchmark_byteps.py's shape, benchmark_cross_barrier_byteps.py's, then Horovod's, in one launch (init() after
+    # the first finds the job made), under BytePS's launcher's variables (DMLC_*, BYTEPS_LOCAL_*), no torchrun's
+    optimizers = ["bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
+                  "compression=bps.Compression.fp16, backward_passes_per_step=2)",
+                  "bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(), "
+                  "compression=bps.Compression.fp16, backward_passes_per_step=2, num_steps=3)"]  # fmt: skip
+    source = "".join(BYTEPS_SCRIPT.replace("{import_line}", "import torch_bps.byteps as bps").replace("{optimizer}", o)
+                     for o in optimizers)  # fmt: skip
+    results = _run_script(source + HOROVOD_SCRIPT.replace("{import_line}", "import torch_bps.horovod as hvd"))
+    for rank, (status, out) in enumerate(results):
+        assert status == 0, f"rank {rank} exited {status}:\n{out}"
+    byteps_dist, byteps_cross, horovod = ([json.loads(out.strip().splitlines()[i]) for _, out in results]
+                                          for i in (-3, -2, -1))  # fmt: skip
+    for what, reports in (("DistributedOptimizer", byteps_dist), ("CrossBarrier", byteps_cross)):
+        ids = [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in reports]
+        assert ids == [(0, 2, 0, 1), (1, 2, 0, 1)]
+        assert reports[0]["params"] == reports[1]["params"], f"{what}: the replicas differ"
+        for r in reports:
+            assert r["mean"] == [0.5] and r["count"] == [2.0, 2.0, 2.0]
+    assert horovod[0]["params"] == horovod[1]["params"], "Horovod's script: the replicas differ"
+    for r in horovod:
+        assert (r["sum"], r["mean"], r["max"], r["broadcast"], r["obj"]) == ([3.0], [1.5], [2.0], [2.0], {"from": 1})
+        assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert r["scaled"] == [1.5] and r["x"] == [1.0 + r["rank"]]
+
+
+def _train_until_killed(rank, world):
+    import torch_bps.byteps as bps
+
+    bps.init()  # beside the job's gloo group: a Runtime of its own
+    torch.manual_seed(0)
+    model = _Net()
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    for step in range(1000):
+        if step == 3:
+            if rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            lost = time.monotonic()  # (about) when the last rank died: the ranks are in step
+        try:
+            optimizer.zero_grad()
+            F.cross_entropy(model(torch.rand(4, 3, 12, 12)), torch.randint(0, 10, (4,))).backward()
+            optimizer.step()
+        except Exception as e:  # noqa: BLE001 - what the test checks
+            return step, time.monotonic() - lost, f"{type(e).__name__}: {e}"
+    return step, None, "no error after 1000 steps"
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_gives_the_other_an_error_not_a_hang():
+    (status, (step, after, error)) = run_losing_last_rank(_train_until_killed, 2, timeout=90)[0]
+    print(f"rank 0, step {step}, {after} s after the kill: {error[:400]}")
+    assert status == "ok" and after is not None and after < 30, error
+
+
+# -- against DDP on "byteps", in one job --------------------------------------------------------------------------
+class _Net(nn.Module):
+    """Layers of different sizes, and a branch no forward uses (it must not hang CrossBarrier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 16, 3)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 10)
+        self.unused = nn.Linear(10, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3))
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _slow(cls: type) -> type:
+    """`cls` whose every step takes 10 ms more: a forward that does not wait for its parameters' update reads them
+    before it lands."""
+
+    def step(self, closure=None):
+        time.sleep(0.01)
+        return cls.step(self, closure)
+
+    return type(f"Slow{cls.__name__}", (cls,), {"step": step})
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda params: _slow(torch.optim.SGD)(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: _slow(torch.optim.Adam)(params, lr=0.01),
+}
+WAYS = ("ddp", "distributed_optimizer", "cross_barrier")
+CLIPPED = ("distributed_optimizer_clipped", "ddp_clipped")  # with SGD
+
+
+def _train(rank: int, way: str, make) -> list[torch.Tensor]:
+    import torch_bps.byteps as bps
+
+    torch.manual_seed(0)
+    model = _Net()
+    clipped = way.endswith("_clipped")
+    if way.startswith("ddp"):
+        trained, opt = DDP(model, find_unused_parameters=True), make(model.parameters())
+    elif way.startswith("distributed_optimizer"):
+        trained, opt = model, bps.DistributedOptimizer(make(model.parameters()), model.named_parameters())
+    else:
+        trained, opt = model, bps.CrossBarrier(model, make(model.parameters()), model.named_parameters(),
+                                               num_steps=STEPS)  # fmt: skip
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 3, 12, 12, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(trained(x), y).backward()
+        if way == "distributed_optimizer":  # every used parameter's push started during the backward pass
+            pushed = sorted(n for n, p in model.named_parameters() if p in opt._bps_handles)
+            assert pushed == sorted(n for n, _ in model.named_parameters() if not n.startswith("unused")), pushed
+        if clipped and way.startswith("ddp"):
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if clipped and not way.startswith("ddp"):
+            opt.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    if way == "cross_barrier":
+        opt.close()
+        # priority by the place in the forward pass: the first layer's parameters the highest (0)
+        by_priority = [n for n, p in sorted(model.named_parameters(), key=lambda np: opt._cb_position.get(np[1], 99))]
+        assert by_priority == [n for n, _ in model.named_parameters()], by_priority
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _compare(rank, world, gloo):
+    import torch_bps.byteps as bps
+    from torch_bps.errors import ConfigError
+
+    bps.init()
+    names = [n for n, _ in _Net().named_parameters()]
+    differ = {}
+    for opt_name, make in OPTIMIZERS.items():
+        trained = {way: _train(rank, way, make) for way in WAYS + (CLIPPED if opt_name == "sgd_momentum" else ())}
+        torch.manual_seed(0)
+        assert not torch.equal(trained["ddp"][0], next(_Net().parameters())), "training did not move the parameters"
+        for way, reference in [("distributed_optimizer", "ddp"), ("cross_barrier", "distributed_optimizer"),
+                               ("distributed_optimizer_clipped", "ddp_clipped")]:  # fmt: skip
+            if way not in trained:
+                continue
+            differ[f"{opt_name} {way}"] = [n for n, a, b in zip(names, trained[way], trained[reference], strict=True)
+                                           if not torch.equal(a, b)]  # fmt: skip
+    # A later push_pull of a higher priority overtakes the partitions of an earlier one still queued under the credit
+    # (one 128 KiB partition in flight: the job's BPS_CREDIT_BYTES)
+    landed = []
+    big = bps.push_pull_async(torch.ones(2 << 20), name="big", priority=0)
+    small = bps.push_pull_async(torch.ones(16), name="small", priority=1)
+    for name, handle in (("big", big), ("small", small)):
+        bps._handles[handle][0].get_future().add_done_callback(lambda _, name=name: landed.append(name))
+    assert bps.synchronize(big).eq(1).all() and bps.synchronize(small).eq(1).all()
+    refused = []
+    model = _Net()
+    cb = bps.CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1), num_steps=1)
+    for what in (cb.skip_synchronize, lambda: bps.CrossBarrier(model, torch.optim.LBFGS(model.parameters())),
+                 lambda: bps.push_pull(torch.ones(1), name="v", version=1)):  # fmt: skip
+        try:
+            what()
+        except ConfigError as e:
+            refused.append(str(e).split(":")[0])
+    cb.close()
+    return differ, refused, landed
+
+
+@pytest.mark.timeout(240)
+def test_distributed_optimizer_and_cross_barrier_match_ddp_bit_for_bit():
+    """Two ranks: x/2 + y/2 rounds the same on any side, so DDP on "byteps", the DistributedOptimizer and CrossBarrier
+    (each parameter's update run alone, as its sum lands) must end with the same bits."""
+    for differ, refused, landed in run_ranks(_compare, 2, env={"BPS_CREDIT_BYTES": str(128 << 10)}, timeout=220):
+        assert differ == dict.fromkeys(differ, []), f"parameters that differ from the reference: {differ}"
+        assert len(refused) == 3, refused
+        assert landed == ["small", "big"], "the higher priority did not go first"
