@@ -12,6 +12,7 @@
 - deploy/, frameworks/, torch_suite/: the wheel and manifests, Lightning/Accelerate/Ignite, torch's own suite;
 - gpu/: CUDA tests and the GPU check (`make gpu-test`, `make gpu-check`).
 
-Shared by every folder: conftest.py (fixtures, the reaper), helpers.py (servers, raw peers, spawned ranks); the
-training scripts the fault tests launch under torchrun are in scripts/.
+Shared by every folder: conftest.py (fixtures, the reaper), helpers.py (servers, raw peers, spawned ranks, the
+recording stand-in for CUDA, a DDP pair on two groups); the training scripts the fault tests launch under torchrun
+are in scripts/.
 """

@@ -4,6 +4,7 @@ job of spawned ranks with a torch.distributed default group (`run_ranks`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
 import os
 import queue
@@ -20,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import zmq
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch_bps.address import parse_listening, split_host_port
 from torch_bps.futures import completer
@@ -543,3 +546,145 @@ def push_pull_part(
     part = Partition(tensor, key, server, out, mode, key_numel, offset, out_offset, codec, dense_numel)
     client.push_pull_batch([part], priority=priority, on_done=completer(future, tensor if out is None else out))
     return future
+
+
+# -- stand-ins for the CUDA paths on machines without a GPU: a recording `CudaOps` (pg/cuda_ops.py) that copies
+# CPU tensors at once and logs every stream, event and copy, in order.
+DEVICE = torch.device("cuda", 0)  # a label only: the recorder never touches a GPU
+
+
+class _Event:
+    def __init__(self, n: int):
+        self.n, self.stream = n, None
+
+
+class RecordingOps:
+    """CudaOps that performs copies at once on CPU tensors and logs every operation, in order, as tuples."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self._lock = threading.Lock()
+        self._events = 0
+        self._pinned: list[torch.Tensor] = []
+        self._current = threading.local()
+
+    def _add(self, *entry) -> None:
+        with self._lock:
+            self.log.append(entry)
+
+    def current_stream(self, device):
+        return getattr(self._current, "stream", "caller")
+
+    def side_stream(self, device):
+        return "side"
+
+    def new_event(self):
+        with self._lock:
+            self._events += 1
+            return _Event(self._events)
+
+    def record(self, event, stream):
+        event.stream = stream
+        self._add("record", stream, event.n)
+
+    def wait_event(self, stream, event):
+        assert event.stream is not None, "waited for an event never recorded"
+        self._add("wait", stream, event.n)
+
+    def wait_host(self, event, timeout, what):
+        assert event.stream is not None, "host-waited for an event never recorded"
+        self._add("host_wait", event.n)
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        p = t.data_ptr()
+        return any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in self._pinned)
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        kind = "d2h" if self._is_host(dst) else "h2d" if self._is_host(src) else "d2d"
+        self._add("copy", stream, kind, src.numel())
+
+    def record_stream(self, tensor, stream):
+        self._add("record_stream", stream)
+
+    def pinned(self, nbytes):
+        self._add("pinned", self.current_stream(DEVICE))  # "side": allocated with the device set (on_stream)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self._pinned.append(buf)
+        return buf
+
+    @contextlib.contextmanager
+    def on_stream(self, device, stream):
+        before = self.current_stream(device)
+        self._current.stream = stream
+        self._add("enter", stream)
+        try:
+            yield
+        finally:
+            self._current.stream = before
+
+    def future(self, devices):
+        self._add("future", tuple(str(d) for d in devices))
+        return torch.futures.Future()
+
+    def index(self, entry: tuple) -> int:
+        return self.log.index(entry)
+
+    def pushes(self) -> list[int]:
+        return [e[1] for e in self.log if e[0] == "push"]
+
+
+# -- the same model trained with DDP on two process groups side by side, for the tests that compare a torch_bps
+# path with gloo: both copies start from the same weights and see the same data; their gradients must agree within
+# a tolerance every step, and every rank must end with bit-identical parameters.
+PAIR_TOL = dict(rtol=1e-5, atol=1e-6)
+PAIR_STEPS = 4
+
+
+class BNNet(nn.Module):
+    """Buffers (BatchNorm running stats, broadcast by DDP every forward) and an unused branch."""
+
+    def __init__(self, with_unused: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 4)
+        self.unused = nn.Linear(32, 4) if with_unused else None
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.bn(self.fc1(x))))))
+
+
+def train_pair(rank, world, gloo, bps_group, ddp_kwargs, with_unused, hooks=None, tol=PAIR_TOL):
+    """Train one model on each group for PAIR_STEPS steps; compare gradients every step. Returns the max deviation."""
+    torch.manual_seed(0)
+    base = BNNet(with_unused)
+    models = {"byteps": DDP(copy.deepcopy(base), process_group=bps_group, **ddp_kwargs),
+              "gloo": DDP(copy.deepcopy(base), process_group=gloo, **ddp_kwargs)}  # fmt: skip
+    if hooks is not None:
+        for name, (state, hook) in hooks.items():
+            models[name].register_comm_hook(state, hook)
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    worst = 0.0
+    for step in range(PAIR_STEPS):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+        for name, m in models.items():
+            opts[name].zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        for (pn, pb), pg_ in zip(models["byteps"].named_parameters(), models["gloo"].parameters(), strict=True):
+            if pb.grad is None or pg_.grad is None:
+                assert pb.grad is None and pg_.grad is None, f"{pn}: grad on one side only"
+                continue
+            torch.testing.assert_close(pb.grad, pg_.grad, **tol, msg=lambda m, pn=pn, s=step: f"step {s} {pn}: {m}")
+            worst = max(worst, (pb.grad - pg_.grad).abs().max().item())
+        for o in opts.values():
+            o.step()
+    # every rank holds the same parameters (buffers differ until the next forward's broadcast: BN statistics)
+    state = torch.cat([p.detach().reshape(-1) for p in models["byteps"].parameters()])
+    everyone = [torch.empty_like(state) for _ in range(world)]
+    dist.all_gather(everyone, state, group=gloo)
+    assert all(torch.equal(everyone[0], s) for s in everyone), "parameters differ across ranks"
+    return worst

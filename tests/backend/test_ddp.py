@@ -1,7 +1,7 @@
 """DistributedDataParallel on a "byteps" group against the same model on gloo, in the same processes.
 
 Both copies start from the same weights and see the same data; after every backward their gradients must
-agree within ddp_pair.TOL (with two ranks the sums are in fact exact: x/2 + y/2 has one rounding either way), and
+agree within helpers.PAIR_TOL (with two ranks the sums are in fact exact: x/2 + y/2 has one rounding either way), and
 after the last step every rank must hold bit-identical parameters.
 """
 
@@ -14,8 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.backend.ddp_pair import train_pair
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, train_pair
 from torch_bps.process_group import BackendBPS, implementation
 
 CONFIGS = {

@@ -21,7 +21,7 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 
 
 def _stage(rt, ops):
-    from tests.standins import DEVICE
+    from tests.helpers import DEVICE
     from torch_bps.local.device import DeviceLocalComm
     from torch_bps.pg.device import PartitionPipeline
     from torch_bps.pg.device_local import DeviceLocalStage
@@ -46,7 +46,7 @@ def _stage(rt, ops):
 
 def _sums(rank, world, gloo):
     import torch_bps
-    from tests.standins import RecordingOps
+    from tests.helpers import RecordingOps
     from torch_bps.pg.work import launch_on_device
     from torch_bps.process_group import BackendBPS
 
@@ -112,7 +112,7 @@ def test_each_rank_stages_only_its_slice_summed_on_the_device_and_every_rank_get
 
 def _mismatch(rank, world, gloo):
     import torch_bps
-    from tests.standins import RecordingOps
+    from tests.helpers import RecordingOps
     from torch_bps.local import LocalInputError
     from torch_bps.pg.work import launch_on_device
 
@@ -143,7 +143,7 @@ def _refused_once(rank, world, gloo):
     import time
 
     import torch_bps
-    from tests.standins import RecordingOps
+    from tests.helpers import RecordingOps
     from torch_bps.errors import BpsError
     from torch_bps.pg.work import launch_on_device
 
@@ -193,7 +193,7 @@ def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_r
     import gc
     import types
 
-    from tests.standins import DEVICE, RecordingOps
+    from tests.helpers import DEVICE, RecordingOps
     from torch_bps.pg import device, device_local
 
     monkeypatch.setattr(device, "_ops", RecordingOps())
@@ -232,7 +232,7 @@ def _peer_killed(rank: int, port: int, environ: dict, results) -> None:
                       BPS_TIMEOUT="60")  # fmt: skip
     try:
         import torch_bps
-        from tests.standins import RecordingOps
+        from tests.helpers import RecordingOps
         from torch_bps.pg.work import launch_on_device
 
         dist.init_process_group("byteps", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -289,7 +289,7 @@ def _ddp(rank, world, gloo):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import torch_bps
-    from tests.standins import RecordingOps
+    from tests.helpers import RecordingOps
     from torch_bps.process_group import BackendBPS
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
@@ -353,7 +353,7 @@ def _then_waits(rank, world, gloo):
     import time
 
     import torch_bps
-    from tests.standins import RecordingOps
+    from tests.helpers import RecordingOps
     from torch_bps.pg.work import launch_on_device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.standins import DEVICE, RecordingOps
+from tests.helpers import DEVICE, RecordingOps
 from torch_bps.errors import BpsTimeoutError
 from torch_bps.pg.device import DeviceStaging, PartitionPipeline
 from torch_bps.pg.pinned import PinnedPool
@@ -224,7 +224,7 @@ def test_a_runtime_gets_one_pipeline_per_device_closed_when_the_runtime_goes(mon
     assert not first._thread.is_alive(), "the pipeline's thread outlived its runtime"
 
 
-def _finished_on_a_thread(exchanges, done) -> None:
+def _finished_on_a_thread(exchanges, done, priority: int = 0) -> None:
     """What launch needs of a Runtime: `run`, whose `done` comes on another thread (a completion thread)."""
     threading.Thread(target=done, args=(None,)).start()
 

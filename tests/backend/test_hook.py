@@ -1,5 +1,5 @@
 """bps_hook: DDP on a gloo group whose gradient buckets are averaged on the summation servers, against the same
-DDP on gloo without a hook (gradients within TOL every step, parameters identical across ranks)."""
+DDP on gloo without a hook (gradients within helpers.PAIR_TOL every step, parameters identical across ranks)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import torch_bps
-from tests.backend.ddp_pair import train_pair
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, train_pair
 
 
 def _hooked(rank, world, gloo):

@@ -18,7 +18,7 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 
 def _staged_sums(rank, world, gloo):
     import torch_bps
-    from tests.standins import DEVICE, RecordingOps
+    from tests.helpers import DEVICE, RecordingOps
     from torch_bps.pg.device import PartitionPipeline
     from torch_bps.pg.work import launch_on_device
 
@@ -58,7 +58,7 @@ def test_launch_staged_sums_through_the_runtime_beside_ordinary_collectives(wire
 
 def _backend_all_reduce_staged(rank, world, gloo):
     import torch_bps
-    from tests.standins import DEVICE, RecordingOps
+    from tests.helpers import DEVICE, RecordingOps
     from torch_bps.pg.device import PartitionPipeline
     from torch_bps.process_group import BackendBPS
 

@@ -18,8 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_bps
-from tests.backend.ddp_pair import BNNet
-from tests.helpers import run_ranks, start_servers, stop_servers
+from tests.helpers import BNNet, run_ranks, start_servers, stop_servers
 from torch_bps.config import Config
 from torch_bps.errors import ConfigError
 

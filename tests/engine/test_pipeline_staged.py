@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.standins import DEVICE, RecordingOps
+from tests.helpers import DEVICE, RecordingOps
 from torch_bps.client import Client
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
