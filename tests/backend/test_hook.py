@@ -70,7 +70,7 @@ def test_bps_hook_stages_and_launches_a_bucket_under_the_runtimes_launch_lock(mo
         rank, world_size, config = 0, 2, torch_bps.Config.resolve()
         launch_lock = threading.RLock()
 
-        def run(self, exchanges, done):
+        def run(self, exchanges, done, priority=0):
             done(None)
 
     class Bucket:  # what bps_hook reads of a dist.GradBucket
