@@ -109,7 +109,8 @@ def format_table(report: dict) -> str:
     for row in report["sweep"]:
         bound = row["allreduce_bound_s"]
         bps, gloo = row["byteps_s"], row["gloo_s"]
-        runs = (points.get(str(row["k"])) or {}).get("runs_seconds_per_step") or []  # every run, not only the median
+        point = points.get(row["k"]) or points.get(str(row["k"])) or {}  # int keys in the run, str from its JSON
+        runs = point.get("runs_seconds_per_step") or []  # every run, not only the median
         spread = f"{min(runs) / row['t_opt_s']:.2f}-{max(runs) / row['t_opt_s']:.2f}" if len(runs) > 1 else "-"
         lines.append(
             f"{row['k']:>3} {row['x']:>6.3f} {row['t_opt_s']:>9.3f} {row['t_opt_s'] / bound:>9.3f} "
