@@ -49,6 +49,10 @@ _REFUSED = {
     "grouped_allreduce": "grouped ops: allreduce each tensor (the engine batches partitions anyway)",
     "grouped_allreduce_async": "grouped ops: allreduce_async each tensor",
     "alltoall": "alltoall: dist.all_to_all on the 'byteps' group",
+    "alltoall_async": "alltoall: dist.all_to_all(..., async_op=True) on the 'byteps' group",
+    "allgather_async": "asynchronous allgather: dist.all_gather(..., async_op=True) on the 'byteps' group",
+    "broadcast_async": "asynchronous broadcast: dist.broadcast(..., async_op=True) on the 'byteps' group",
+    "broadcast_async_": "asynchronous broadcast: dist.broadcast(..., async_op=True) on the 'byteps' group",
     "reducescatter": "reducescatter: dist.reduce_scatter on the 'byteps' group",
 }
 
