@@ -5,7 +5,7 @@ layers' partitions ahead of the later ones under the client's credit); a "bps-cr
 optimizer on each parameter alone as its sum lands; each module's next forward waits, in a forward pre-hook, for its
 own parameters only. Reached as `torch_bps.byteps.CrossBarrier`; built on byteps.py's DistributedOptimizer.
 
-May import: torch, torch_bps.errors, torch_bps.byteps.
+May import: torch, torch_bps.errors, torch_bps.byteps, torch_bps.pg.work.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from torch_bps.byteps import Compression, _DistributedOptimizer, _extend, _handles, _runtime, rank
 from torch_bps.errors import BpsTimeoutError, ConfigError
+from torch_bps.pg.work import own_future
 
 
 class _CrossBarrier(_DistributedOptimizer):
@@ -67,7 +68,7 @@ class _CrossBarrier(_DistributedOptimizer):
         entry = self._bps_push(p, priority)
         with self._cb_pending_lock:
             self._cb_pending[p] = entry
-        _handles[entry[0]][0].get_future().add_done_callback(lambda _: self._cb_arrived.put(p))
+        own_future(_handles[entry[0]][0]).add_done_callback(lambda _: self._cb_arrived.put(p))
 
     def _cb_update_loop(self) -> None:
         """The "bps-cross-barrier" thread: each parameter's update as its sum lands, in landing order."""

@@ -29,7 +29,7 @@ from torch_bps.engine.exchange import Exchange
 from torch_bps.pg import sparse
 from torch_bps.pg.device_local import route
 from torch_bps.pg.staging import HostCopy
-from torch_bps.pg.work import launch, launch_on_device
+from torch_bps.pg.work import launch, launch_on_device, own_future
 from torch_bps.process_group import implementation
 from torch_bps.runtimes import Lease
 
@@ -116,17 +116,17 @@ def _launch_bucket(state: BpsHookState, bucket: dist.GradBucket, runtime) -> tor
     if buffer.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its own bucket; DDP calls hooks from one thread
         buffer.div_(runtime.world_size)
         plain_sum = lambda dtype, flat, op, finish: Exchange(flat, finish=finish)  # noqa: E731
-        return sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size, launch_here, plain_sum,
-                                 buffer, state.sparse_room).get_future()  # fmt: skip
+        return own_future(sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size,
+                                                launch_here, plain_sum, buffer, state.sparse_room))  # fmt: skip
     runs = state.segments(bucket, runtime.config)
     path = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
     if path is not None:
         # The local stages on the device, or one partition at a time through pinned host memory on a side stream
         # (docs/gpu.md).
-        return launch_on_device(runtime, "bps_hook", buffer, path, buffer, average=True, where=where,
-                                timeout=runtime.config.timeout).get_future()  # fmt: skip
+        return own_future(launch_on_device(runtime, "bps_hook", buffer, path, buffer, average=True, where=where,
+                                               timeout=runtime.config.timeout))  # fmt: skip
     host = HostCopy("bps_hook", buffer)  # the bucket itself on CPU; a CPU copy for a CUDA bucket
     host.flat.div_(runtime.world_size)
     exchanges = [Exchange(host.flat[a:b], compress=compress) for a, b, compress in runs]
     exchanges[-1] = dataclasses.replace(exchanges[-1], finish=host.write_back)  # once every run is summed
-    return launch_here(exchanges, buffer, buffer.device).get_future()
+    return own_future(launch_here(exchanges, buffer, buffer.device))

@@ -12,16 +12,26 @@
 namespace bps::python {
 
 FutureWork::FutureWork(c10::intrusive_ptr<c10::ivalue::Future> future, std::chrono::milliseconds timeout,
-                       std::string what, TimeoutError makeTimeoutError)
+                       std::string what, TimeoutError makeTimeoutError, Taken taken)
     : future_(std::move(future)),
       timeout_(timeout),
       what_(std::move(what)),
-      makeTimeoutError_(std::move(makeTimeoutError)) {
+      makeTimeoutError_(std::move(makeTimeoutError)),
+      taken_(std::move(taken)) {
   future_->addCallback([done = done_](c10::ivalue::Future&) {
     std::lock_guard<std::mutex> lock(done->mutex);
     done->done = true;
     done->cv.notify_all();
   });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> FutureWork::getFuture() {
+  if (taken_ && PyGILState_Check() != 0) {  // two Python threads hold the GIL in turn: it runs once
+    Taken taken = std::move(taken_);
+    taken_ = nullptr;
+    taken();
+  }
+  return future_;
 }
 
 bool FutureWork::isCompleted() { return future_->completed(); }

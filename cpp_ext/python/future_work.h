@@ -22,10 +22,12 @@ class FutureWork : public c10d::Work {
  public:
   // Builds the error wait() throws when `timeout` passes (module.cpp makes it a BpsTimeoutError).
   using TimeoutError = std::function<std::exception_ptr(const std::string& message)>;
+  // Called once, with the GIL held, the first time Python takes the future (see getFuture).
+  using Taken = std::function<void()>;
 
   // `timeout` applies to wait() without one; `what` names the collective in the timeout's message.
   FutureWork(c10::intrusive_ptr<c10::ivalue::Future> future, std::chrono::milliseconds timeout, std::string what,
-             TimeoutError makeTimeoutError);
+             TimeoutError makeTimeoutError, Taken taken = nullptr);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -36,7 +38,9 @@ class FutureWork : public c10d::Work {
   // The caller's current streams wait for the work (on the devices of a device future): c10d's contract, which
   // NCCL keeps without a host wait. Completion here is on the host, so this waits for it first, as wait() does.
   void synchronize() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Taken from Python (`work.get_future()`: the GIL held), `taken` runs first: that caller may attach callbacks that
+  // launch collectives (PowerSGD), which the launch order waits for. DDP's reducer takes it from C++, GIL released.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // A per-call timeout (a collective's opts.timeout): set before the Work is handed out.
   void setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
@@ -52,6 +56,7 @@ class FutureWork : public c10d::Work {
   std::chrono::milliseconds timeout_;
   std::string what_;
   TimeoutError makeTimeoutError_;
+  Taken taken_;
   std::shared_ptr<Done> done_ = std::make_shared<Done>();
 };
 

@@ -74,13 +74,30 @@ void failFuture(const py::object& future, const py::object& error) {
   fut->setErrorIfNeeded(eptr);
 }
 
-c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeoutSeconds, std::string what) {
+c10::intrusive_ptr<c10d::Work> makeWork(const py::object& future, double timeoutSeconds, std::string what,
+                                        py::object onTaken) {
   auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
   auto makeTimeoutError = [](const std::string& message) {
     py::gil_scoped_acquire gil;
     return asErrorPtr(py::module_::import("torch_bps.errors").attr("BpsTimeoutError")(message));
   };
-  return c10::make_intrusive<FutureWork>(cppFuture(future), timeout, std::move(what), makeTimeoutError);
+  FutureWork::Taken taken;
+  if (!onTaken.is_none()) {
+    // The Work may die on a thread without the GIL (DDP's reducer): drop the callable with the GIL held.
+    std::shared_ptr<py::object> fn(new py::object(std::move(onTaken)), [](py::object* p) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    });
+    taken = [fn] {  // runs with the GIL held (FutureWork::getFuture)
+      try {
+        (*fn)();
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_bps: a Work's on_taken");
+      }
+    };
+  }
+  return c10::make_intrusive<FutureWork>(cppFuture(future), timeout, std::move(what), makeTimeoutError,
+                                         std::move(taken));
 }
 
 // Owns a client::Client for Python: releases the GIL while closing, since closing runs completions that
@@ -197,8 +214,9 @@ PYBIND11_MODULE(_C, m) {
         "Complete a torch.futures.Future with `error` as a C++ error, so C++ consumers (DDP) see a failure.",
         py::arg("future"), py::arg("error"));
   m.def("make_work", &bps::python::makeWork,
-        "A c10d Work over `future`: wait(timeout) rethrows its error, get_future() works from C++ too.",
-        py::arg("future"), py::arg("timeout"), py::arg("what"));
+        "A c10d Work over `future`: wait(timeout) rethrows its error, get_future() works from C++ too; "
+        "`on_taken()` runs the first time Python takes its future.",
+        py::arg("future"), py::arg("timeout"), py::arg("what"), py::arg("on_taken") = py::none());
   m.def(
       "make_backend",
       [](py::object impl, int rank, int size) -> c10::intrusive_ptr<c10d::Backend> {

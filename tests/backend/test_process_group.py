@@ -461,6 +461,45 @@ def test_nested_blocking_callbacks_do_not_deadlock():
         assert torch.equal(value, torch.full((4,), 2.0 + 12.0 + 2.0))
 
 
+def _callback_launches_while_the_caller_does(rank, world, gloo):
+    """A `then` callback launches a collective (as PowerSGD's do) while the caller launches its next one: on rank 0
+    the callback's comes first in time (the caller sleeps), on the others the caller's. Returns (errors, which sums
+    are exact)."""
+    first, nested, then = (torch.full((n,), rank + 1.0) for n in (1000, 300, 700))  # three shapes: three keys
+
+    def launches_nested(fut):
+        dist.all_reduce(nested, async_op=True).get_future().wait()  # no timeout, as PowerSGD
+        return fut.value()
+
+    chained = dist.all_reduce(first, async_op=True).get_future().then(launches_nested)
+    if rank == 0:
+        time.sleep(0.3)  # its callback has launched by now; the other ranks launch `then` at once
+    work = dist.all_reduce(then, async_op=True)
+    errors, deadline = [], time.monotonic() + 20
+    try:
+        work.wait(timedelta(seconds=20))
+        while not chained.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not chained.done():
+            raise BpsTimeoutError("the callback's collective never completed")
+        chained.wait()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+    total = world * (world + 1) / 2
+    return errors, [bool(t.eq(total).all()) for t in (first, nested, then)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", ["1", "2"], ids=["2_machines_of_1", "1_machine_of_2"])
+def test_a_callbacks_collective_starts_where_nccls_inline_callback_puts_it_on_every_rank(local):
+    """Every rank starts the callback's collective before the caller's next one (NCCL's order: its futures complete
+    at launch, so callbacks run inline): rank 0 issued them in that order in time, rank 1 in the other."""
+    env = {"LOCAL_WORLD_SIZE": local, "BPS_TIMEOUT": "10"}
+    for rank, (errors, exact) in enumerate(run_ranks(_callback_launches_while_the_caller_does, 2, env=env,
+                                                     timeout=100)):  # fmt: skip
+        assert errors == [] and exact == [True] * 3, f"rank {rank}: {errors}, exact sums {exact}"
+
+
 @pytest.mark.timeout(60)
 def test_logic_on_threaded_ranks():
     groups = _threaded_groups(3)

@@ -9,6 +9,10 @@ The Work is a C++ c10d Work (torch_bps._C.make_work): DDP's reducer and Join cal
 C++, its wait() rethrows the collective's error and honours the group's timeout, and a failure is set on
 the C++ future, so C++ consumers see an error rather than an exception object posing as a tensor.
 
+Every rank must start a group's collectives in one order: the keys, rounds and local meetings are numbered by it.
+A `then` callback that launches a collective (PowerSGD's) runs when its Future completes, on a completion thread, at
+a time that differs between ranks; `LaunchOrder` puts its collective where NCCL's inline completion would.
+
 May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device,
 torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
 """
@@ -16,7 +20,11 @@ torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import t
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +34,117 @@ from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
 from torch_bps.pg.device import completion_context, cuda_ops, order_after_caller
 from torch_bps.pg.device_local import DeviceLocalStage
+
+
+@dataclass(eq=False)
+class _Launch:
+    """One collective in its group's LaunchOrder."""
+
+    nested: bool = False  # launched from a callback of the group's collective: it starts at once
+    taken: bool = False  # Python took its future (work.get_future()): callbacks may hang on it
+    delivered: bool = False  # its future completed and its callbacks returned
+
+
+class LaunchOrder:
+    """A group's collectives started in the order a program sees them issued, callbacks included.
+
+    NCCL completes a collective's Future at launch, so a `then` callback runs on the caller's thread before the
+    caller's next collective, and whatever it launches comes first on every rank. Here a Future completes when its
+    sums are back, on a completion thread: a callback's all_reduce (PowerSGD's) and the caller's next collective
+    would reach the group in an order that differs between ranks (local ranks meeting in different calls; keys and
+    rounds numbered differently). So a collective whose future Python took (`work.get_future()`, the only way to
+    attach a callback) holds back the collectives launched after it until its callbacks have returned, and a
+    collective launched from inside those callbacks starts at once: the order NCCL gives. A future only C++ takes
+    (DDP's reducer), or nobody, holds nothing back. Two limits: a callback attached to a future taken after a later
+    collective was launched, and the callbacks of a callback's collective, are not ordered.
+
+    Example: `entry = order.enter(); order.start(entry, lambda: runtime.run(...))`; then `order.taken(entry)` when
+    Python takes the future, `with order.delivering(): future.set_result(...)` and `order.delivered(entry)`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[_Launch] = []  # taken, not nested, not yet delivered: what later launches wait for
+        self._held: deque[tuple[list[_Launch], Callable[[], None]]] = deque()  # (what it waits for, its start)
+        self._starting = False  # a thread is starting held collectives: new ones queue behind them
+        self._inside = threading.local()  # depth of deliveries on this thread
+
+    def enter(self) -> _Launch:
+        """A collective about to be launched (by a callback of one of this group's, if this thread delivers one)."""
+        return _Launch(nested=getattr(self._inside, "depth", 0) > 0)
+
+    def start(self, entry: _Launch, run: Callable[[], None], hold: Callable[[], Callable[[], None]]) -> None:
+        """Run `run` now, or queue what `hold()` returns (the same start, made to run on another thread later)
+        behind the collectives it must follow. Called under the group's launch lock, on the launching thread."""
+        if not entry.nested:
+            with self._lock:
+                waits = list(self._open)
+                if waits or self._held or self._starting:
+                    self._held.append((waits, hold()))
+                    return
+        run()
+
+    def taken(self, entry: _Launch) -> None:
+        with self._lock:
+            entry.taken = True
+            if not entry.nested and not entry.delivered:
+                self._open.append(entry)
+
+    def delivering(self):
+        """Around a collective's set_result: what its callbacks launch is nested."""
+        return _Depth(self._inside)
+
+    def delivered(self, entry: _Launch) -> None:
+        """entry's future completed and its callbacks returned: start what waited for it, in launch order."""
+        with self._lock:
+            entry.delivered = True
+            if entry in self._open:
+                self._open.remove(entry)
+            if self._starting or not self._held:
+                return
+            self._starting = True
+        while True:
+            with self._lock:
+                if not self._held or any(not e.delivered for e in self._held[0][0]):
+                    self._starting = False
+                    return
+                _, run = self._held.popleft()
+            run()
+
+
+class _Depth:
+    def __init__(self, local: threading.local):
+        self._local = local
+
+    def __enter__(self):
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        self._local.depth -= 1
+
+
+_orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> LaunchOrder
+_orders_lock = threading.Lock()
+_internal = threading.local()  # set while this package takes a future for itself (own_future)
+
+
+def launch_order(runtime) -> LaunchOrder | None:
+    """The runtime's LaunchOrder, made on first use (None for a stand-in that cannot be weakly referenced)."""
+    with _orders_lock:
+        try:
+            return _orders.setdefault(runtime, LaunchOrder())
+        except TypeError:
+            return None
+
+
+def own_future(work: dist.Work) -> torch.futures.Future:
+    """work's future, taken by this package for a consumer whose callbacks launch no collective (DDP's reducer waits
+    on bps_hook's, CrossBarrier's queues a parameter): a take that holds back no later collective."""
+    _internal.on = True
+    try:
+        return work.get_future()
+    finally:
+        _internal.on = False
 
 
 def locked(collective):
@@ -55,6 +174,8 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     future = cuda_ops().future([device] if on_device else [])
     if on_device:  # the finishes may write into outputs the collective only writes (scatter, gather...)
         order_after_caller(device)
+    order, what = launch_order(runtime), f"{op} {where}"
+    entry = order.enter() if order is not None else None
 
     def done(error: BaseException | None) -> None:
         # On a completion thread: device set and the side stream current, so copies back and the Future's event
@@ -67,10 +188,10 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
                             x.finish()
                 except BaseException as e:  # noqa: BLE001 - the collective fails with it
                     error = e
-            _settle(future, result, error, f"{op} {where}")
+            _deliver(order, entry, future, result, error, what)
 
-    runtime.run([x for x in exchanges if x.tensor.numel() > 0], done, priority=priority)
-    return make_work(future, timeout, f"{op} {where}")
+    run = functools.partial(runtime.run, [x for x in exchanges if x.tensor.numel() > 0], done, priority=priority)
+    return _start(order, entry, run, done, future, timeout, what)
 
 
 def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, *, average: bool, where: str,
@@ -86,21 +207,23 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
     """
     device = tensor.device
     future = cuda_ops().future([device])
+    order, what = launch_order(runtime), f"{op} {where}"
+    entry = order.enter() if order is not None else None
 
     def done(error: BaseException | None) -> None:
         with completion_context(device):  # the copier calls it with its side stream current
-            _settle(future, result, error, f"{op} {where}")
+            _deliver(order, entry, future, result, error, what)
 
     scale = 1.0 / runtime.world_size if average else 1.0
     if isinstance(path, DeviceLocalStage):
-        path.launch(tensor, scale, done)  # the scale fused into the local reduce-scatter
-        return make_work(future, timeout, f"{op} {where}")
+        run = functools.partial(path.launch, tensor, scale, done)  # the scale fused into the local reduce-scatter
+        return _start(order, entry, run, done, future, timeout, what, device)
     if average:
         tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
     wire = runtime.travels_as(tensor)
     if wire == tensor.dtype:
-        runtime.run_copied(tensor, path, done)
-        return make_work(future, timeout, f"{op} {where}")
+        return _start(order, entry, functools.partial(runtime.run_copied, tensor, path, done), done, future, timeout,
+                      what, device)  # fmt: skip
     # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
     # stream, where the copier runs `done`, before the Future's event.
     cast = tensor.to(wire)
@@ -110,8 +233,49 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
             tensor.copy_(cast)
         done(error)
 
-    runtime.run_copied(cast, path, cast_back)
-    return make_work(future, timeout, f"{op} {where}")
+    run = functools.partial(runtime.run_copied, cast, path, cast_back)
+    return _start(order, entry, run, done, future, timeout, what, device)
+
+
+def _start(order: LaunchOrder | None, entry: _Launch | None, run: Callable[[], None], done, future, timeout: float,
+           what: str, device: torch.device | None = None) -> dist.Work:  # fmt: skip
+    """Start a collective (`run`) now or, behind a collective whose callbacks have not run yet, later; return its
+    Work, which tells `order` when Python takes its future."""
+    if order is None:
+        run()
+        return make_work(future, timeout, what)
+
+    def hold() -> Callable[[], None]:
+        if device is not None:  # the start runs later on another thread, with the side stream current (a device
+            order_after_caller(device)  # start records its events on the current stream): after the caller's work
+
+        def later() -> None:  # on a completion thread: nobody to raise to, so the Work fails
+            try:
+                with completion_context(device):
+                    run()
+            except BaseException as e:  # noqa: BLE001
+                done(e)
+
+        return later
+
+    order.start(entry, run, hold)
+
+    def taken() -> None:
+        if not getattr(_internal, "on", False):
+            order.taken(entry)
+
+    return make_work(future, timeout, what, taken)
+
+
+def _deliver(order: LaunchOrder | None, entry: _Launch | None, future, result: Any, error: BaseException | None,
+             what: str) -> None:  # fmt: skip
+    """Complete the future (its callbacks run here), then start what waited for them."""
+    if order is None:
+        _settle(future, result, error, what)
+        return
+    with order.delivering():
+        _settle(future, result, error, what)
+    order.delivered(entry)
 
 
 def _settle(future: torch.futures.Future, result: Any, error: BaseException | None, what: str) -> None:
@@ -124,8 +288,10 @@ def _settle(future: torch.futures.Future, result: Any, error: BaseException | No
     fail(future, error)
 
 
-def make_work(future: torch.futures.Future, timeout: float, what: str) -> dist.Work:
-    """The C++ Work over `future` that torch gets: wait() rethrows its error and honours `timeout` (seconds)."""
+def make_work(future: torch.futures.Future, timeout: float, what: str, taken: Callable[[], None] | None = None
+              ) -> dist.Work:  # fmt: skip
+    """The C++ Work over `future` that torch gets: wait() rethrows its error and honours `timeout` (seconds);
+    `taken()` runs the first time Python takes its future."""
     from torch_bps import _C
 
-    return _C.make_work(future, timeout, what)
+    return _C.make_work(future, timeout, what, taken)
