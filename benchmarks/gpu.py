@@ -1,7 +1,7 @@
 """Benchmark the CUDA path: staging, the Triton local reduce, all-reduce and a DDP step, each beside a baseline
 measured in the same run.
 
-- staging: a CUDA tensor's trip to the summation service and back (`torch_bps.pg.device.DeviceStaging`: a copy
+- staging: a CUDA tensor's trip to the summation service and back (`torch_bps.device.pinned.DeviceStaging`: a copy
   into pinned host memory on a side stream, then the copy back), against the device's raw pinned copy rates.
 - partition_staging: `PartitionPipeline` (per partition through a bounded pinned pool, a service that answers at
   once) against a raw pinned copy of the same bytes each way (target: >= 0.9).
@@ -9,10 +9,10 @@ measured in the same run.
   on the device (chained adds: N - 1 passes; the reference: sum of the stacked inputs, then cast) and against a
   device-to-device copy of one input. GB/s count the input bytes read; `*_traffic_gbs` count every byte read and
   written, the kernel's against the copy's (target: >= 0.8).
-- device_local_stage: `torch_bps.local.device.DeviceLocalComm` between `world` processes on GPU 0 (CUDA IPC): a
+- device_local_stage: `torch_bps.device.comm.DeviceLocalComm` between `world` processes on GPU 0 (CUDA IPC): a
   reduce-scatter (fp32 in, bf16 out, AVG) and an all-gather.
 - allreduce: `dist.all_reduce` on "byteps" with CUDA tensors (ranks as machines of their own; and as one machine,
-  k = 0, whose local stages run on the device: pg/device_local.py) against the same on CPU tensors and against
+  k = 0, whose local stages run on the device: device/paths.py) against the same on CPU tensors and against
   gloo with CUDA tensors; `world` processes share GPU 0.
 - ddp: one training step of an MLP with DDP on the device, over "byteps" as one machine (k = 0: the local stages
   on the device) and as machines of one rank (an embedded server each), over gloo (no service), and without DDP in
@@ -70,7 +70,7 @@ def bench_staging(sizes_mb: list[int], iters: int) -> list[dict]:
 
 
 def _staging_row(size: int, iters: int) -> dict:
-    from torch_bps.pg.device import DeviceStaging
+    from torch_bps.device.pinned import DeviceStaging
 
     n = size * MB // 4
     dev = torch.randn(n, device="cuda")
@@ -96,7 +96,7 @@ def _staging_row(size: int, iters: int) -> dict:
 def bench_partition_staging(size_mb: int, part_mb: int, slots: int, iters: int) -> dict:
     import threading
 
-    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.device.pinned import PartitionPipeline
 
     n, step = size_mb * MB // 4, part_mb * MB // 4
     dev = torch.randn(n, device="cuda")
@@ -219,7 +219,7 @@ def _allreduce_times(rank: int, world: int, device: str, sizes_mb: list[int], it
 def _device_local_stage(rank: int, world: int, size_mb: int, iters: int) -> dict:
     import torch.distributed as dist
 
-    from torch_bps.local.device import open_local_stage
+    from torch_bps.device.comm import open_local_stage
 
     comm = open_local_stage(dist.distributed_c10d._get_default_store(), rank, world, "bench", "cuda:0",
                             capacity_bytes=64 * MB, timeout=120)  # fmt: skip
@@ -277,7 +277,7 @@ def _ddp_step(
 def _local_stage_path(device: str) -> str:
     """Where this rank's local stages ran on "byteps": on the device, on the host (CPU-assisted), or none."""
     import torch_bps
-    from torch_bps.pg.device_local import stage_for
+    from torch_bps.device.paths import stage_for
 
     impl = torch_bps.implementation()
     if impl is None or impl.runtime.topology.local_size == 1:

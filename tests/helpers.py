@@ -548,7 +548,7 @@ def push_pull_part(
     return future
 
 
-# -- stand-ins for the CUDA paths on machines without a GPU: a recording `CudaOps` (pg/cuda_ops.py) that copies
+# -- stand-ins for the CUDA paths on machines without a GPU: a recording `CudaOps` (device/cuda_ops.py) that copies
 # CPU tensors at once and logs every stream, event and copy, in order.
 DEVICE = torch.device("cuda", 0)  # a label only: the recorder never touches a GPU
 

@@ -33,6 +33,15 @@ ALLOWED = {
     # The timeline reads the client it is handed; it imports no layer above it.
     "torch_bps/timeline": {"torch_bps.errors", "torch_bps.futures", "torch_bps.timeline"},
     "torch_bps/local": {"torch_bps.errors", "torch_bps.local", "torch_bps.wire", "triton_kernels"},
+    # The CUDA path's room: under the front doors, beside the engine (whose objects it is handed, never imports).
+    "torch_bps/device": {
+        "torch_bps.device",
+        "torch_bps.errors",
+        "torch_bps.futures",
+        "torch_bps.local",
+        "torch_bps.wire",
+        "triton_kernels",
+    },
     # Python statements of what the C++ core runs: they import what they model, nothing above it.
     "torch_bps/_reference": {"torch_bps._reference", "torch_bps.errors", "torch_bps.wire", "torch_bps.server.job"},
     "triton_kernels": {"triton_kernels"},

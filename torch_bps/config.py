@@ -184,7 +184,7 @@ class Config:
                                                                     "parse": _parse_names})  # fmt: skip
     # Reduce among a machine's local ranks before the network (one push per machine).
     local_reduce: bool = field(default=True, metadata={"env": "BPS_LOCAL_REDUCE", "parse": _parse_bool})
-    # CUDA tensors with several local ranks sum among them on the device (pg/device_local.py) when the devices can map
+    # CUDA tensors with several local ranks sum among them on the device (device/paths.py) when the devices can map
     # each other's memory. Off: they take the host path (staged whole, summed by the host local stages), as when
     # CUDA IPC is refused; one GPU then proves both paths, and a user can step around the device stage.
     device_local: bool = field(default=True, metadata={"env": "BPS_DEVICE_LOCAL", "parse": _parse_bool})

@@ -11,8 +11,8 @@ each bucket's gradients of at least Config.compress_min_bytes, whose parameter n
 Config.compress_exclude, as compressible, and the engine encodes them with error feedback (engine/compress.py).
 A "byteps" group's own all_reduce (DDP without this hook, metrics, integer tensors) always stays exact.
 
-May import: torch, torch_bps.config, torch_bps.engine.compress, torch_bps.engine.exchange, torch_bps.pg,
-torch_bps.process_group, torch_bps.runtimes.
+May import: torch, torch_bps.config, torch_bps.device, torch_bps.engine.compress, torch_bps.engine.exchange,
+torch_bps.pg, torch_bps.process_group, torch_bps.runtimes.
 """
 
 # No `from __future__ import annotations` here: DDP checks bps_hook's annotations against the real types
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.device import paths
 from torch_bps.engine.compress import compressible_runs
 from torch_bps.engine.exchange import Exchange
 from torch_bps.pg import sparse
-from torch_bps.pg.device_local import route
 from torch_bps.pg.staging import HostCopy
 from torch_bps.pg.work import launch, launch_on_device, own_future
 from torch_bps.process_group import implementation
@@ -119,7 +119,7 @@ def _launch_bucket(state: BpsHookState, bucket: dist.GradBucket, runtime) -> tor
         return own_future(sparse.launch_sum("bps_hook", buffer, "SUM", runtime.rank, runtime.world_size,
                                                 launch_here, plain_sum, buffer, state.sparse_room))  # fmt: skip
     runs = state.segments(bucket, runtime.config)
-    path = route(runtime, buffer) if buffer.is_cuda and not any(compress for *_, compress in runs) else None
+    path = paths.choose(runtime, buffer, "AVG", compressed=any(compress for *_, compress in runs))
     if path is not None:
         # The local stages on the device, or one partition at a time through pinned host memory on a side stream
         # (docs/gpu.md).

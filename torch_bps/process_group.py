@@ -28,7 +28,8 @@ launched under the group's Runtime's launch lock (bps_hook takes the same one), 
 contiguous even when several threads use the group (DDP's autograd thread and a comm hook's callbacks); ranks must
 still call collectives in the same order, as with any backend.
 
-May import: torch, torch_bps.config, torch_bps.engine.exchange, torch_bps.errors, torch_bps.wire, torch_bps.pg;
+May import: torch, torch_bps.config, torch_bps.device, torch_bps.engine.exchange, torch_bps.errors, torch_bps.wire,
+torch_bps.pg;
 torch_bps.runtime and torch_bps._C only when a group is created (they load the C++ client, which
 `import torch_bps` must not).
 """
@@ -44,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 from torch_bps.config import Config
+from torch_bps.device import paths
 from torch_bps.engine.exchange import Exchange
 from torch_bps.errors import ConfigError
 from torch_bps.pg import sparse, staging
-from torch_bps.pg.device_local import route
 from torch_bps.pg.p2p import GlooSide
 from torch_bps.pg.staging import (
     BACKEND,
@@ -118,18 +119,11 @@ class BackendBPS:
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, staging.op_name(opts.reduceOp) if opts is not None else "SUM")
         op = self._op("allreduce", opts, t)
-        if (path := self._device_path(t, op)) is not None:
+        if (path := paths.choose(self.runtime, t, op)) is not None:
             return launch_on_device(self.runtime, "allreduce", t.detach().view(-1), path, tensors, average=op == "AVG",
                                     where=self._where(), timeout=self._timeout)  # fmt: skip
         s = HostCopy("allreduce", t)
         return self._launch("allreduce", [self._reduce(t.dtype, s.flat, op, s.write_back)], tensors, device=t.device)
-
-    def _device_path(self, t: torch.Tensor, op: str):
-        """How a contiguous CUDA tensor of floats, summed or averaged, is staged (pg.device_local.route: the local
-        stages on the device, or a partition at a time; docs/gpu.md), or None: staged whole."""
-        if not (t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point and op in ("SUM", "AVG")):
-            return None
-        return route(self.runtime, t)
 
     @locked
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:

@@ -12,7 +12,7 @@ the process's one registry (`_RUNTIMES`; `acquire` and `release` for runtimes.py
 default one reuse the servers of the process's default Runtime if there is one; subgroups treat every rank as its
 own machine (no local reduction).
 May import: torch, torch_bps.config, errors, futures, rendezvous, topology, registry, security, client, local,
-engine, timeline, failover, wire.
+engine, timeline, failover, wire; device.comm when a device's local stage opens.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class Runtime:
         self._engine.run(items, self._timeline.wrap(tensors, finish), priority=priority, pull_only=pull_only)
 
     def run_copied(self, tensor: torch.Tensor, copier, done, *, sliced: bool = False, prepare=None) -> None:
-        """Sum a device tensor in place one partition at a time through `copier` (pg.device.PartitionPipeline), then
+        """Sum a device tensor in place one partition at a time through `copier` (device.pinned.PartitionPipeline), then
         `done(error or None)`; see PushPullEngine.run_copied (`sliced`, `prepare`: the device local stage), and
         `cannot_copy` for what it takes."""
 
@@ -254,14 +254,14 @@ class Runtime:
         return self._engine.alone
 
     def open_device_channels(self, device: torch.device, capacity_bytes: int = 64 << 20):
-        """The machine's local ranks' channels on `device` (reduce-scatter, all-gather: local/device.py), or None:
+        """The machine's local ranks' channels on `device` (reduce-scatter, all-gather: device/comm.py), or None:
         one local rank per worker, Config.device_local off, or devices that cannot share memory (the CPU-assisted
         path; the log says which). Collective among the machine's local ranks, each at its first collective on the
         device; closed with the runtime."""
         # Off: no rendezvous at all (every local rank reads the same setting, so none waits for the others).
         if self._local_channels is None or not self.config.device_local:
             return None
-        from torch_bps.local.device import open_local_stage
+        from torch_bps.device.comm import open_local_stage
 
         t = self.topology
         channels = [open_local_stage(self._store, t.local_rank, t.local_size, f"{t.node_rank}-{stage}", device,

@@ -1,4 +1,4 @@
-"""pg/device_local.py between real processes: machines of two local ranks whose local stages run "on the device"
+"""torch_bps/device/paths.py between real processes: machines of two local ranks whose local stages run "on the device"
 (DeviceLocalComm's CPU stand-in: /dev/shm buffers, no streams), each rank staging only its slice through a
 PartitionPipeline (a recording stand-in for torch.cuda) to real servers, beside ordinary collectives; and a
 stage's lifetime, which its runtime's sets."""
@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import run_ranks
+from torch_bps.device import paths
+from torch_bps.device.paths import DeviceLocalPath
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,9 +24,9 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 
 def _stage(rt, ops):
     from tests.helpers import DEVICE
-    from torch_bps.local.device import DeviceLocalComm
-    from torch_bps.pg.device import PartitionPipeline
-    from torch_bps.pg.device_local import DeviceLocalStage
+    from torch_bps.device.comm import DeviceLocalComm
+    from torch_bps.device.paths import DeviceLocalStage
+    from torch_bps.device.pinned import PartitionPipeline
 
     store, t = dist.distributed_c10d._get_default_store(), rt.topology
     channels = [DeviceLocalComm(store, t.local_rank, t.local_size, f"test-{t.node_rank}-{c}", "cpu",
@@ -48,11 +50,11 @@ def _sums(rank, world, gloo):
     import torch_bps
     from tests.helpers import RecordingOps
     from torch_bps.pg.work import launch_on_device
-    from torch_bps.process_group import BackendBPS
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     ops = RecordingOps()
     stage, channels, pipe, streams = _stage(rt, ops)
+    path = DeviceLocalPath(stage)
     run_copied, wire = rt.run_copied, set()
 
     def recorded(tensor, *args, **kwargs):  # the dtype each slice travels in
@@ -65,7 +67,7 @@ def _sums(rank, world, gloo):
     for step in range(3):
         op = ("SUM", "AVG")[step % 2]
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
-        work = launch_on_device(rt, "allreduce", staged, stage, [staged], average=op == "AVG", where="in a test",
+        work = launch_on_device(rt, "allreduce", staged, path, [staged], average=op == "AVG", where="in a test",
                              timeout=60)  # fmt: skip
         dist.all_reduce(plain)  # launched behind it, on the same runtime: the host local stages
         work.wait()
@@ -75,7 +77,9 @@ def _sums(rank, world, gloo):
             if not torch.equal(t, w):
                 failures.append(f"step {step} {op} {name}: {(t - w).abs().max()}")
     # Through the backend's own all_reduce, as a CUDA tensor would go.
-    BackendBPS._device_path = lambda self, t, op: stage if op in ("SUM", "AVG") and t.dim() == 1 else None
+    paths.choose = lambda runtime, t, op="SUM", compressed=False: (
+        path if op in ("SUM", "AVG") and t.dim() == 1 else None
+    )
     t = _data(rank, n, 5)
     dist.all_reduce(t, dist.ReduceOp.AVG)
     if not torch.equal(t, sum(_data(r, n, 5) for r in range(world)) / world):
@@ -120,8 +124,9 @@ def _mismatch(rank, world, gloo):
     # Tensors that are not on a GPU never share device memory: the machine takes the CPU-assisted path.
     assert rt.open_device_channels(torch.device("cpu")) is None
     stage, _, pipe, _ = _stage(rt, RecordingOps())
+    path = DeviceLocalPath(stage)
     t = torch.ones(100 + rank)  # the local ranks disagree on the size
-    work = launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60)
+    work = launch_on_device(rt, "allreduce", t, path, [t], average=False, where="in a test", timeout=60)
     try:
         work.wait()
     except LocalInputError as e:
@@ -149,6 +154,7 @@ def _refused_once(rank, world, gloo):
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
+    path = DeviceLocalPath(stage)
     client = rt._engine.client
     if rt.topology.local_rank == 1:  # on both machines: nobody pushes the keys of local rank 1's slice this round
         submit = client.push_pull_batch
@@ -163,7 +169,7 @@ def _refused_once(rank, world, gloo):
     for step in range(2):
         t, started = _data(rank, n, step), time.monotonic()
         try:
-            launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            launch_on_device(rt, "allreduce", t, path, [t], average=False, where="in a test", timeout=60).wait()
             outcomes.append(("ok", torch.equal(t, sum(_data(r, n, step) for r in range(world))), 0.0))
         except Exception as e:  # noqa: BLE001 - reported to the test, which decides
             outcomes.append((type(e).__name__, str(e), time.monotonic() - started))
@@ -194,9 +200,9 @@ def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_r
     import types
 
     from tests.helpers import DEVICE, RecordingOps
-    from torch_bps.pg import device, device_local
+    from torch_bps.device import pinned
 
-    monkeypatch.setattr(device, "_ops", RecordingOps())
+    monkeypatch.setattr(pinned, "_ops", RecordingOps())
     opened = []
 
     class Runtime:  # what stage_for reads of a Runtime
@@ -207,10 +213,10 @@ def test_a_runtime_keeps_its_decision_per_device_and_its_stage_closes_when_the_r
             return None if dev.index == 1 else (object(), object())  # cuda:1: the CPU-assisted path
 
     runtime = Runtime()
-    stage = device_local.stage_for(runtime, DEVICE)
-    assert device_local.stage_for(runtime, DEVICE) is stage and isinstance(stage, device_local.DeviceLocalStage)
-    assert device_local.stage_for(runtime, torch.device("cuda", 1)) is None
-    assert device_local.stage_for(runtime, torch.device("cuda", 1)) is None
+    stage = paths.stage_for(runtime, DEVICE)
+    assert paths.stage_for(runtime, DEVICE) is stage and isinstance(stage, paths.DeviceLocalStage)
+    assert paths.stage_for(runtime, torch.device("cuda", 1)) is None
+    assert paths.stage_for(runtime, torch.device("cuda", 1)) is None
     assert opened == [DEVICE, torch.device("cuda", 1)], "channels are opened once per device, whatever the answer"
     del runtime
     gc.collect()
@@ -239,14 +245,15 @@ def _peer_killed(rank: int, port: int, environ: dict, results) -> None:
                                 timeout=datetime.timedelta(seconds=60))  # fmt: skip
         rt = torch_bps.implementation(dist.group.WORLD).runtime
         stage, _, pipe, _ = _stage(rt, RecordingOps())
+        path = DeviceLocalPath(stage)
         t = torch.ones(5000)
-        launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+        launch_on_device(rt, "allreduce", t, path, [t], average=False, where="in a test", timeout=60).wait()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.5)
         start = time.monotonic()
         try:
-            launch_on_device(rt, "allreduce", t, stage, [t], average=False, where="in a test", timeout=60).wait()
+            launch_on_device(rt, "allreduce", t, path, [t], average=False, where="in a test", timeout=60).wait()
             results.put(("no error", "", time.monotonic() - start))
         except Exception as e:  # noqa: BLE001 - reported to the test
             results.put((type(e).__name__, str(e) + "".join(getattr(e, "__notes__", [])), time.monotonic() - start))
@@ -290,11 +297,13 @@ def _ddp(rank, world, gloo):
 
     import torch_bps
     from tests.helpers import RecordingOps
-    from torch_bps.process_group import BackendBPS
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
-    BackendBPS._device_path = lambda self, t, op: stage if op in ("SUM", "AVG") and t.is_floating_point() else None
+    path = DeviceLocalPath(stage)
+    paths.choose = lambda runtime, t, op="SUM", compressed=False: (
+        path if op in ("SUM", "AVG") and t.is_floating_point() else None
+    )
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     models = {"byteps": DDP(copy.deepcopy(base), bucket_cap_mb=0.1),
@@ -328,7 +337,7 @@ def _route(rank, world, gloo):
     import types
 
     import torch_bps
-    from torch_bps.local import device
+    from torch_bps.device import comm as device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     opened = []
@@ -358,16 +367,17 @@ def _then_waits(rank, world, gloo):
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
     stage, _, pipe, _ = _stage(rt, RecordingOps())
+    path = DeviceLocalPath(stage)
     n = 3000  # several rounds of the channels' 16 KiB
     first, second = _data(rank, n, 1), _data(rank, n, 2)
 
     def then(fut):
-        work = launch_on_device(rt, "allreduce", second, stage, [second], average=False, where="in a callback",
+        work = launch_on_device(rt, "allreduce", second, path, [second], average=False, where="in a callback",
                                 timeout=60)  # fmt: skip
         work.get_future().wait()  # no timeout, as PowerSGD: only a thread free to complete it ends this wait
         return fut.value()
 
-    chained = launch_on_device(rt, "allreduce", first, stage, [first], average=False, where="in a test",
+    chained = launch_on_device(rt, "allreduce", first, path, [first], average=False, where="in a test",
                                timeout=60).get_future().then(then)  # fmt: skip
     deadline = time.monotonic() + 20
     while not chained.done() and time.monotonic() < deadline:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import DEVICE, RecordingOps
+from torch_bps.device.pinned import DeviceStaging, PartitionPipeline, PinnedPool
 from torch_bps.errors import BpsTimeoutError
-from torch_bps.pg.device import DeviceStaging, PartitionPipeline
-from torch_bps.pg.pinned import PinnedPool
 
 
 class FakeService:
@@ -206,7 +205,7 @@ def test_a_runtime_gets_one_pipeline_per_device_closed_when_the_runtime_goes(mon
     import gc
     import types
 
-    from torch_bps.pg import device
+    from torch_bps.device import pinned as device
 
     monkeypatch.setattr(device, "_ops", RecordingOps())
 
@@ -236,8 +235,8 @@ def test_a_collective_writing_into_device_outputs_orders_the_side_stream_after_t
     # must land after what the caller's stream queued before the launch, and the Future must carry the device.
     import types
 
+    from torch_bps.device import pinned as device
     from torch_bps.engine.exchange import Exchange
-    from torch_bps.pg import device
     from torch_bps.pg.work import launch
 
     ops = RecordingOps()
@@ -261,7 +260,8 @@ def test_a_recv_into_a_device_tensor_copies_back_on_the_side_stream_after_the_ca
 ):
     import types
 
-    from torch_bps.pg import device, p2p
+    from torch_bps.device import pinned as device
+    from torch_bps.pg import p2p
 
     ops = RecordingOps()
     monkeypatch.setattr(device, "_ops", ops)
@@ -284,7 +284,8 @@ def test_the_list_form_of_all_to_all_returns_a_future_with_its_outputs_devices(m
 
     import torch.distributed as dist
 
-    from torch_bps.pg import device, p2p
+    from torch_bps.device import pinned as device
+    from torch_bps.pg import p2p
 
     ops = RecordingOps()
     monkeypatch.setattr(device, "_ops", ops)
@@ -301,7 +302,7 @@ def test_a_copy_on_a_side_stream_sets_the_streams_device_first(monkeypatch):
     import contextlib
     import types
 
-    from torch_bps.pg.cuda_ops import TorchCudaOps
+    from torch_bps.device.cuda_ops import TorchCudaOps
 
     entered = []
 

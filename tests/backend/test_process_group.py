@@ -587,8 +587,8 @@ def test_errors_name_op_dtype_and_backend_without_processes():
 
 
 def test_staging_dispatch_by_device():
-    """Which staging a tensor gets. The CUDA branch is written but never ran here (no GPU): see pg/device.py."""
-    from torch_bps.pg.device import staging_kind
+    """Which staging a tensor gets. The CUDA branch is written but never ran here (no GPU): see device/pinned.py."""
+    from torch_bps.device.pinned import staging_kind
     from torch_bps.pg.staging import HostCopy
 
     assert staging_kind(torch.device("cuda", 1), True) == "device"
@@ -612,6 +612,7 @@ def test_a_collective_is_checked_routed_staged_and_launched_under_the_runtimes_l
     """Two threads launching at once (DDP's autograd thread, a hook's callbacks) must stage and launch in one order:
     the path choice and the staging run under the lock, not only the launch (bps_hook takes the same lock)."""
     from torch_bps import process_group
+    from torch_bps.device import paths
 
     (pg,) = _threaded_groups(1)
     held = []
@@ -621,11 +622,11 @@ def test_a_collective_is_checked_routed_staged_and_launched_under_the_runtimes_l
             held.append(("staging", pg.runtime.launch_lock._is_owned()))
             super().__init__(*args, **kwargs)
 
-    def device_path(self, t, op):
-        held.append(("path", self.runtime.launch_lock._is_owned()))
+    def choose(runtime, t, op="SUM", compressed=False):
+        held.append(("path", runtime.launch_lock._is_owned()))
 
     monkeypatch.setattr(process_group, "HostCopy", Recorded)
-    monkeypatch.setattr(BackendBPS, "_device_path", device_path)
+    monkeypatch.setattr(paths, "choose", choose)
     assert pg.allreduce([torch.ones(4)], _opts(dist.AllreduceOptions)).wait()
     assert pg.broadcast([torch.ones(4)], _opts(dist.BroadcastOptions, rootRank=0)).wait()
     assert held == [("path", True), ("staging", True), ("staging", True)]

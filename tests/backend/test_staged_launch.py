@@ -19,7 +19,8 @@ def _data(rank: int, n: int, salt: int) -> torch.Tensor:
 def _staged_sums(rank, world, gloo):
     import torch_bps
     from tests.helpers import DEVICE, RecordingOps
-    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.device.paths import PartitionPath
+    from torch_bps.device.pinned import PartitionPipeline
     from torch_bps.pg.work import launch_on_device
 
     rt = torch_bps.implementation(dist.group.WORLD).runtime
@@ -35,7 +36,8 @@ def _staged_sums(rank, world, gloo):
     rt.run_copied = recorded
     for step in range(3):
         staged, plain = _data(rank, n, step), _data(rank, n, step + 10)
-        work = launch_on_device(rt, "allreduce", staged, pipe, [staged], average=False, where="in a test", timeout=60)
+        path = PartitionPath(pipe)
+        work = launch_on_device(rt, "allreduce", staged, path, [staged], average=False, where="in a test", timeout=60)
         dist.all_reduce(plain)  # launched behind it, on the same runtime
         work.wait()
         for t, salt in ((staged, step), (plain, step + 10)):
@@ -59,14 +61,16 @@ def test_launch_staged_sums_through_the_runtime_beside_ordinary_collectives(wire
 def _backend_all_reduce_staged(rank, world, gloo):
     import torch_bps
     from tests.helpers import DEVICE, RecordingOps
-    from torch_bps.pg.device import PartitionPipeline
-    from torch_bps.process_group import BackendBPS
+    from torch_bps.device import paths
+    from torch_bps.device.pinned import PartitionPipeline
 
     impl = torch_bps.implementation(dist.group.WORLD)
     ops = RecordingOps()
     pipe = PartitionPipeline(DEVICE, impl.runtime.config.partition_bytes, 2, ops=ops, timeout=60)
     # As for a CUDA tensor: the backend's own choice, with CPU tensors standing in (the recorder copies at once).
-    BackendBPS._device_path = lambda self, t, op: pipe if op in ("SUM", "AVG") and t.dim() == 1 else None
+    paths.choose = lambda runtime, t, op="SUM", compressed=False: (
+        paths.PartitionPath(pipe) if op in ("SUM", "AVG") and t.dim() == 1 else None
+    )
     n = 3 * impl.runtime.config.partition_bytes // 4 + 5
     failures = []
     for op in ("SUM", "AVG"):

@@ -1,4 +1,4 @@
-"""torch_bps.local.device: the device local stage's exchange between real processes (CPU stand-in, Triton interpreted).
+"""torch_bps.device.comm: the device local stage's exchange between real processes (CPU stand-in, Triton interpreted).
 
 On CPU the shared buffers are /dev/shm files instead of CUDA IPC and there is no stream: what runs here is the
 exchange itself (regions, halves, rounds, barriers), and the fused kernel under TRITON_INTERPRET=1, against a
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_bps.local.device import choose_path
+from torch_bps.device.comm import choose_path
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -77,7 +77,7 @@ def _expect_input_error(call, pattern: str) -> None:
 def _child(rank, size, port, node, results):
     os.environ["TRITON_INTERPRET"] = "1"  # before triton_kernels is imported: the kernel runs interpreted on CPU
     try:
-        from torch_bps.local.device import DeviceLocalComm
+        from torch_bps.device.comm import DeviceLocalComm
 
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm = DeviceLocalComm(store, rank, size, node, "cpu", capacity_bytes=CAPACITY, timeout=60,
@@ -131,8 +131,8 @@ def _child_cannot_map(rank, size, port, node, results):
     """Local rank 1 cannot map its peers' buffers (as in a sandbox without CUDA IPC): every rank's set-up must raise
     the same LocalInputError, rank 1's saying why, and leave nothing behind."""
     try:
+        from torch_bps.device.comm import DeviceLocalComm
         from torch_bps.local import LocalInputError
-        from torch_bps.local.device import DeviceLocalComm
 
         if rank == 1:
 

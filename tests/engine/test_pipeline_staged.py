@@ -11,10 +11,10 @@ import torch
 
 from tests.helpers import DEVICE, RecordingOps
 from torch_bps.client import Client
+from torch_bps.device.pinned import PartitionPipeline
 from torch_bps.engine.partition import KeyBook
 from torch_bps.engine.pipeline import PushPullEngine
 from torch_bps.engine.placement import Placement, server_weights
-from torch_bps.pg.device import PartitionPipeline
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -147,7 +147,7 @@ def cmd_cuda(args) -> int:
 # The CUDA IPC probe, run as a script of its own (spawn pickles `child` by reference to __main__, which `python -c`
 # has not): a parent shares a tensor with a spawned child (torch.multiprocessing sends a CUDA IPC handle), the child
 # adds 1 in place, and both must then read the same sum. The device local stage needs exactly this between local
-# ranks (local/device.py); a sandbox that refuses it sends every local stage to the host. On a CPU tensor the same
+# ranks (device/comm.py); a sandbox that refuses it sends every local stage to the host. On a CPU tensor the same
 # script checks its own mechanics (shared memory instead of IPC).
 IPC_PROBE = """
 import sys, torch, torch.multiprocessing as mp

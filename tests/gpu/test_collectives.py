@@ -85,7 +85,7 @@ def _reductions(rank, world, gloo, device):
         _check(f"all_reduce AVG {dtype}", t, ref / world, device, failures)
     if device.startswith("cuda") and int(os.environ["LOCAL_WORLD_SIZE"]) > 1:  # these took the device local stage
         from torch_bps import implementation
-        from torch_bps.pg.device_local import stage_for
+        from torch_bps.device.paths import stage_for
 
         if stage_for(implementation().runtime, torch.device(device)) is None:
             failures.append("the local stages took the host path: processes on one GPU must share its memory (IPC)")

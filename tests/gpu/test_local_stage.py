@@ -20,7 +20,7 @@ def _data(rank: int, n: int) -> torch.Tensor:
 
 
 def _local_stage(rank, world, gloo, device):
-    from torch_bps.local.device import DeviceLocalComm, open_local_stage
+    from torch_bps.device.comm import DeviceLocalComm, open_local_stage
     from triton_kernels import sum_scale_cast_reference
 
     store = dist.distributed_c10d._get_default_store()

@@ -20,7 +20,7 @@ SLEEP_CYCLES = 10**8  # ~50 ms of a kernel that does nothing: a copy not ordered
 def _round_trip(n: int, parts: int, slots: int, add: float):
     """Fill a tensor on a side stream behind a long kernel, stage it per partition with a host 'service' that adds
     `add`, and read the result on that same stream through the device Future."""
-    from torch_bps.pg.device import PartitionPipeline
+    from torch_bps.device.pinned import PartitionPipeline
 
     stream = torch.cuda.Stream(device=DEVICE)
     t = torch.zeros(n, device=DEVICE)

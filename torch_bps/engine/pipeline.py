@@ -13,7 +13,7 @@ are views of the caller's tensors; when the machine is the whole job (`alone`) n
 
 Completion threads (and callers' own) may block in `done` (torch's PowerSGD hook waits on further collectives
 inside its callbacks): the client's completion pool then starts another thread, so nested collectives always make
-progress. `run_copied` sums a device tensor instead through a partition copier (pg.device.PartitionPipeline).
+progress. `run_copied` sums a device tensor instead through a partition copier (device.pinned.PartitionPipeline).
 
 May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.wire, torch_bps.engine.
 """
@@ -147,13 +147,13 @@ class PushPullEngine:
 
     def run_copied(self, tensor: torch.Tensor, copier, done: Done, *, priority: int = 0, sliced: bool = False,
                    prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
-        """Sum a device tensor in place, one partition at a time through `copier` (a pg.device.PartitionPipeline):
+        """Sum a device tensor in place, one partition at a time through `copier` (a device.pinned.PartitionPipeline):
         each partition is copied to a pinned slot, pushed and pulled on its own, and copied back, the copy of the
         next one overlapping its push; then `done(error or None)`. Returns at once.
 
         A tensor that travels as its own dtype (the caller casts to a wire dtype); every rank calls it for the same
         collective. One local rank per machine, or with `sliced` several, whose local stages ran on the device
-        (pg/device_local.py): then only this local rank's slice goes out, already summed over the machine by
+        (device/paths.py): then only this local rank's slice goes out, already summed over the machine by
         `prepare`, which the copier runs first on its thread. Collectives launched while partitions are still to be
         handed over wait behind them (`_schedule`), so every key's rounds reach the client in one order on every rank.
         """

@@ -6,7 +6,7 @@ server and be summed with -0.0), so these go worker to worker through gloo. The 
 Its Works are gloo's (they honour `wait(timeout)`; `recv_anysource`'s knows the sender). gloo's send and recv
 read and write host memory only, so CUDA tensors go through CPU copies here (all-to-all has gloo's own CUDA path).
 
-May import: torch, torch_bps.futures, torch_bps.pg.
+May import: torch, torch_bps.futures, torch_bps.pg, torch_bps.device.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torch_bps.device.pinned import completion_context, copy_on_side, cuda_ops, order_after_caller
 from torch_bps.futures import fail
-from torch_bps.pg.device import completion_context, copy_on_side, cuda_ops, order_after_caller
 from torch_bps.pg.staging import BACKEND
 from torch_bps.pg.work import make_work
 

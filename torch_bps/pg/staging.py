@@ -1,13 +1,13 @@
 """The caller's tensors as flat CPU buffers a Runtime can sum in place, and the sums back where they belong.
 
 A contiguous CPU tensor is summed in its own storage (no copy). A non-contiguous one is copied into a
-fresh CPU buffer and back when the sum arrives; a CUDA one goes through pinned memory (pg/device.py).
+fresh CPU buffer and back when the sum arrives; a CUDA one goes through pinned memory (device/pinned.py).
 Complex tensors travel as their real view (a sum of complex numbers is the sum of their parts).
 Every check raises an error naming the op, the dtype and the backend. All in-place work goes through
 `.detach()` views: torch's own backends write into parameters that require grad, and so must we. No
 `.numpy()` anywhere: it would pin the storage (DDP buckets get `resize_`d by batched PowerSGD).
 
-May import: torch, torch_bps.wire (the protocol's dtype table), torch_bps.pg.device.
+May import: torch, torch_bps.wire (the protocol's dtype table), torch_bps.device.pinned.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torch_bps.pg.device import DeviceStaging, copy_on_side, staging_kind
+from torch_bps.device.pinned import DeviceStaging, copy_on_side, staging_kind
 from torch_bps.wire import DTYPES
 
 BACKEND = "byteps"
@@ -133,7 +133,8 @@ class HostCopy:
 def copy_into(dst: torch.Tensor, src_flat: torch.Tensor) -> None:
     """Copy a flat slice of a sum into a caller's tensor (any device, any strides). A bool tensor gets
     `sum != 0` (gloo's sum of bools is a logical or): a byte of 2 in a bool's storage is no bool. A device tensor is
-    written on the side stream (pg/device.py's `copy_on_side`; the collective's launch ordered it after the caller's).
+    written on the side stream (device/pinned.py's `copy_on_side`; the collective's launch ordered it after the
+    caller's).
     """
     if dst.dtype == torch.bool:
         dst, src = dst.detach(), src_flat.view(dst.shape) != 0

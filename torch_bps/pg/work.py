@@ -13,8 +13,8 @@ Every rank must start a group's collectives in one order: the keys, rounds and l
 A `then` callback that launches a collective (PowerSGD's) runs when its Future completes, on a completion thread, at
 a time that differs between ranks; `LaunchOrder` puts its collective where NCCL's inline completion would.
 
-May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.pg.device,
-torch_bps.pg.device_local; torch_bps._C when a collective is launched (`import torch_bps` must not load the C++ client).
+May import: torch, torch_bps.futures, torch_bps.wire, torch_bps.engine.exchange, torch_bps.device; torch_bps._C when a
+collective is launched (`import torch_bps` must not load the C++ client).
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_bps.device.pinned import completion_context, cuda_ops, order_after_caller
 from torch_bps.engine.exchange import Exchange
 from torch_bps.futures import fail
-from torch_bps.pg.device import completion_context, cuda_ops, order_after_caller
-from torch_bps.pg.device_local import DeviceLocalStage
 
 
 @dataclass(eq=False)
@@ -179,7 +178,7 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
 
     def done(error: BaseException | None) -> None:
         # On a completion thread: device set and the side stream current, so copies back and the Future's event
-        # are ordered on that stream and never dropped into the training stream (pg/device.py).
+        # are ordered on that stream and never dropped into the training stream (device/pinned.py).
         with completion_context(device if on_device else None):
             if error is None:
                 try:
@@ -197,12 +196,10 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
 def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, *, average: bool, where: str,
                      timeout: float) -> dist.Work:  # fmt: skip
     """Sum (`average`: average) `tensor` (1-D, contiguous, floats on a CUDA device) in place over the group through
-    `path`, as pg.device_local.route chose it, and complete the Work's future with `result`: a DeviceLocalStage
-    (the machine's local stages on the device, its slice staged), or a PartitionPipeline (one local rank per
-    machine: copied to the host, pushed, pulled and copied back, a partition at a time, overlapped). The caller
-    holds the Runtime's launch lock.
+    `path` (device.paths.choose's answer: the device local stages, or a partition at a time through pinned memory),
+    and complete the Work's future with `result`. The caller holds the Runtime's launch lock.
 
-    Example: `launch_on_device(rt, "allreduce", grad.view(-1), route(rt, grad), [grad], average=True,
+    Example: `launch_on_device(rt, "allreduce", grad.view(-1), choose(rt, grad, "AVG"), [grad], average=True,
     where="on group 0", timeout=60)`.
     """
     device = tensor.device
@@ -211,29 +208,10 @@ def launch_on_device(runtime, op: str, tensor: torch.Tensor, path, result: Any, 
     entry = order.enter() if order is not None else None
 
     def done(error: BaseException | None) -> None:
-        with completion_context(device):  # the copier calls it with its side stream current
+        with completion_context(device):  # the path calls it with its side stream current
             _deliver(order, entry, future, result, error, what)
 
-    scale = 1.0 / runtime.world_size if average else 1.0
-    if isinstance(path, DeviceLocalStage):
-        run = functools.partial(path.launch, tensor, scale, done)  # the scale fused into the local reduce-scatter
-        return _start(order, entry, run, done, future, timeout, what, device)
-    if average:
-        tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
-    wire = runtime.travels_as(tensor)
-    if wire == tensor.dtype:
-        return _start(order, entry, functools.partial(runtime.run_copied, tensor, path, done), done, future, timeout,
-                      what, device)  # fmt: skip
-    # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
-    # stream, where the copier runs `done`, before the Future's event.
-    cast = tensor.to(wire)
-
-    def cast_back(error: BaseException | None) -> None:
-        if error is None:
-            tensor.copy_(cast)
-        done(error)
-
-    run = functools.partial(runtime.run_copied, cast, path, cast_back)
+    run = functools.partial(path.run, runtime, tensor, average, done)
     return _start(order, entry, run, done, future, timeout, what, device)
 
 

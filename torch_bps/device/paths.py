@@ -1,11 +1,18 @@
-"""A collective's local stages on the device, when a machine's local ranks share device memory (paper, section 4.2).
+"""The CUDA paths of a float sum, and the one that runs a collective's local stages on the device (paper, section 4.2).
 
-For a CUDA tensor summed or averaged over a group whose machines have several local ranks, on devices that can
-map each other's memory (local/device.py's `open_local_stage`):
+A contiguous CUDA tensor of floats summed or averaged over the group (a `bps_hook` bucket with nothing compressed)
+takes the first path of `PATHS` whose `enabled` holds (`choose`, the one place that decides), else the host path
+(whole-tensor staging through pinned memory, `pinned.DeviceStaging`, and the host local stages):
 
-    reduce-scatter on the device (the fused kernel sums the peers' slices, scales an AVG, casts to the wire dtype)
-    -> this rank's slice staged one partition at a time to the servers and back (engine.run_copied, sliced)
-    -> all-gather on the device (copies from the peers' buffers) -> the Work completes
+- `DeviceLocalPath`: a machine of several local ranks whose devices map each other's memory (comm.py's
+  `open_local_stage`), through `DeviceLocalStage`:
+
+      reduce-scatter on the device (the fused kernel sums the peers' slices, scales an AVG, casts to the wire dtype)
+      -> this rank's slice staged one partition at a time to the servers and back (engine.run_copied, sliced)
+      -> all-gather on the device (copies from the peers' buffers) -> the Work completes
+
+- `PartitionPath`: one local rank per machine: each partition through pinned host memory, overlapped
+  (`pinned.PartitionPipeline`).
 
 Every local rank must meet the others in each channel in the same order. The reduce-scatters run on the copier's
 thread (its `prepare`: one thread, submission order, right before the slice's copies to the host); the
@@ -14,9 +21,7 @@ threads and two channels: a rank waiting in an all-gather never holds up a reduc
 needs. The Futures complete on the client's completion pool (`Runtime.post`), never on either thread: a callback may
 wait for a later collective. When the machine is the whole job nothing is staged: the two local stages make the sum.
 
-`route` picks a CUDA tensor's path: this stage, the one-rank `PartitionPipeline` (pg/device.py), or None (whole-
-tensor staging and the host local stages: the CPU-assisted path).
-May import: torch, torch_bps.errors, torch_bps.pg.cuda_ops, torch_bps.pg.device.
+May import: torch, torch_bps.errors, torch_bps.device.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_bps.device.cuda_ops import CudaOps
+from torch_bps.device.pinned import Done, PartitionPipeline, cuda_ops, pipeline_for
 from torch_bps.errors import BpsError
-from torch_bps.pg.cuda_ops import CudaOps
-from torch_bps.pg.device import Done, PartitionPipeline, cuda_ops, pipeline_for
 
 _stages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> {device: DeviceLocalStage | None}
 _stages_lock = threading.Lock()
@@ -149,18 +154,6 @@ class DeviceLocalStage:
             job.done(error)
 
 
-def route(runtime, tensor: torch.Tensor) -> DeviceLocalStage | PartitionPipeline | None:
-    """How a contiguous CUDA tensor of floats is summed: the device local stage (several local ranks sharing device
-    memory), a PartitionPipeline (one local rank per machine), or None: staged whole through host memory.
-    Collective among a machine's local ranks the first time a device is seen."""
-    stage = stage_for(runtime, tensor.device)
-    if stage is not None:
-        return stage
-    wire = runtime.travels_as(tensor)  # launch_on_device casts to the wire dtype on the device
-    outgoing = tensor.view(-1) if wire == tensor.dtype else torch.empty(0, dtype=wire, device=tensor.device)
-    return pipeline_for(runtime, tensor.device) if runtime.cannot_copy(outgoing) is None else None
-
-
 def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:
     """The runtime's DeviceLocalStage for `device`, opened on first use (None: one local rank, the CPU-assisted
     path, or Config.device_local off); the decision is kept."""
@@ -174,3 +167,77 @@ def stage_for(runtime, device: torch.device) -> DeviceLocalStage | None:
                 weakref.finalize(runtime, stage.close)
             stages[device] = stage
         return stages[device]
+
+
+class DeviceLocalPath:
+    """Several local ranks whose GPUs map each other's memory: the local stages on the device, the slice staged.
+
+    Args:
+        stage: the DeviceLocalStage to use (tests); default the runtime's for the tensor's device (`stage_for`).
+    """
+
+    def __init__(self, stage: DeviceLocalStage | None = None):
+        self._stage = stage
+
+    def stage(self, runtime, device: torch.device) -> DeviceLocalStage | None:
+        return self._stage if self._stage is not None else stage_for(runtime, device)
+
+    def enabled(self, runtime, tensor: torch.Tensor) -> bool:
+        """Collective among the machine's local ranks the first time a device is seen (stage_for)."""
+        return self.stage(runtime, tensor.device) is not None
+
+    def run(self, runtime, tensor: torch.Tensor, average: bool, done: Done) -> None:
+        """Sum (average) `tensor` (1-D) in place over the group, then `done`; the scale fused in the reduce-scatter."""
+        scale = 1.0 / runtime.world_size if average else 1.0
+        self.stage(runtime, tensor.device).launch(tensor, scale, done)
+
+
+class PartitionPath:
+    """One local rank per machine: a partition at a time through pinned host memory, overlapped (PartitionPipeline).
+
+    Args:
+        pipeline: the PartitionPipeline to use (tests); default the runtime's for the tensor's device.
+    """
+
+    def __init__(self, pipeline: PartitionPipeline | None = None):
+        self._pipeline = pipeline
+
+    def enabled(self, runtime, tensor: torch.Tensor) -> bool:
+        wire = runtime.travels_as(tensor)  # cast to the wire dtype on the device: what the copier stages
+        outgoing = tensor.view(-1) if wire == tensor.dtype else torch.empty(0, dtype=wire, device=tensor.device)
+        return runtime.cannot_copy(outgoing) is None
+
+    def run(self, runtime, tensor: torch.Tensor, average: bool, done: Done) -> None:
+        """Sum (average) `tensor` (1-D) in place over the group, then `done` (with the side stream current)."""
+        pipeline = self._pipeline if self._pipeline is not None else pipeline_for(runtime, tensor.device)
+        if average:
+            tensor.div_(runtime.world_size)  # first, on the caller's stream: the staging waits for it
+        wire = runtime.travels_as(tensor)
+        if wire == tensor.dtype:
+            runtime.run_copied(tensor, pipeline, done)
+            return
+        # A wire dtype: cast on the device (the caller's stream), staged at its size; the sum cast back on the side
+        # stream, where the copier runs `done`, before the Future's event.
+        cast = tensor.to(wire)
+
+        def cast_back(error: BaseException | None) -> None:
+            if error is None:
+                tensor.copy_(cast)
+            done(error)
+
+        runtime.run_copied(cast, pipeline, cast_back)
+
+
+# The CUDA paths of a float sum, in order of preference: the first whose `enabled` holds runs.
+PATHS: list = [DeviceLocalPath(), PartitionPath()]
+
+
+def choose(runtime, tensor: torch.Tensor, op: str = "SUM", compressed: bool = False):
+    """The path that sums (op "SUM" or "AVG") `tensor` over the group: the first of PATHS enabled for a contiguous
+    CUDA tensor of floats with nothing to compress, else None: the host path (whole-tensor staging and the host local
+    stages)."""
+    if compressed or op not in ("SUM", "AVG") or not tensor.is_cuda or not tensor.is_contiguous():
+        return None
+    if not tensor.dtype.is_floating_point:
+        return None
+    return next((path for path in PATHS if path.enabled(runtime, tensor)), None)

@@ -1,6 +1,6 @@
 """The stream, event and copy operations the device staging uses, behind one small interface.
 
-`CudaOps` is what pg/device.py calls; `TorchCudaOps` does it with torch.cuda. A test hands the staging a
+`CudaOps` is what pinned.py and paths.py call; `TorchCudaOps` does it with torch.cuda. A test hands the staging a
 recording stand-in instead (tests/backend/test_device_staging.py), so the order of copies, events and waits
 is checked on a machine with no GPU. Streams and events are opaque to the staging: only this interface
 touches them.

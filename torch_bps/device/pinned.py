@@ -6,14 +6,17 @@ The summation service works on host memory, so a GPU tensor makes a round trip. 
   pinned copy made on the side stream after the caller's stream (always, even for a tensor the collective
   only writes: a queued write of the caller's must not land after the result), and the copy back on that
   stream. The caller's thread waits for its own copy's event only, never for the stream or the device.
-- `PartitionPipeline`, one partition at a time through a bounded pool of pinned slots (pinned.py): the copy of
+- `PartitionPipeline`, one partition at a time through a bounded pool of pinned slots (`PinnedPool`): the copy of
   partition i + 1 is queued before partition i is pushed, so the DMA runs under the push; each pulled sum is
   copied back on the same stream, which orders the slot's next use after it. Nothing waits on the caller's
   thread. `done` runs with the side stream current, so a device Future records its event after the last copy
-  back and the stream the caller reads on waits for it.
+  back and the stream the caller reads on waits for it. A slot is given back once its pulled sum has been queued
+  for the copy back (the next copy into it is ordered after that by the stream itself): at most `slots` x
+  `slot_bytes` bytes are ever pinned; a slot a failed collective may still receive a late reply into is dropped,
+  not reused, and a fresh one takes its place.
 
 Every stream, event and copy goes through `CudaOps` (cuda_ops.py), which a test replaces by a recorder.
-May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.pg.cuda_ops, torch_bps.pg.pinned.
+May import: torch, torch_bps.errors, torch_bps.futures, torch_bps.device.cuda_ops.
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_bps.errors import BpsError
+from torch_bps.device.cuda_ops import CudaOps, TorchCudaOps
+from torch_bps.errors import BpsError, BpsTimeoutError, ConfigError
 from torch_bps.futures import Done
-from torch_bps.pg.cuda_ops import CudaOps, TorchCudaOps
-from torch_bps.pg.pinned import PinnedPool
 
-log = logging.getLogger("torch_bps.pg.device")
+log = logging.getLogger("torch_bps.device")
 
 _ops: CudaOps | None = None
 _ops_lock = threading.Lock()
@@ -185,7 +187,7 @@ class PartitionPipeline:
         """Queue `tensor` (1-D, contiguous, on `device`): each [lo, hi) of `bounds` is copied to a pinned slot,
         pushed, and its pulled sum copied back into the tensor; then `done(error or None)`. Returns at once.
         `prepare` runs first, on the staging thread with the side stream current, after the caller's stream's work
-        (the device local reduce-scatter: pg/device_local.py); if it raises, the tensor fails with its error."""
+        (the device local reduce-scatter: paths.py); if it raises, the tensor fails with its error."""
         for lo, hi in bounds:
             if (hi - lo) * tensor.element_size() > self.pool.slot_bytes:
                 raise ValueError(f"partition [{lo}, {hi}) of {hi - lo} x {tensor.element_size()} bytes exceeds the "
@@ -297,3 +299,52 @@ class PartitionPipeline:
             log.debug("torch_bps: staging of a %s tensor failed: %r", self.device, error)
         with self._ops.on_stream(self.device, self._stream):
             job.done(error)
+
+
+class PinnedPool:
+    """`slots` pinned buffers of `slot_bytes` each, made on first use.
+
+    Example: `i, buf = pool.acquire(60, "partition 3"); ...; pool.release(i)`.
+    """
+
+    def __init__(self, ops: CudaOps, slot_bytes: int, slots: int):
+        if slots < 2:
+            raise ConfigError(f"a staging pool needs at least 2 slots (one copying while one is pushed), got {slots}")
+        if slot_bytes <= 0:
+            raise ConfigError(f"slot_bytes={slot_bytes} must be positive")
+        self.slot_bytes, self.slots = slot_bytes, slots
+        self._ops = ops
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._free = list(range(slots - 1, -1, -1))  # a stack: the most recently used slot is reused first
+        self._cond = threading.Condition()
+        self.made = 0  # buffers allocated so far (slots dropped after a failure make this exceed `slots`)
+
+    def acquire(self, timeout: float, what: str) -> tuple[int, torch.Tensor]:
+        """Take a free slot, waiting up to `timeout` seconds for one; returns (index, uint8 buffer)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise BpsTimeoutError(f"waited {timeout:.1f} s for a free pinned staging slot ({self.slots} of "
+                                      f"{self.slot_bytes} bytes, all in flight) for {what}")  # fmt: skip
+            index = self._free.pop()
+            if self._buffers[index] is None:
+                self._buffers[index] = self._ops.pinned(self.slot_bytes)
+                self.made += 1
+            return index, self._buffers[index]
+
+    def release(self, index: int) -> None:
+        """Give a slot back for reuse."""
+        with self._cond:
+            self._free.append(index)
+            self._cond.notify()
+
+    def drop(self, index: int) -> None:
+        """Give a slot back without its buffer, which a late reply may still write into."""
+        with self._cond:
+            self._buffers[index] = None
+            self._free.append(index)
+            self._cond.notify()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self.slots - len(self._free)
