@@ -16,9 +16,9 @@ takes the first path of `PATHS` whose `enabled` holds (`choose`, the one place t
 
 Every local rank must meet the others in each channel in the same order. The reduce-scatters run on the copier's
 thread (its `prepare`: one thread, submission order, right before the slice's copies to the host); the
-all-gathers on this stage's thread, in submission order, each once its collective's network stage ended. Two
-threads and two channels: a rank waiting in an all-gather never holds up a reduce-scatter a peer's network stage
-needs. The Futures complete on the client's completion pool (`Runtime.post`), never on either thread: a callback may
+all-gathers in submission order on the completion thread that ended each collective's network stage, as the host
+local stages' gatherer does (engine/local_stages.py). Two channels: a rank waiting in an all-gather never holds up a
+reduce-scatter a peer's network stage needs. A Future's callbacks never run on the copier's thread: a callback may
 wait for a later collective. When the machine is the whole job nothing is staged: the two local stages make the sum.
 
 May import: torch, torch_bps.errors, torch_bps.device.
@@ -56,8 +56,17 @@ class _Job:
 class DeviceLocalStage:
     """Sum CUDA tensors over the group with the machine's local stages on the device.
 
+    The reduce-scatters run on the copier's thread, in submission order, right before each slice's copies to the
+    host (its `prepare`). The all-gathers keep submission order too, and take turns as the host local stages' do
+    (engine/local_stages.py): the thread that ends a collective's network stage (a completion thread: it copied the
+    last partition back) gathers it at once when it is next in order and nobody gathers (the "gatherer"); a
+    collective ready behind it goes to a fresh completion task before its `done` runs, since `done` runs the Future's
+    callbacks, which may wait for a later collective (PowerSGD). When the machine is the whole job, the copier's
+    thread gathers each collective right after its reduce-scatter and posts `done`: it must meet its peers' threads
+    in one interleaving (reduce-scatter k, all-gather k, reduce-scatter k + 1), and must never run a callback.
+
     Args:
-        runtime: the group's Runtime (`run_copied`, `alone`, `post`: where Futures are completed).
+        runtime: the group's Runtime (`run_copied`, `alone`, `post`: a task on the client's completion pool).
         device: the tensors' device.
         channels: (reduce-scatter, all-gather) DeviceLocalComm channels of the machine's local ranks.
         copier: the PartitionPipeline of `device` (its thread runs the reduce-scatters).
@@ -75,11 +84,9 @@ class DeviceLocalStage:
         self._ops = ops or cuda_ops()
         self._stream = self._ops.side_stream(self.device)
         self._order: deque[_Job] = deque()  # launched, not yet gathered: submission order
-        self._cv = threading.Condition()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._gather_loop, name="bps-device-ag", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._lock = threading.Lock()
+        self._gathering = False  # a thread holds the gatherer's role
+        self.closed = False
 
     def launch(self, flat: torch.Tensor, scale: float, done: Done) -> None:
         """Sum `flat` (1-D, contiguous, floats on `device`) in place over the group, times `scale`, then `done`.
@@ -89,8 +96,8 @@ class DeviceLocalStage:
         # A wire dtype: the reduce-scatter casts the slice's sum into it in the same pass, and that is what is staged.
         wire = None if dtype == flat.dtype else torch.empty(flat.numel(), dtype=dtype, device=flat.device)
         job = _Job(flat, lo, hi, done, wire)
-        with self._cv:
-            if self._closed:
+        with self._lock:
+            if self.closed:
                 raise BpsError(f"the device local stage on {self.device} is closed")
             self._order.append(job)
         outgoing = flat if wire is None else wire
@@ -102,52 +109,66 @@ class DeviceLocalStage:
             else:
                 self._runtime.run_copied(outgoing, self._copier, ended, sliced=True, prepare=prepare)
         except BaseException:
-            with self._cv:
+            with self._lock:
                 self._order.remove(job)
             raise
 
     def close(self) -> None:
-        """Fail the collectives not yet gathered and stop the threads (the runtime closes the channels)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        """Fail the collectives not yet gathered (one being gathered ends as its all-gather does; the runtime closes
+        the channels)."""
+        with self._lock:
+            self.closed = True
+            left, self._order = list(self._order), deque()
+        for job in left:
+            self._hand_over(job, BpsError(f"the device local stage on {self.device} closed before the sum"), False)
 
     def _network_ended(self, job: _Job, error: BaseException | None) -> None:
-        with self._cv:
+        """On the thread that ended job's network stage (alone: the copier's, after its reduce-scatter): gather it
+        here if it is next and nobody gathers, else leave it to whoever will."""
+        with self._lock:
             job.ended, job.error = True, error
-            self._cv.notify_all()
+            if self._gathering or not self._order or self._order[0] is not job:
+                return
+            self._gathering = True
+        self._gather_next()
 
-    def _gather_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and not (self._order and self._order[0].ended):
-                    self._cv.wait()
-                if not (self._order and self._order[0].ended):  # closed
-                    left, self._order = list(self._order), deque()
-                    break
-                job = self._order.popleft()
-            error = job.error
-            try:  # a rank whose network stage failed comes with nothing to give: its peers fail at once, naming it
-                with self._ops.on_stream(self.device, self._stream):
-                    mine = job.flat[job.lo : job.hi]
-                    if error is None and job.wire is not None:  # the pulled sum back from the wire dtype
-                        mine.copy_(job.wire[job.lo : job.hi])
-                    self._ag.all_gather(mine, job.flat, failed=error is not None)
-            except BaseException as e:  # noqa: BLE001 - the collective fails with it (a failed one keeps its own)
-                error = error or e
-            self._hand_over(job, error)
-        for job in left:
-            self._hand_over(job, BpsError(f"the device local stage on {self.device} closed before the sum"))
+    def _gather_next(self) -> None:
+        """Gather the first collective not yet gathered (its network stage ended) and complete it; the caller holds
+        the gatherer's role, which passes to a fresh completion task if the next collective is ready too."""
+        with self._lock:
+            if not self._order:  # closed meanwhile: close() failed the rest
+                self._gathering = False
+                return
+            job = self._order.popleft()
+        error = job.error
+        try:  # a rank whose network stage failed comes with nothing to give: its peers fail at once, naming it
+            with self._ops.on_stream(self.device, self._stream):
+                mine = job.flat[job.lo : job.hi]
+                if error is None and job.wire is not None:  # the pulled sum back from the wire dtype
+                    mine.copy_(job.wire[job.lo : job.hi])
+                self._ag.all_gather(mine, job.flat, failed=error is not None)
+        except BaseException as e:  # noqa: BLE001 - the collective fails with it (a failed one keeps its own)
+            error = error or e
+        with self._lock:
+            more = bool(self._order) and self._order[0].ended
+            self._gathering = more
+        if more:  # before `done`, which may block on a later collective
+            self._post(self._gather_next)
+        # The copier's thread runs the reduce-scatters a callback may wait for: `done` goes to the completion pool.
+        self._hand_over(job, error, inline=not self._copier.on_its_thread())
 
-    def _hand_over(self, job: _Job, error: BaseException | None) -> None:
-        # Not on the gather thread, nor on any one thread of this stage: `done` runs the Future's callbacks, which may
-        # wait for a later collective (PowerSGD) that only this stage's gather thread gathers. The client's completion
-        # pool starts another thread when its tasks block, as it does for the host path.
-        complete = functools.partial(self._complete, job, error)
+    def _post(self, task) -> None:
         try:
-            self._runtime.post(complete)
+            self._runtime.post(task)
         except BaseException:  # noqa: BLE001 - the runtime or its client is gone: never lose a completion
+            task()
+
+    def _hand_over(self, job: _Job, error: BaseException | None, inline: bool) -> None:
+        complete = functools.partial(self._complete, job, error)
+        if inline:
             complete()
+        else:
+            self._post(complete)
 
     def _complete(self, job: _Job, error: BaseException | None) -> None:
         with self._ops.on_stream(self.device, self._stream):

@@ -211,6 +211,10 @@ class PartitionPipeline:
             self._pending += 1
         self._jobs.put(fn)
 
+    def on_its_thread(self) -> bool:
+        """Whether the caller is this pipeline's staging thread (which must never run a Future's callbacks)."""
+        return threading.current_thread() is self._thread
+
     def close(self, timeout: float = 5.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout)
