@@ -578,6 +578,11 @@ class RecordingOps:
     def side_stream(self, device):
         return "side"
 
+    def new_stream(self, device):
+        with self._lock:
+            self._events += 1
+            return f"stream-{self._events}"
+
     def new_event(self):
         with self._lock:
             self._events += 1

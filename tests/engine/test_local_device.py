@@ -171,3 +171,58 @@ def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike
     # Only these ranks' files (the name carries the creator's pid): other tests may run beside this one.
     mine = tuple(f"torch_bps_devstage_{p.pid}_" for p in procs)
     assert not [f for f in os.listdir("/dev/shm") if node in f or f.startswith(mine)], "the set-up left files behind"
+
+
+def _child_recorded(rank, size, port, node, results):
+    """One reduce-scatter of two rounds and one all-gather of one, their stream operations recorded (tests.helpers'
+    stand-in for torch.cuda): returns the log."""
+    try:
+        from tests.helpers import RecordingOps
+        from torch_bps.device.comm import DeviceLocalComm
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        ops = RecordingOps()
+        comm = DeviceLocalComm(store, rank, size, node, "cpu", capacity_bytes=CAPACITY, timeout=60, ops=ops)
+        x = contribution(rank, 1000, torch.float32, 0)  # 500 a rank: two rounds of 256
+        lo, hi = comm.slice_range(1000)
+        comm.reduce_scatter(x, out=x[lo:hi])
+        comm.all_gather(x[lo:hi], x)
+        comm.close()
+        results.put((rank, ops.log))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, traceback.format_exc()))
+
+
+def test_the_stage_stream_waits_for_the_callers_and_every_barrier_for_the_stage_stream():
+    """What a GPU's streams would do, recorded: each call's stage stream first waits for an event of the caller's
+    stream (the copies in read what the caller wrote), every barrier host-waits for an event of the stage stream (a
+    peer may then overwrite what this rank read), and the caller's stream waits for the stage stream at the end."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    node = f"dev-{uuid.uuid4().hex[:8]}"
+    procs = [ctx.Process(target=_child_recorded, args=(r, 2, store.port, node, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        logs = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank, log in logs.items():
+        assert isinstance(log, list), f"local rank {rank}:\n{log}"
+        recorded = {e[2]: e[1] for e in log if e[0] == "record"}  # event -> the stream it was recorded on
+        (stage,) = {e[1] for e in log if e[0] == "enter"}
+        assert stage != "caller"
+        waits = [e for e in log if e[0] == "host_wait"]
+        assert len(waits) == 1 + 2 + 1, f"local rank {rank}: the set-up's barrier, the two rounds', the gather's"
+        assert all(recorded[n] == stage for _, n in waits), "a barrier host-waits for the stage stream's work"
+        enters = [i for i, e in enumerate(log) if e[0] == "enter"]
+        assert len(enters) == 2, log
+        for i in enters:  # caller's event, the stage stream waits for it, then the stage stream is entered
+            assert log[i - 1][:2] == ("wait", stage) and recorded[log[i - 1][2]] == "caller", log[i - 2 : i + 1]
+        ends = [e for e in log if e[0] == "wait" and e[1] == "caller"]
+        assert len(ends) == 2 and all(recorded[n] == stage for _, _, n in ends), "the caller waits for the stage"
+        assert log[-1] == ends[-1], "nothing after the caller's last wait"

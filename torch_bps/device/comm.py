@@ -12,14 +12,15 @@ Halves alternate between rounds: a rank writes a half again two rounds later, af
 once its reads of the peers' halves have finished (the copy's event wait covers them: one stream), so no
 reader sees a half being overwritten. The barrier is a one-element all-gather of a host `LocalComm`: its futex
 board, timeouts and dead-peer detection. The caller's stream is waited for on entry, and made to wait for the
-stage stream on exit.
+stage stream on exit. Every stream and event goes through `CudaOps` (cuda_ops.py), which a test records.
 
 `open_local_stage` decides, the same way on every local rank, whether the buffers can be shared (every pair of
 ranks on one device, or on devices with peer access); if not, it returns None and the machine takes the
 CPU-assisted path (pinned staging and `LocalComm` in host shared memory). Either way the log says which.
 
-CPU tensors share through a /dev/shm file instead of IPC and run with no stream: a stand-in with which the CPU
-tests run the exchange between real processes, the kernel under TRITON_INTERPRET=1. Never used in training.
+CPU tensors share through a /dev/shm file instead of IPC and run with no stream (unless a test hands it a recording
+`CudaOps`): a stand-in with which the CPU tests run the exchange between real processes, the kernel under
+TRITON_INTERPRET=1. Never used in training.
 May import: torch, torch.distributed (the Store), torch_bps.errors, torch_bps.wire (dtype codes), torch_bps.local,
 triton_kernels.
 """
@@ -33,11 +34,11 @@ import mmap
 import os
 import pickle
 import secrets
-import time
 
 import torch
 import torch.distributed as dist
 
+from torch_bps.device.cuda_ops import CudaOps
 from torch_bps.errors import BpsTimeoutError, ConfigError
 from torch_bps.local.comm import LocalComm, LocalInputError, raise_if_peer_failed, split_range
 from torch_bps.wire import DTYPE_CODES
@@ -63,6 +64,7 @@ class DeviceLocalComm:
         capacity_bytes: this rank's shared buffer; larger tensors take several rounds.
         timeout: the longest any wait may take, in seconds.
         kernel_backend: `sum_scale_cast`'s backend ("auto": Triton on CUDA; "triton" on CPU needs TRITON_INTERPRET=1).
+        ops: its stream operations (cuda_ops.py; default torch.cuda's on a GPU, none on CPU; tests pass a recorder).
 
     Every local rank makes the same calls in the same order. Example:
         comm = DeviceLocalComm(store, local_rank, 2, "node0", "cuda:0")
@@ -71,7 +73,8 @@ class DeviceLocalComm:
     """
 
     def __init__(self, store: dist.Store, local_rank: int, local_size: int, node_id: str, device, *,
-                 capacity_bytes: int = 64 << 20, timeout: float = 300.0, kernel_backend: str = "auto"):  # fmt: skip
+                 capacity_bytes: int = 64 << 20, timeout: float = 300.0, kernel_backend: str = "auto",
+                 ops: CudaOps | None = None):  # fmt: skip
         if local_size < 2 or not 0 <= local_rank < local_size:
             raise ConfigError(
                 f"DeviceLocalComm needs 2 or more local ranks, got local_rank={local_rank} of {local_size}"
@@ -87,7 +90,12 @@ class DeviceLocalComm:
         self._round = 0
         self._calls = 0
         self._file = None
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        if ops is None and self.device.type == "cuda":
+            from torch_bps.device.pinned import cuda_ops
+
+            ops = cuda_ops()
+        self._ops = ops
+        self._stream = ops.new_stream(self.device) if ops is not None else None  # this channel's stage stream
         self._barrier_comm = LocalComm(store, local_rank, L, f"{node_id}/device-stage", timeout=timeout,
                                        capacity_bytes=2 * L * L * 64)  # fmt: skip
         self._flags = torch.zeros(L, dtype=torch.int64)  # each rank's call descriptor, exchanged at barriers
@@ -239,9 +247,9 @@ class DeviceLocalComm:
         round), every rank checks that all passed the same call, and raises the same LocalInputError if not (or
         LocalPeerFailedError, if a rank came with the descriptor _FAILED)."""
         if self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            _wait_event(event, self.timeout, f"local rank {self.local_rank}'s device work before {what}")
+            event = self._ops.new_event()
+            self._ops.record(event, self._stream)
+            self._ops.wait_host(event, self.timeout, f"local rank {self.local_rank}'s device work before {what}")
         me = self.local_rank
         self._flags.fill_(0)
         self._flags[me] = 0 if descriptor is None else descriptor
@@ -270,11 +278,14 @@ class DeviceLocalComm:
         if self._stream is None:
             yield
             return
-        caller = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(caller)  # the copies in read what the caller's stream wrote
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+        ops = self._ops
+        caller, written, done = ops.current_stream(self.device), ops.new_event(), ops.new_event()
+        ops.record(written, caller)
+        ops.wait_event(self._stream, written)  # the copies in read what the caller's stream wrote
+        with ops.on_stream(self.device, self._stream):
             yield
-        caller.wait_stream(self._stream)  # and the caller reads the results after they are written
+        ops.record(done, self._stream)
+        ops.wait_event(caller, done)  # and the caller reads the results after they are written
 
     def _allocate(self) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -333,15 +344,6 @@ def _check(t: torch.Tensor, device: torch.device, name: str) -> None:
     if not isinstance(t, torch.Tensor) or t.device != device or t.dim() != 1 or not t.is_contiguous():
         what = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a 1-D contiguous tensor on {device}, got {what}")
-
-
-def _wait_event(event, timeout: float, what: str) -> None:
-    deadline, pause = time.monotonic() + timeout, 1e-5
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise BpsTimeoutError(f"waited {timeout:.1f} s for {what}")
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
 
 
 def _store_get(store: dist.Store, key: str, timeout: float, what: str) -> bytes:
