@@ -144,6 +144,19 @@ def test_ddp_on_device_matches_gloo(layout):
     print(f"{layout}: largest gradient deviation from gloo {max(max(w.values()) for _, w in results):.3g}")
 
 
+def _bucket_by_bucket(hook):
+    """`hook`, each bucket's callbacks run to their end before DDP's next bucket: gloo runs callbacks on its own
+    threads, so with several buckets a PowerSGD callback's all_reduce and the next bucket's reach gloo in an order
+    that differs between ranks (gloo then aborts on a size mismatch). The same sums, in one order: the reference."""
+
+    def run(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return run
+
+
 def _power_sgd(rank, world, gloo, device):
     """DDP with torch's PowerSGD hook on the "byteps" default group and on gloo, from one initialisation and the same
     seed: its callbacks launch all_reduces and wait on them, so a path that completes Futures on one thread of its
@@ -156,7 +169,8 @@ def _power_sgd(rank, world, gloo, device):
         models[name] = DDP(copy.deepcopy(base), process_group=group, bucket_cap_mb=0.1, **kw)
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                             use_error_feedback=True, warm_start=True, random_seed=7)  # fmt: skip
-        models[name].register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook if name == "byteps" else _bucket_by_bucket(powerSGD_hook.powerSGD_hook)
+        models[name].register_comm_hook(state, hook)
         opts[name] = torch.optim.SGD(models[name].parameters(), lr=0.05, momentum=0.9)
     failures = []
     for step in range(STEPS):
