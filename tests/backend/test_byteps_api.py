@@ -214,19 +214,20 @@ class _Net(nn.Module):
 
 class _TiedNet(nn.Module):
     """A language model's shape: the output layer, declared first, has its weight tied to the embedding's (so the
-    forward reads the tied weight first in the embedding, which holds it second), and attention whose output
-    projection its parent reads (nn.MultiheadAttention never calls `out_proj`)."""
+    forward reads the tied weight first in the embedding, which holds it second); position embeddings whose module
+    never runs, their weight read by the parent first (its update lands last), as attention reads its `out_proj`."""
 
     def __init__(self):
         super().__init__()
         self.out = nn.Linear(16, 32, bias=False)
         self.emb = nn.Embedding(32, 16)
         self.out.weight = self.emb.weight
+        self.pos = nn.Embedding(6, 16)
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
         self.fc = nn.Linear(16, 16)
 
     def forward(self, ids):
-        x = self.emb(ids)
+        x = self.pos.weight + self.emb(ids)
         x = x + self.attn(x, x, x, need_weights=False)[0]
         return self.out(F.relu(self.fc(x))).flatten(0, 1)
 
@@ -385,9 +386,9 @@ def _tied_weight(rank, world, gloo):
 
 @pytest.mark.timeout(180)
 def test_tied_weight_is_waited_for_by_every_module_reading_it_and_updated_once():
-    """An embedding tied to the output layer, and attention reading its `out_proj`'s weight without calling it: each
-    update must land before the next forward reads the weight (the optimizer takes 10 ms a parameter), and the tied
-    weight is pushed and updated once a step, as DDP does."""
+    """An embedding tied to the output layer, and position embeddings read by their parent without calling their
+    module: each update must land before the next forward reads the weight (the optimizer takes 10 ms a parameter),
+    and the tied weight is pushed and updated once a step, as DDP does."""
     for differ in run_ranks(_tied_weight, 2, timeout=160):
         assert differ == dict.fromkeys(differ, []), f"parameters that differ from DDP's: {differ}"
 
