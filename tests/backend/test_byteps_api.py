@@ -519,4 +519,5 @@ def test_killed_server_without_failover_gives_every_rank_an_error_naming_it(way)
     finally:
         stop_servers([server])
     for rank, (after, error) in enumerate(results):
+        print(f"rank {rank}, {after} s: {error[:400]}")
         assert after is not None and after < 20 and server.address in error, f"rank {rank} after {after} s: {error}"
