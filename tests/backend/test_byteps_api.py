@@ -443,12 +443,14 @@ def _landing_order(rank, world, gloo):
     orders = {}
     for priorities in (True, False):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)])  # 4 MiB each: 32 partitions
+        # The last layer 16 MiB (128 partitions of the credit), the first three 256 KiB: their gradients are pushed
+        # while most of the last one's partitions are still queued
+        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(3)], nn.Linear(256, 1 << 14, bias=False))
         sgd = _LandingOrder(model.parameters(), lr=0.01)
         sgd.updated = []
         opt = bps.CrossBarrier(model, sgd, num_steps=2, priorities=priorities)
         for _ in range(2):
-            model(torch.randn(8, 1024)).pow(2).mean().backward()
+            model(torch.randn(8, 256)).pow(2).mean().backward()
             opt.step()
         opt.close()
         layer = {p: i for i, p in enumerate(model.parameters())}
