@@ -13,7 +13,7 @@ TEST_JOBS ?= 2
 .PHONY: test stress demo bench cluster chaos lint install zmq-dev clean deploy-tools deploy-check frameworks torch-suite gpu-wheels gpu-deps gpu-build gpu-test gpu-bench gpu-check gpu-compat
 
 test: install deploy-tools $(XDIST_STAMP)
-	$(PYTEST) -q -n $(TEST_JOBS) tests -m "not slow"
+	$(PYTEST) -q -n $(TEST_JOBS) --durations=15 tests -m "not slow"
 
 stress: install
 	$(PYTEST) -q tests -m slow

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import statistics
 import sys
@@ -76,8 +75,7 @@ def overhead(repeats: int, mb: float, steps: int) -> list[dict]:
     from benchmarks._harness import Server, free_port
 
     rows = []
-    os.environ.setdefault("BPS_POOL_CREDENTIAL", secrets.token_urlsafe(32))  # servers and ranks share it
-    servers = [Server(), Server()]
+    servers = [Server(), Server()]  # the first sets BPS_POOL_CREDENTIAL if unset: the ranks' env below carries it
     try:
         for _ in range(repeats):
             for failover in ("1", "0"):

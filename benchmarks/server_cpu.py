@@ -27,7 +27,7 @@ over plain fp32's per GiB in the same repeat.
 With `--server`, each codec runs on each checkout (variant NAME:SPEC), over that checkout's plain fp32 keys.
 
 Usage: python benchmarks/server_cpu.py [--quick] [--dtype D] [--codec SPEC ...] [--server NAME=DIR ...] [--json F]
-May import: the standard library, torch, torch_bps and benchmarks.cluster.cpu.
+May import: the standard library, torch, torch_bps, benchmarks._harness and benchmarks.cluster.cpu.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -46,6 +44,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks._harness import Child, Server  # noqa: E402
 from benchmarks.cluster.cpu import process_cpu_seconds  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -54,82 +53,31 @@ FLOOR_POOL_BYTES = 64 * MiB  # the floor's buffers: bigger than any cache, as a 
 STEP_TIMEOUT = 300.0  # seconds any worker step may take before the run is abandoned
 
 
-def _env(path_first: str) -> dict:
-    return {**os.environ, "PYTHONPATH": path_first + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def start_server(checkout: str, max_frame: int) -> Server:
+    """`python -m torch_bps.server` from `checkout` on loopback, authentication `token` with the pool credential of
+    BPS_POOL_CREDENTIAL (set by Server when unset), which the workers' Clients also read."""
+    return Server("--auth", "token", "--max-frame-bytes", str(max(max_frame, 16 * MiB)), repo=checkout,
+                  start_timeout=120)  # fmt: skip
 
 
-class Process:
-    """A subprocess spoken to line by line (stdin/stdout), every read bounded by a deadline."""
-
-    def __init__(self, cmd: list[str], path_first: str, cwd: str | None = None):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=_env(path_first), cwd=cwd)  # fmt: skip
-
-    def expect(self, pattern: str, timeout: float = STEP_TIMEOUT) -> re.Match:
-        """Read lines until one matches `pattern`; raise if the process ends or `timeout` passes first."""
-        import selectors
-
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while (left := deadline - time.monotonic()) > 0:
-                if not sel.select(left):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    code = self.proc.wait(10)
-                    raise RuntimeError(f"{self.proc.args[:4]} exited ({code}) before printing {pattern!r}")
-                if m := re.search(pattern, line):
-                    return m
-        raise TimeoutError(f"{self.proc.args[:4]} printed no {pattern!r} within {timeout:.0f} s")
-
-    def say(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def start_server(checkout: str, max_frame: int) -> tuple[Process, str]:
-    """`python -m torch_bps.server` from `checkout` on loopback; return it and its address.
-
-    Authentication `token` with the pool credential of BPS_POOL_CREDENTIAL, which the workers' Clients also read.
-    """
-    from torch_bps.security import new_secret
-
-    os.environ.setdefault("BPS_POOL_CREDENTIAL", new_secret())
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", "127.0.0.1", "--port", "0", "--auth", "token",
-           "--max-frame-bytes", str(max(max_frame, 16 * MiB))]  # fmt: skip
-    server = Process(cmd, checkout, cwd=checkout)
-    port = server.expect(r"port (\d+) incarnation", timeout=120).group(1)
-    return server, f"127.0.0.1:{port}"
-
-
-def run_workers(server: Process, address: str, workers: int, size: int, keys: int, rounds: int, tag: str,
-                dtype: str = "float32", codec: str = "") -> dict:  # fmt: skip
+def run_workers(server: Server, workers: int, size: int, keys: int, rounds: int, tag: str, dtype: str = "float32",
+                codec: str = "") -> dict:  # fmt: skip
     """W worker processes push_pull `keys` keys of `size` (dense) bytes for `rounds` rounds; return the server's
     CPU, and the bytes pushed into it (encoded, with a codec)."""
     job = f"server-cpu-{os.getpid()}-{tag}"
-    argv = [sys.executable, os.path.abspath(__file__), "_worker", address, job, dtype, codec or "-", str(workers),
-            str(size), str(keys), str(rounds)]  # fmt: skip
-    procs = [Process([*argv, str(w)], REPO) for w in range(workers)]
+    argv = [sys.executable, os.path.abspath(__file__), "_worker", server.address, job, dtype, codec or "-",
+            str(workers), str(size), str(keys), str(rounds)]  # fmt: skip
+    procs = [Child([*argv, str(w)], name=f"worker {w}") for w in range(workers)]
     try:
         for p in procs:  # each has said HELLO, declared its keys and run one round (first sums allocated)
-            wire = int(p.expect(r"^ready (\d+)").group(1))
-        cpu0, start = process_cpu_seconds(server.proc.pid), time.perf_counter()
+            wire = int(p.expect(r"^ready (\d+)", STEP_TIMEOUT).group(1))
+        cpu0, start = process_cpu_seconds(server.pid), time.perf_counter()
         for p in procs:
             p.say("go")
         for p in procs:
-            if wrong := p.expect(r"^done(.*)").group(1).strip():
-                raise RuntimeError(f"server at {address}: {wrong}")
-        wall, cpu = time.perf_counter() - start, process_cpu_seconds(server.proc.pid) - cpu0
+            if wrong := p.expect(r"^done(.*)", STEP_TIMEOUT).group(1).strip():
+                raise RuntimeError(f"server at {server.address}: {wrong}")
+        wall, cpu = time.perf_counter() - start, process_cpu_seconds(server.pid) - cpu0
         for p in procs:
             p.say("exit")
     finally:
@@ -237,12 +185,9 @@ def measure(servers: dict[str, tuple[str, str]], sizes: list[int], workers: int,
         floors = []
         for rep in range(repeats):
             for name, (checkout, codec) in servers.items():
-                server, address = start_server(checkout, size)
-                try:
+                with start_server(checkout, size) as server:
                     tag = f"{name}-{size}-{rep}"
-                    runs[name].append(run_workers(server, address, workers, size, keys, rounds, tag, dtype, codec))
-                finally:
-                    server.stop()
+                    runs[name].append(run_workers(server, workers, size, keys, rounds, tag, dtype, codec))
             floors.append(floor_seconds_per_gib(size, workers, budget, dtype))
         row = dict(size=size, keys=keys, rounds=rounds, workers=workers, repeats=repeats, dtype=dtype)
         for rep in range(repeats):

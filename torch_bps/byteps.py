@@ -274,7 +274,8 @@ class _DistributedOptimizer:
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError(f"named_parameters: duplicate names {sorted({n for n in names if names.count(n) > 1})}")
-        self._bps_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # once each: a weight tied between modules (or listed twice) is pushed and updated once a step
+        self._bps_params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"] if p.requires_grad))
         given = {p: n for n, p in named}
         self._bps_names = {p: given.get(p, f"push_pull.noname.{i}") for i, p in enumerate(self._bps_params)}
         self._bps_compression = compression

@@ -288,20 +288,22 @@ class Client:
 
         Example: `fut = client.push_pull(grad, key=3); grad_sum = fut.wait()`
         """
-        args = self._part_args(tensor, key, server, out, mode, key_numel, offset, out_offset)
+        claimed: list[int] = []
+        part = self._part_args(tensor, key, server, out, mode, key_numel, offset, out_offset, claimed=claimed)
         future = None
         if on_done is None:
             future = torch.futures.Future()
-            on_done = completer(future, args[7])
+            on_done = completer(future, part[3])
         if pushed is not None:
             on_pushed = completer(pushed, None)
         token = self._register(on_done)
         pushed_token = self._register(on_pushed) if on_pushed is not None else 0
         try:
-            self._impl.push_pull(token, *args[:9], pushed_token)  # never compressed
+            self._impl.push_pull(token, part, pushed_token)  # never compressed
         except BaseException:
             self._pending.callbacks.pop(token, None)
             self._pending.callbacks.pop(pushed_token, None)
+            self._release(claimed)
             raise
         return future
 
@@ -331,16 +333,18 @@ class Client:
 
         Example: `client.push_pull_batch([Partition(g[:n], key=0), ...], priority=3).wait()`
         """
-        specs = [self._part_args(*part) for part in parts]
         future = None
         if on_done is None:
             future = torch.futures.Future()
             on_done = completer(future, None)
         token = self._register(on_done)
+        claimed: list[int] = []
         try:
+            specs = [self._part_args(*part, claimed=claimed) for part in parts]
             self._impl.push_pull_batch(token, specs, priority, outcomes)
         except BaseException:
             self._pending.callbacks.pop(token, None)
+            self._release(claimed)
             raise
         return future
 
@@ -373,10 +377,10 @@ class Client:
         return self._impl.take_behind()
 
     def _part_args(self, tensor, key, server=None, out=None, mode=Mode.SUM, key_numel=None, offset=0, out_offset=0,
-                   codec=0, dense_numel=0):  # fmt: skip
-        """Check one push_pull's arguments; return them as the C++ client takes them:
-        (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset, codec, dense_bytes), offsets in
-        bytes."""
+                   codec=0, dense_numel=0, *, claimed: list[int]) -> tuple:  # fmt: skip
+        """Check what only Python knows of a partition (its tensors' types; its key's first use, added to `claimed`)
+        and return it as the C++ PartSpec takes it: `Partition`'s fields, in elements, then the dtype's wire code.
+        Whether it fits its key is checked once, in C++ (Client::makePushOp: a ValueError naming key, part, bound)."""
         _check_tensor(tensor, "tensor")
         mode = mode if type(mode) is Mode else Mode(mode)
         key_numel = tensor.numel() if key_numel is None else key_numel
@@ -386,17 +390,6 @@ class Client:
             out = tensor
         elif out is not tensor:  # an all-reduce's partition pulls into the tensor it pushed: checked just above
             _check_tensor(out, "out")
-            if out.dtype != tensor.dtype:
-                raise ValueError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
-        # An empty SUM push only pulls (a worker catching up on backup rounds that closed without it).
-        pushed = (key_numel,) if mode == Mode.MODEL else (0, key_numel)
-        whole = mode == Mode.COPY or (offset == 0 and tensor.numel() in pushed)
-        fits = 0 <= offset <= offset + tensor.numel() <= key_numel and 0 <= out_offset <= out_offset + out.numel()
-        if not (whole and fits and out_offset + out.numel() <= key_numel):
-            raise ValueError(
-                f"push_pull of key {key} ({key_numel} elements, {mode.name}): tensor of {tensor.numel()} elements "
-                f"at {offset} and out of {out.numel()} at {out_offset} do not fit (a SUM or MODEL key is pushed whole)"
-            )
         if not isinstance(key, int) or not 0 <= key < _U64:
             raise ValueError(f"key {key!r} is not a u64")
         if server is None:
@@ -408,16 +401,23 @@ class Client:
         signature = (key_numel, tensor.dtype, server, mode, codec)
         with self._lock:
             known = self._keys.setdefault(key, signature)
-        if known != signature:
+        if known is signature:
+            claimed.append(key)
+        elif known != signature:
             raise ValueError(
                 f"key {key} was first used with {known[0]} elements of {known[1]} on server {known[2]} "
                 f"({known[3].name}, {codec_name(known[4])}), now {signature[0]} elements of {signature[1]} on server "
                 f"{signature[2]} ({mode.name}, {codec_name(codec)}): a key's size, dtype, server, mode and codec never "
                 "change"
             )
-        size = tensor.element_size()
-        return (server, key, DTYPE_CODES[tensor.dtype], int(mode), key_numel * size, tensor, offset * size, out,
-                out_offset * size, codec, dense_numel * 4 if codec else 0)  # fmt: skip
+        return (tensor, key, server, out, int(mode), key_numel, offset, out_offset, codec, dense_numel if codec else 0,
+                DTYPE_CODES[tensor.dtype])  # fmt: skip
+
+    def _release(self, keys: list[int]) -> None:
+        """Forget the first use of `keys`: the C++ client refused the call that used them first, nothing was sent."""
+        with self._lock:
+            for key in keys:
+                self._keys.pop(key, None)
 
     def server_stats(self, server: int) -> dict[str, int]:
         """Return the counters of server `server` (names: torch_bps.wire.STATS_FIELDS). Blocks."""

@@ -5,6 +5,12 @@ layers' partitions ahead of the later ones under the client's credit); a "bps-cr
 optimizer on each parameter alone as its sum lands; each module's next forward waits, in a forward pre-hook, for its
 own parameters only. Reached as `torch_bps.byteps.CrossBarrier`; built on byteps.py's DistributedOptimizer.
 
+Which module waits for which parameter: every module that holds it (a weight tied between an embedding and the
+output layer is waited for by both), and, for a parameter whose modules never run (nn.MultiheadAttention reads its
+`out_proj`'s weight without calling `out_proj`), the nearest enclosing module that runs, as learnt in the forward
+passes before the first step. A parameter read by a module that neither holds nor encloses it, before any module
+holding it runs, is not waited for.
+
 May import: torch, torch_bps.errors, torch_bps.byteps, torch_bps.pg.work.
 """
 
@@ -31,14 +37,18 @@ class _CrossBarrier(_DistributedOptimizer):
         self._cb_landed = {p: threading.Event() for p in self._bps_params}  # set: no update of p in flight
         for event in self._cb_landed.values():
             event.set()
-        self._cb_position: dict = {}  # parameter -> its module's place in the first forward pass
+        self._cb_position: dict = {}  # parameter -> its place in the forward pass: the first waited for, 0
+        # module -> the parameters its forward waits for: those it holds (tied ones in each module holding them), and
+        # from the first step on also those of enclosed modules that never run (_cb_adopt)
+        self._cb_waits = {m: [p for p in m.parameters(recurse=False) if p in self._cb_landed] for m in model.modules()}
+        self._cb_model = model
+        self._cb_ran: dict | None = {}  # the modules whose forward ran before the first step, in order (then None)
         self._cb_pending: dict = {}  # parameter -> its push in flight (handle, ctx, tensor sent)
         self._cb_pending_lock = threading.Lock()
         self._cb_arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._cb_error: BaseException | None = None
         for module in model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                module.register_forward_pre_hook(self._cb_before_forward)
+            module.register_forward_pre_hook(self._cb_before_forward)
         self._cb_updater = threading.Thread(target=self._cb_update_loop, name="bps-cross-barrier", daemon=True)
         self._cb_updater.start()
 
@@ -53,11 +63,37 @@ class _CrossBarrier(_DistributedOptimizer):
         self._cb_check()
 
     def _cb_before_forward(self, module: torch.nn.Module, args) -> None:
-        """A module's forward waits for the updates of its own parameters, and nothing else."""
-        for p in module.parameters(recurse=False):
-            if p in self._cb_landed:
+        """A module's forward waits for the updates of the parameters it reads (see the module's docstring), and
+        nothing else."""
+        if self._cb_ran is not None:
+            self._cb_ran.setdefault(module)
+        for p in self._cb_waits[module]:
+            self._cb_position.setdefault(p, len(self._cb_position))
+            self._cb_wait(p)
+
+    def _cb_adopt(self) -> None:
+        """At the first step: a parameter that got a gradient although no module holding it ran is waited for by the
+        nearest enclosing module that ran; the places in the forward pass are counted again with it."""
+        ran, self._cb_ran = self._cb_ran, None
+        used = {p for p in self._bps_params
+                if p in self._bps_sent or self._bps_delay[p] < self.backward_passes_per_step}  # fmt: skip
+        held = {p for m in ran for p in self._cb_waits[m]}
+        parent = {child: m for m in self._cb_model.modules() for child in m.children()}
+        for m in self._cb_model.modules():
+            if m in ran:
+                continue
+            for p in self._cb_waits[m]:
+                if p in used and p not in held:
+                    up = parent.get(m)
+                    while up is not None and up not in ran:
+                        up = parent.get(up)
+                    if up is not None:
+                        self._cb_waits[up].append(p)
+                        held.add(p)
+        self._cb_position = {}
+        for m in ran:
+            for p in self._cb_waits[m]:
                 self._cb_position.setdefault(p, len(self._cb_position))
-                self._cb_wait(p)
 
     def _bps_send(self, p: torch.Tensor) -> None:
         """Push `p`'s gradient, the first layers' ahead of the later ones; its update runs when the sum lands."""
@@ -118,6 +154,8 @@ class _CrossBarrier(_DistributedOptimizer):
         self._cb_check()
         # The updates read each parameter's group from here: load_state_dict replaces the groups
         self._cb_group = {p: g for g in self.param_groups for p in g["params"]}
+        if self._cb_ran is not None:
+            self._cb_adopt()
         self._bps_send_missing()
         self._cb_steps += 1
         if self._cb_steps >= self._cb_num_steps:

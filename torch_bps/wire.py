@@ -171,8 +171,8 @@ class Partition(NamedTuple):
 
     A SUM key is pushed whole (offset 0, `tensor` of `key_numel` elements) and pulled into `out` (default:
     `tensor` itself); a COPY key takes each worker's range at its offset and needs `out`. `server` indexes the
-    client's servers (None: `key % servers`). The client checks a partition once, when it turns it into the C++
-    client's PartSpec (cpp_ext: the same fields in bytes).
+    client's servers (None: `key % servers`). The C++ client's PartSpec (cpp_ext/client/options.h) is this record:
+    the same fields, in this order and unit (elements); it checks once that a partition fits its key.
 
     Example: `Partition(grad[:n], key=7, server=0)` sums `grad[:n]` in place.
     """

@@ -9,7 +9,8 @@ Compute is the same model trained with no communication on every worker at once 
 shared as in the other runs); communication is the paper's t_opt for the gradient bytes at the links' goodput
 (0.957 x the rate). `--rates auto` is the rate where the two are equal at the largest k. Every point runs in fresh
 processes (benchmarks/cluster/workers/ddp_train.py, `--model convnet`); dedicated servers on the first k server
-hosts, the backend's embedded servers on the workers where k < n.
+hosts, the backend's embedded servers on the workers where k < n. "cores busy" is the machine's share of busy
+cores over the timed steps: near 100%, the step is bound by the cores every emulated host shares.
 May import: the standard library, torch_bps.engine.placement, benchmarks.cluster and
 benchmarks.cluster.{ddp,topology}.
 """
@@ -56,13 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Cluster(args.n, max(ks), rate_mbit=500.0) as cluster:
 
-            def train(backend: str, wrap: str, k: int = 0) -> float:
+            def train(backend: str, wrap: str, k: int = 0) -> tuple[float, float]:
+                """Seconds per step, and the share of the machine's cores busy over the timed steps."""
                 s = _spec(spec, wrap)
                 result = run_ddp(cluster, backend, s, next(port)) if backend == "gloo" else (
                     run_ddp_byteps(cluster, s, next(port), k))  # fmt: skip
-                return result["seconds_per_step"]
+                busy = max(c["machine_busy"] for c in result["cpu"].values())  # one machine: every rank sees it
+                return result["seconds_per_step"], busy
 
-            compute = train("gloo", "alone")
+            compute, out["compute_busy"] = train("gloo", "alone")
             out["compute_s"] = compute
             print(f"compute alone: {compute:.3f} s/step, {nbytes / 1e6:.1f} MB of gradients", flush=True)
             for rate_arg in args.rates.split(","):
@@ -70,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                         else float(rate_arg))  # fmt: skip
                 for host in cluster.hosts:
                     cluster.set_rate(host, rate)
-                gloo = train("gloo", "ddp")
+                gloo, gloo_busy = train("gloo", "ddp")
                 for k in ks:
                     comm = t_opt(args.n, k, nbytes, GOODPUT * rate * 1e6 / 8)
                     bound = max(compute, comm)
                     point = {"rate_mbit": rate, "k": k, "compute_s": compute, "communication_s": comm,
-                             "bound_s": bound, "gloo-ddp": gloo}  # fmt: skip
+                             "bound_s": bound, "gloo-ddp": gloo, "busy": {"gloo-ddp": gloo_busy}}  # fmt: skip
                     for way in WAYS:
-                        point[way] = train("byteps", way, k)
+                        point[way], point["busy"][way] = train("byteps", way, k)
                     out["points"].append(point)
                     _print(point)
     except BackendUnavailable as e:
@@ -96,10 +99,10 @@ def _spec(spec: DdpSpec, wrap: str) -> DdpSpec:
 def _print(point: dict) -> None:
     print(f"\n{point['rate_mbit']:.0f} Mbit/s, k = {point['k']}: compute {point['compute_s']:.3f} s, communication "
           f"{point['communication_s']:.3f} s, bound {point['bound_s']:.3f} s/step")  # fmt: skip
-    print(f"{'':22} {'s/step':>8} {'/ bound':>8} {'DDP byteps /':>13}")
+    print(f"{'':22} {'s/step':>8} {'/ bound':>8} {'DDP byteps /':>13} {'cores busy':>11}")
     for way in ("gloo-ddp", *WAYS):
         s = point[way]
-        print(f"{way:22} {s:8.3f} {s / point['bound_s']:8.2f} {point['ddp'] / s:13.2f}")
+        print(f"{way:22} {s:8.3f} {s / point['bound_s']:8.2f} {point['ddp'] / s:13.2f} {point['busy'][way]:11.0%}")
     print(
         f"priorities' share of CrossBarrier's gain over DDP on byteps: "
         f"{_share(point['ddp'], point['crossbarrier-nopri'], point['crossbarrier']):.0%}",

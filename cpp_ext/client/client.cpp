@@ -22,6 +22,40 @@ Clock::duration toDuration(double seconds) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(clamped));
 }
 
+const char* modeName(Mode mode) {
+  static const char* const kNames[] = {"SUM", "COPY", "MODEL"};
+  return mode <= transport::kModeModel ? kNames[mode] : "an unknown mode";
+}
+
+// Why `part` does not fit its key, in its elements, or "" when it does: the push and the pull inside the key, and
+// a SUM or MODEL push the whole key (a SUM part may push nothing: it only pulls). Sizes in bytes must fit int64.
+std::string misfit(const PartSpec& part) {
+  const int64_t keyNumel = part.keyNumel, pushed = part.tensor.numel(), pulled = part.out.numel();
+  const int64_t itemSize = static_cast<int64_t>(part.tensor.element_size());
+  if (part.mode > transport::kModeModel) return formatText("mode %u", static_cast<unsigned>(part.mode));
+  if (keyNumel < 0 || part.offset < 0 || part.outOffset < 0 || part.denseNumel < 0 ||
+      keyNumel > INT64_MAX / itemSize || part.denseNumel > INT64_MAX / 4) {
+    return formatText("a size or offset out of range (push at %" PRId64 ", pull at %" PRId64 ", %" PRId64
+                      " dense elements)",
+                      part.offset, part.outOffset, part.denseNumel);
+  }
+  if (part.offset > keyNumel || pushed > keyNumel - part.offset) {
+    return formatText("a push of %" PRId64 " elements at element %" PRId64 " ends past the key's %" PRId64, pushed,
+                      part.offset, keyNumel);
+  }
+  if (part.outOffset > keyNumel || pulled > keyNumel - part.outOffset) {
+    return formatText("a pull of %" PRId64 " elements into out at element %" PRId64 " ends past the key's %" PRId64,
+                      pulled, part.outOffset, keyNumel);
+  }
+  bool whole = part.offset == 0 && pushed == keyNumel;
+  if (part.mode != transport::kModeCopy && !whole && !(part.mode == transport::kModeSum && pushed == 0)) {
+    return formatText("a push of %" PRId64 " elements at element %" PRId64 " is not the whole key of %" PRId64
+                      " (a %s key is pushed whole)",
+                      pushed, part.offset, keyNumel, modeName(part.mode));
+  }
+  return "";
+}
+
 }  // namespace
 
 Client::Client(ClientOptions options, CompletionHandler onComplete, LinkDownHandler onLinkDown)
@@ -128,27 +162,26 @@ std::vector<uint64_t> Client::hello(double timeoutSeconds) {
   return hello_.incarnations();
 }
 
-OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
+OpPtr Client::makePushOp(uint64_t token, PartSpec part, size_t index, size_t parts) const {
   checkServer(part.server);
-  const at::Tensor& src = part.src;
-  const at::Tensor& dst = part.dst;
-  if (!src.is_contiguous() || !dst.is_contiguous() || !src.is_cpu() || !dst.is_cpu()) {
+  const at::Tensor& tensor = part.tensor;
+  const at::Tensor& out = part.out;
+  if (!tensor.is_contiguous() || !out.is_contiguous() || !tensor.is_cpu() || !out.is_cpu()) {
     throw Error(ErrorKind::kValue, "push_pull needs contiguous CPU tensors");
   }
-  // The server refuses these too; refusing here names the caller's mistake before anything is sent.
-  uint64_t keyBytes = part.keyBytes;
-  bool fits = part.pushOffset <= keyBytes && src.nbytes() <= keyBytes - part.pushOffset &&
-              part.pullOffset <= keyBytes && dst.nbytes() <= keyBytes - part.pullOffset;
-  bool pullOnly = src.nbytes() == 0 && keyBytes > 0;  // a SUM part that only pulls (Dispatcher::start)
-  bool whole = part.pushOffset == 0 && src.nbytes() == keyBytes;
-  if (!fits || (part.mode == transport::kModeSum && !pullOnly && !whole) ||
-      (part.mode == transport::kModeModel && !whole) || part.mode > transport::kModeModel) {
-    throw Error(ErrorKind::kValue,
-                formatText("push_pull of key %" PRIu64 " (%" PRIu64 " bytes, mode %u): push of %zu bytes at %" PRIu64
-                           ", pull of %zu bytes at %" PRIu64 " do not fit (a SUM or MODEL key takes whole-key pushes)",
-                           part.key, keyBytes, static_cast<unsigned>(part.mode), src.nbytes(), part.pushOffset,
-                           dst.nbytes(), part.pullOffset));
+  if (out.scalar_type() != tensor.scalar_type()) {  // one element size turns both into bytes
+    throw Error(ErrorKind::kValue, formatText("out has dtype %s, tensor %s", c10::toString(out.scalar_type()),
+                                              c10::toString(tensor.scalar_type())));
   }
+  // The server refuses these too; refusing here names the caller's mistake, in its elements, before anything is sent.
+  std::string problem = misfit(part);
+  if (!problem.empty()) {
+    throw Error(ErrorKind::kValue, formatText("push_pull of key %" PRIu64 " (part %zu of %zu, %s, %" PRId64
+                                              " elements): %s",
+                                              part.key, index, parts, modeName(part.mode), part.keyNumel,
+                                              problem.c_str()));
+  }
+  const int64_t itemSize = static_cast<int64_t>(part.tensor.element_size());
   auto op = std::make_shared<Op>();
   op->kind = transport::kPush;
   op->token = token;
@@ -156,22 +189,20 @@ OpPtr Client::makePushOp(uint64_t token, PartSpec part) const {
   op->key = part.key;
   op->dtype = part.dtype;
   op->mode = part.mode;
-  op->nbytes = keyBytes;
-  op->src = std::move(part.src);
-  op->dst = std::move(part.dst);
-  op->pushOffset = part.pushOffset;
-  op->pullOffset = part.pullOffset;
+  // The wire speaks bytes; the conversion is this one.
+  op->nbytes = static_cast<uint64_t>(part.keyNumel * itemSize);
+  op->pushOffset = static_cast<uint64_t>(part.offset * itemSize);
+  op->pullOffset = static_cast<uint64_t>(part.outOffset * itemSize);
+  op->denseBytes = static_cast<uint64_t>(part.denseNumel) * sizeof(float);
+  op->src = std::move(part.tensor);
+  op->dst = std::move(part.out);
   op->codec = part.codec;
-  op->denseBytes = part.denseBytes;
   op->timeout = timeout_;
   return op;
 }
 
-void Client::pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
-                      at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset,
-                      uint64_t pushedToken) {
-  OpPtr op = makePushOp(
-      token, PartSpec{server, key, dtype, mode, keyBytes, std::move(src), pushOffset, std::move(dst), pullOffset});
+void Client::pushPull(uint64_t token, PartSpec part, uint64_t pushedToken) {
+  OpPtr op = makePushOp(token, std::move(part), 0, 1);
   op->pushedToken = pushedToken;
   submissions_.submit({std::move(op)});
 }
@@ -193,7 +224,7 @@ void Client::pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t 
   std::vector<OpPtr> ops;
   ops.reserve(parts.size());
   for (auto& part : parts) {
-    OpPtr op = makePushOp(0, std::move(part));
+    OpPtr op = makePushOp(0, std::move(part), ops.size(), parts.size());
     op->batch = batch;
     op->partIndex = ops.size();
     op->priority = priority;

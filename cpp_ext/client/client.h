@@ -39,20 +39,20 @@ class Client {
   // Error(kServer) if a server refuses, Error(kTimeout) naming every silent server.
   std::vector<uint64_t> hello(double timeoutSeconds);
 
-  // One round of `key` (keyBytes long, `mode`): push `src` at byte `pushOffset` of the key, then pull the
-  // round's bytes [pullOffset, pullOffset + dst.nbytes()) into `dst` (both contiguous CPU, either may be empty,
-  // may share memory). A SUM key takes whole-key pushes only; a COPY key's pushes of all workers tile it.
+  // One round of `part.key` (`part.keyNumel` elements, `part.mode`): push `part.tensor` at element `part.offset`
+  // of the key, then pull the round's elements [outOffset, outOffset + out.numel()) into `part.out` (both contiguous
+  // CPU of one dtype, either may be empty, may share memory). A SUM or MODEL key takes whole-key pushes only (a SUM
+  // part may also push nothing: it only pulls); a COPY key's pushes of all workers tile it.
   // pushedToken (if not 0) completes once, when the server acknowledged the PUSH (or the op ended first):
   // the push's bytes have left this worker, which is what a sender's flow control waits for.
-  void pushPull(uint64_t token, size_t server, uint64_t key, uint16_t dtype, Mode mode, uint64_t keyBytes,
-                at::Tensor src, uint64_t pushOffset, at::Tensor dst, uint64_t pullOffset, uint64_t pushedToken = 0);
+  void pushPull(uint64_t token, PartSpec part, uint64_t pushedToken = 0);
 
   // Run pushPull() for every part, scheduled on the IO thread under the credit (ClientOptions::creditBytes):
   // all batches' partitions wait in one priority queue (higher `priority` first, then submission order); a
   // partition is sent when its bytes fit in the credit or nothing is in flight, and its credit returns when
   // the server acknowledges its PUSH (or it fails), never later: see scheduler.h. `token` completes once,
   // when every part has ended, with the first part's error or OK; after a part failed, the batch's parts not
-  // yet sent are not sent. Throws Error(kValue) for a part that does not fit, before anything is queued.
+  // yet sent are not sent. Throws Error(kValue) for a part that does not fit its key, before anything is queued.
   // With ClientOptions::failover, every part runs whatever the others do, and `outcomes` (a uint8 tensor of
   // one byte per part, or undefined) receives each part's PartOutcome before the batch completes.
   void pushPullBatch(uint64_t token, std::vector<PartSpec> parts, int64_t priority, at::Tensor outcomes = {});
@@ -94,8 +94,9 @@ class Client {
   void close();
 
  private:
-  // A push_pull's op, its arguments checked (throws Error(kValue)).
-  OpPtr makePushOp(uint64_t token, PartSpec part) const;
+  // A push_pull's op, in the wire's bytes, once `part` (part `index` of a batch of `parts`) is checked: the one
+  // check of a partition against its key (throws Error(kValue) naming the key, the part and the bound).
+  OpPtr makePushOp(uint64_t token, PartSpec part, size_t index, size_t parts) const;
   void checkServer(size_t server) const;  // throws Error(kValue) for an index out of range
 
   ClientOptions options_;

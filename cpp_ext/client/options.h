@@ -76,21 +76,23 @@ struct KeptRound {
   uint64_t pushOffset = 0;  // where those pushed bytes go in the key
 };
 
-// One partition of a batch: the arguments of one pushPull().
+// One partition of a batch: torch_bps.wire.Partition's fields, in its order, by its names (in camelCase) and in its
+// unit (elements of the tensor's dtype), then the dtype's wire code. Client::makePushOp checks that it fits its key,
+// the one place any caller's partition is checked, and turns it into the wire's bytes.
 struct PartSpec {
-  size_t server = 0;
+  at::Tensor tensor;  // pushed at `offset` (empty: a SUM part that only pulls)
   uint64_t key = 0;
-  uint16_t dtype = 0;
+  size_t server = 0;
+  at::Tensor out;  // receives the key's result from `outOffset`, as many elements as it holds
   Mode mode = transport::kModeSum;
-  uint64_t keyBytes = 0;
-  at::Tensor src;
-  uint64_t pushOffset = 0;
-  at::Tensor dst;
-  uint64_t pullOffset = 0;
-  // A compressed key (docs/protocol.md, "Compressed keys"): its codec word, sent in INIT/PUSH/PULL's `codec`,
-  // and the dense partition's bytes, sent in INIT's `dense_bytes`. keyBytes is then what travels.
+  int64_t keyNumel = 0;
+  int64_t offset = 0;
+  int64_t outOffset = 0;
+  // A compressed key (docs/protocol.md, "Compressed keys"): its codec word, sent in INIT/PUSH/PULL's `codec`, and
+  // the dense partition's fp32 elements, sent in INIT's `dense_bytes`. keyNumel then counts what travels.
   uint32_t codec = 0;
-  uint64_t denseBytes = 0;
+  int64_t denseNumel = 0;
+  uint16_t dtype = 0;  // the wire's code of tensor's dtype (docs/protocol.md, "Dtype codes")
 };
 
 // The batch scheduler's counters (see pushPullBatch), readable from any thread.

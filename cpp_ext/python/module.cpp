@@ -24,9 +24,10 @@
 
 namespace py = pybind11;
 
-// One partition of push_pull_batch, as Python passes it: the fields of client::PartSpec, in order.
-using BatchPart = std::tuple<size_t, uint64_t, uint16_t, uint32_t, uint64_t, at::Tensor, uint64_t, at::Tensor, uint64_t,
-                             uint32_t, uint64_t>;
+// One partition as Python passes it: the fields of client::PartSpec (torch_bps.wire.Partition's, then the dtype's
+// wire code), in order.
+using PartTuple = std::tuple<at::Tensor, uint64_t, size_t, at::Tensor, uint32_t, int64_t, int64_t, int64_t, uint32_t,
+                             int64_t, uint16_t>;
 
 namespace bps::python {
 
@@ -59,6 +60,14 @@ std::exception_ptr asErrorPtr(const py::object& error) {
   e.persist();
   e.build_message();
   return std::make_exception_ptr(e);
+}
+
+// detach(): the client holds its own TensorImpls, never the ones owned by Python objects, so dropping them (on
+// ZeroMQ's thread, for a sent payload) never needs the GIL.
+PartSpec toPartSpec(const PartTuple& p) {
+  return PartSpec{std::get<0>(p).detach(), std::get<1>(p), std::get<2>(p), std::get<3>(p).detach(),
+                  static_cast<Mode>(std::get<4>(p)), std::get<5>(p), std::get<6>(p), std::get<7>(p),
+                  std::get<8>(p), std::get<9>(p), std::get<10>(p)};
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> cppFuture(const py::object& future) {
@@ -272,31 +281,17 @@ PYBIND11_MODULE(_C, m) {
       .def("hello", [](PyClient& c, double timeout) { return c.get().hello(timeout); }, py::arg("timeout"), release())
       .def(
           "push_pull",
-          // detach(): the client holds its own TensorImpls, never the ones owned by Python objects, so
-          // dropping them (on ZeroMQ's thread, for a sent payload) never needs the GIL.
-          [](PyClient& c, uint64_t token, size_t server, uint64_t key, uint16_t dtype, uint32_t mode,
-             uint64_t keyBytes, const at::Tensor& src, uint64_t pushOffset, const at::Tensor& dst, uint64_t pullOffset,
-             uint64_t pushedToken) {
-            c.get().pushPull(token, server, key, dtype, static_cast<bps::python::Mode>(mode), keyBytes, src.detach(),
-                             pushOffset, dst.detach(), pullOffset, pushedToken);
+          [](PyClient& c, uint64_t token, const PartTuple& part, uint64_t pushedToken) {
+            c.get().pushPull(token, bps::python::toPartSpec(part), pushedToken);
           },
-          py::arg("token"), py::arg("server"), py::arg("key"), py::arg("dtype"), py::arg("mode"),
-          py::arg("key_bytes"), py::arg("src"), py::arg("push_offset"), py::arg("dst"), py::arg("pull_offset"),
-          py::arg("pushed_token") = 0, release())
+          py::arg("token"), py::arg("part"), py::arg("pushed_token") = 0, release())
       .def(
           "push_pull_batch",
-          // parts: (server, key, dtype, mode, key_bytes, src, push_offset, dst, pull_offset, codec, dense_bytes) per
-          // partition.
-          [](PyClient& c, uint64_t token, const std::vector<BatchPart>& parts, int64_t priority,
+          [](PyClient& c, uint64_t token, const std::vector<PartTuple>& parts, int64_t priority,
              std::optional<at::Tensor> outcomes) {
             std::vector<bps::python::PartSpec> specs;
             specs.reserve(parts.size());
-            for (const auto& p : parts) {
-              specs.push_back(bps::python::PartSpec{std::get<0>(p), std::get<1>(p), std::get<2>(p),
-                                            static_cast<bps::python::Mode>(std::get<3>(p)), std::get<4>(p),
-                                            std::get<5>(p).detach(), std::get<6>(p), std::get<7>(p).detach(),
-                                            std::get<8>(p), std::get<9>(p), std::get<10>(p)});
-            }
+            for (const auto& p : parts) specs.push_back(bps::python::toPartSpec(p));
             c.get().pushPullBatch(token, std::move(specs), priority, outcomes ? outcomes->detach() : at::Tensor());
           },
           py::arg("token"), py::arg("parts"), py::arg("priority"), py::arg("outcomes") = std::nullopt, release())

@@ -2,8 +2,10 @@
 
 Scripts in the shape of BytePS's and Horovod's examples run with only their import line changed, launched as
 BytePS's launcher launches; the DistributedOptimizer's parameters are bit-identical to DDP's on "byteps"
-after steps of SGD with momentum and of Adam, and CrossBarrier's to the DistributedOptimizer's; a killed worker
-gives the other an error, not a hang.
+after steps of SGD with momentum and of Adam, and CrossBarrier's to the DistributedOptimizer's, also for a model
+with a tied weight and for a branch taken in some steps only; CrossBarrier lands the first layers' updates first
+(priorities on); a killed summation server is failed over with no step lost, or, failover off, gives every rank an
+error naming it; a killed worker gives the other an error, not a hang. Every check goes through the public API.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers import REPO, _free_port, run_losing_last_rank, run_ranks
+from tests.helpers import REPO, _free_port, run_losing_last_rank, run_ranks, start_servers, stop_servers
 
 STEPS = 4
 
@@ -204,6 +207,48 @@ class _Net(nn.Module):
         x = F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3))
         return self.fc2(F.relu(self.fc1(x)))
 
+    @staticmethod
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, 3, 12, 12, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+
+
+class _TiedNet(nn.Module):
+    """A language model's shape: the output layer, declared first, has its weight tied to the embedding's (so the
+    forward reads the tied weight first in the embedding, which holds it second); position embeddings whose module
+    never runs, their weight read by the parent first (its update lands last), as attention reads its `out_proj`."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(16, 32, bias=False)
+        self.emb = nn.Embedding(32, 16)
+        self.out.weight = self.emb.weight
+        self.pos = nn.Embedding(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        x = self.pos.weight + self.emb(ids)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.out(F.relu(self.fc(x))).flatten(0, 1)
+
+    @staticmethod
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 32, (4, 6), generator=gen), torch.randint(0, 32, (24,), generator=gen)
+
+
+class _BranchNet(_Net):
+    """A branch taken in odd steps only (on every rank alike): unused in the others, it must hang nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        x = F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3))
+        x = self.fc2(F.relu(self.fc1(x)))
+        return self.unused(x) if self.steps % 2 == 0 else x
+
 
 def _slow(cls: type) -> type:
     """`cls` whose every step takes 10 ms more: a forward that does not wait for its parameters' update reads them
@@ -224,11 +269,14 @@ WAYS = ("ddp", "distributed_optimizer", "cross_barrier")
 CLIPPED = ("distributed_optimizer_clipped", "ddp_clipped")  # with SGD
 
 
-def _train(rank: int, way: str, make) -> list[torch.Tensor]:
+def _train(rank: int, way: str, make, gloo=None, net: type = _Net, kill: int | None = None) -> list[torch.Tensor]:
+    """Train `net` STEPS steps the `way` named; return its parameters. `gloo`: check that the DistributedOptimizer's
+    averaged gradients arrive during the backward pass (no step() nor synchronize() called). `kill`: a server's pid,
+    SIGKILLed at step 2 when the last gradient of the backward pass is ready (the others' pushes in flight)."""
     import torch_bps.byteps as bps
 
     torch.manual_seed(0)
-    model = _Net()
+    model = net()
     clipped = way.endswith("_clipped")
     if way.startswith("ddp"):
         trained, opt = DDP(model, find_unused_parameters=True), make(model.parameters())
@@ -239,12 +287,24 @@ def _train(rank: int, way: str, make) -> list[torch.Tensor]:
                                                num_steps=STEPS)  # fmt: skip
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 3, 12, 12, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        x, y = net.batch(gen)
         opt.zero_grad()
-        F.cross_entropy(trained(x), y).backward()
-        if way == "distributed_optimizer":  # every used parameter's push started during the backward pass
-            pushed = sorted(n for n, p in model.named_parameters() if p in opt._bps_handles)
-            assert pushed == sorted(n for n, _ in model.named_parameters() if not n.startswith("unused")), pushed
+        loss = F.cross_entropy(trained(x), y)
+        if gloo is not None and way == "distributed_optimizer":
+            used = [p for n, p in model.named_parameters() if not n.startswith("unused")]
+            expected = [g / 2 for g in torch.autograd.grad(loss, used, retain_graph=True)]  # divided first, as DDP
+            for g in expected:
+                dist.all_reduce(g, group=gloo)
+        last = next(model.parameters())  # the first layer's: its gradient comes last
+        killing = last.register_hook(lambda g: os.kill(kill, signal.SIGKILL)) if kill and step == 2 else None
+        loss.backward()
+        if killing is not None:
+            killing.remove()
+        if gloo is not None and way == "distributed_optimizer":  # the pushes started in the backward pass
+            deadline = time.monotonic() + 30
+            while not all(torch.equal(p.grad, g) for p, g in zip(used, expected, strict=True)):
+                assert time.monotonic() < deadline, f"step {step}: no averaged gradients 30 s after backward()"
+                time.sleep(0.001)
         if clipped and way.startswith("ddp"):
             nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if clipped and not way.startswith("ddp"):
@@ -256,10 +316,11 @@ def _train(rank: int, way: str, make) -> list[torch.Tensor]:
             opt.step()
     if way == "cross_barrier":
         opt.close()
-        # priority by the place in the forward pass: the first layer's parameters the highest (0)
-        by_priority = [n for n, p in sorted(model.named_parameters(), key=lambda np: opt._cb_position.get(np[1], 99))]
-        assert by_priority == [n for n, _ in model.named_parameters()], by_priority
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _differ(names: list[str], trained: list[torch.Tensor], reference: list[torch.Tensor]) -> list[str]:
+    return [n for n, a, b in zip(names, trained, reference, strict=True) if not torch.equal(a, b)]
 
 
 def _compare(rank, world, gloo):
@@ -270,22 +331,22 @@ def _compare(rank, world, gloo):
     names = [n for n, _ in _Net().named_parameters()]
     differ = {}
     for opt_name, make in OPTIMIZERS.items():
-        trained = {way: _train(rank, way, make) for way in WAYS + (CLIPPED if opt_name == "sgd_momentum" else ())}
+        trained = {way: _train(rank, way, make, gloo) for way in WAYS + (CLIPPED if opt_name == "sgd_momentum" else ())}
         torch.manual_seed(0)
         assert not torch.equal(trained["ddp"][0], next(_Net().parameters())), "training did not move the parameters"
         for way, reference in [("distributed_optimizer", "ddp"), ("cross_barrier", "distributed_optimizer"),
                                ("distributed_optimizer_clipped", "ddp_clipped")]:  # fmt: skip
             if way not in trained:
                 continue
-            differ[f"{opt_name} {way}"] = [n for n, a, b in zip(names, trained[way], trained[reference], strict=True)
-                                           if not torch.equal(a, b)]  # fmt: skip
+            differ[f"{opt_name} {way}"] = _differ(names, trained[way], trained[reference])
     # A later push_pull of a higher priority overtakes the partitions of an earlier one still queued under the credit
     # (one 128 KiB partition in flight: the job's BPS_CREDIT_BYTES)
-    landed = []
     big = bps.push_pull_async(torch.ones(2 << 20), name="big", priority=0)
     small = bps.push_pull_async(torch.ones(16), name="small", priority=1)
-    for name, handle in (("big", big), ("small", small)):
-        bps._handles[handle][0].get_future().add_done_callback(lambda _, name=name: landed.append(name))
+    deadline = time.monotonic() + 30
+    while not (bps.poll(big) or bps.poll(small)) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    landed = [name for name, handle in (("small", small), ("big", big)) if bps.poll(handle)]
     assert bps.synchronize(big).eq(1).all() and bps.synchronize(small).eq(1).all()
     refused = []
     model = _Net()
@@ -307,4 +368,158 @@ def test_distributed_optimizer_and_cross_barrier_match_ddp_bit_for_bit():
     for differ, refused, landed in run_ranks(_compare, 2, env={"BPS_CREDIT_BYTES": str(128 << 10)}, timeout=220):
         assert differ == dict.fromkeys(differ, []), f"parameters that differ from the reference: {differ}"
         assert len(refused) == 3, refused
-        assert landed == ["small", "big"], "the higher priority did not go first"
+        assert landed == ["small"], f"the higher priority did not go first (done first: {landed})"
+
+
+def _tied_weight(rank, world, gloo):
+    import torch_bps.byteps as bps
+
+    bps.init()
+    names = [n for n, _ in _TiedNet().named_parameters()]
+    differ = {}
+    for opt_name, make in OPTIMIZERS.items():
+        trained = {way: _train(rank, way, make, net=_TiedNet) for way in WAYS}
+        for way in ("distributed_optimizer", "cross_barrier"):
+            differ[f"{opt_name} {way}"] = _differ(names, trained[way], trained["ddp"])
+    return differ
+
+
+@pytest.mark.timeout(180)
+def test_tied_weight_is_waited_for_by_every_module_reading_it_and_updated_once():
+    """An embedding tied to the output layer, and position embeddings read by their parent without calling their
+    module: each update must land before the next forward reads the weight (the optimizer takes 10 ms a parameter),
+    and the tied weight is pushed and updated once a step, as DDP does."""
+    for differ in run_ranks(_tied_weight, 2, timeout=160):
+        assert differ == dict.fromkeys(differ, []), f"parameters that differ from DDP's: {differ}"
+
+
+PLAIN_SGD = {"sgd": lambda params: _slow(torch.optim.SGD)(params, lr=0.05)}
+
+
+def _branch(rank, world, gloo):
+    import torch_bps.byteps as bps
+
+    bps.init()
+    names = [n for n, _ in _BranchNet().named_parameters()]
+    differ, replicas = {}, {}
+    for opt_name, make in {**PLAIN_SGD, "sgd_momentum": OPTIMIZERS["sgd_momentum"]}.items():
+        trained = {way: _train(rank, way, make, net=_BranchNet) for way in WAYS}
+        # The DistributedOptimizer and CrossBarrier, as BytePS's and Horovod's, push a parameter unused in a step
+        # with a zero gradient (its momentum moves it); DDP leaves one unused on every rank alone: the two agree where
+        # a zero gradient changes nothing (plain SGD)
+        reference = "ddp" if opt_name == "sgd" else "distributed_optimizer"
+        differ[f"{opt_name} cross_barrier"] = _differ(names, trained["cross_barrier"], trained[reference])
+        if opt_name == "sgd":
+            differ[f"{opt_name} distributed_optimizer"] = _differ(names, trained["distributed_optimizer"],
+                                                                   trained["ddp"])  # fmt: skip
+        for way, params in trained.items():
+            everyone = [torch.cat([p.reshape(-1) for p in params]) for _ in range(world)]
+            dist.all_gather(everyone, torch.cat([p.reshape(-1) for p in params]), group=gloo)
+            replicas[f"{opt_name} {way}"] = all(torch.equal(everyone[0], t) for t in everyone)
+    return differ, replicas
+
+
+@pytest.mark.timeout(180)
+def test_branch_taken_in_some_steps_hangs_nothing():
+    """A branch taken in every other step: its parameters are pushed at step() in the others; neither step() nor
+    CrossBarrier's next forward (which waits for that update) hangs, and every rank ends with the same parameters."""
+    for differ, replicas in run_ranks(_branch, 2, timeout=160):
+        assert differ == dict.fromkeys(differ, []), f"parameters that differ from the reference: {differ}"
+        assert all(replicas.values()), f"replicas differ: {replicas}"
+
+
+class _LandingOrder(torch.optim.SGD):
+    """SGD noting the parameters it updates, in order (CrossBarrier runs it on each one alone as its sum lands)."""
+
+    def step(self, closure=None):
+        self.updated += [p for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+def _landing_order(rank, world, gloo):
+    import torch_bps.byteps as bps
+
+    bps.init()
+    orders = {}
+    for priorities in (True, False):
+        torch.manual_seed(0)
+        # The last layer 16 MiB (128 partitions of the credit), the first three 256 KiB: their gradients are pushed
+        # while most of the last one's partitions are still queued
+        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(3)], nn.Linear(256, 1 << 14, bias=False))
+        sgd = _LandingOrder(model.parameters(), lr=0.01)
+        sgd.updated = []
+        opt = bps.CrossBarrier(model, sgd, num_steps=2, priorities=priorities)
+        for _ in range(2):
+            model(torch.randn(8, 256)).pow(2).mean().backward()
+            opt.step()
+        opt.close()
+        layer = {p: i for i, p in enumerate(model.parameters())}
+        orders[priorities] = [[layer[p] for p in sgd.updated[i : i + 4]] for i in (0, 4)]
+    return orders
+
+
+@pytest.mark.timeout(120)
+def test_cross_barrier_lands_the_first_layers_updates_first():
+    """Autograd produces the last layer's gradient first; with priorities its partitions still queued under the credit
+    (128 KiB) give way to the first layer's, whose update lands first; without, they land in submission order."""
+    for orders in run_ranks(_landing_order, 2, env={"BPS_CREDIT_BYTES": str(128 << 10)}, timeout=100):
+        for on, off in zip(orders[True], orders[False], strict=True):
+            assert on.index(0) < on.index(3), f"priorities on: layers updated in the order {orders[True]}"
+            assert off.index(3) < off.index(0), f"priorities off: layers updated in the order {orders[False]}"
+
+
+# -- a killed summation server ------------------------------------------------------------------------------------
+def _through_kills(rank, world, gloo, pids):
+    import torch_bps.byteps as bps
+
+    bps.init()
+    make = OPTIMIZERS["sgd_momentum"]
+    names = [n for n, _ in _Net().named_parameters()]
+    reference = _train(rank, "ddp", make)
+    return {way: _differ(names, _train(rank, way, make, kill=pid if rank == 0 else None), reference)
+            for way, pid in zip(("distributed_optimizer", "cross_barrier"), pids, strict=True)}  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_killed_server_is_failed_over_with_no_step_lost():
+    """Two dedicated servers and a standby: one killed under the DistributedOptimizer (the standby takes its keys),
+    the other under CrossBarrier (the standby, now alone, takes its keys), each inside the backward pass of a step;
+    both end bit-identical to DDP's uninterrupted run."""
+    *servers, standby = start_servers(3)
+    try:
+        env = {"BPS_SERVERS": ",".join(s.address for s in servers), "BPS_STANDBY_SERVERS": standby.address,
+               "BPS_FAILOVER_TIMEOUT": "30"}  # fmt: skip
+        results = run_ranks(_through_kills, 2, [s.proc.pid for s in servers], env=env, timeout=160)
+        assert not any(s.alive() for s in servers) and standby.alive()
+    finally:
+        stop_servers([*servers, standby])
+    for differ in results:
+        assert differ == dict.fromkeys(differ, []), f"parameters that differ from DDP's: {differ}"
+
+
+def _lose_server(rank, world, gloo, way, pid):
+    import torch_bps.byteps as bps
+
+    bps.init()
+    start = time.monotonic()
+    try:
+        _train(rank, way, OPTIMIZERS["sgd_momentum"], kill=pid if rank == 0 else None)
+    except Exception as e:  # noqa: BLE001 - what the test checks
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"
+    return None, "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("way", ["distributed_optimizer", "cross_barrier"])
+def test_killed_server_without_failover_gives_every_rank_an_error_naming_it(way):
+    """Failover off (BPS_FAILOVER=0): every rank's training raises an error naming the lost server, well within the
+    request timeout (30 s), not a hang."""
+    (server,) = start_servers(1)
+    try:
+        env = {"BPS_SERVERS": server.address, "BPS_FAILOVER": "0", "BPS_TIMEOUT": "30"}
+        results = run_ranks(_lose_server, 2, way, server.proc.pid, env=env, timeout=100)
+    finally:
+        stop_servers([server])
+    for rank, (after, error) in enumerate(results):
+        print(f"rank {rank}, {after} s: {error[:400]}")
+        assert after is not None and after < 20 and server.address in error, f"rank {rank} after {after} s: {error}"

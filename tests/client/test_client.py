@@ -351,6 +351,32 @@ def test_bad_tensors_are_refused(server, job_id):
             push_pull_part(c, torch.zeros(3, dtype=torch.float64), 9)
 
 
+def test_a_part_that_does_not_fit_its_key_is_refused_naming_the_key_the_part_and_the_bound(server, job_id):
+    """The one check of a partition against its key (the C++ client's): the push and the pull inside the key, a SUM
+    or MODEL push the whole key; refused before any part of the batch is sent, its keys free for a right use."""
+    t, out = torch.arange(4.0), torch.zeros(4)
+    refused = [  # (part, what the refusal says after "part 1 of 2")
+        ((t[:3], 21, 0, out, Mode.COPY, 4, 2, 0), r"COPY, 4 elements\): a push of 3 elements at element 2 ends past "
+                                                  r"the key's 4$"),
+        ((t[:2], 21, 0, out, Mode.COPY, 4, 2, 1), r"COPY, 4 elements\): a pull of 4 elements into out at element 1 "
+                                                  r"ends past the key's 4$"),
+        ((t[:3], 21, 0, out[:3], Mode.SUM, 4), r"SUM, 4 elements\): a push of 3 elements at element 0 is not the "
+                                               r"whole key of 4 \(a SUM key is pushed whole\)$"),
+        ((t[:0], 21, 0, out, Mode.MODEL, 4), r"MODEL, 4 elements\): a push of 0 elements at element 0 is not the "
+                                             r"whole key of 4 \(a MODEL key is pushed whole\)$"),
+        ((t[:2], 21, 0, out, Mode.COPY, 4, -1), r"COPY, 4 elements\): a size or offset out of range"),
+    ]  # fmt: skip
+    with Client([server.address], job_id, 0, 1) as c:
+        for part, why in refused:
+            with pytest.raises(ValueError, match=r"^push_pull of key 21 \(part 1 of 2, " + why):
+                c.push_pull_batch([(t.clone(), 20, 0), part])
+        assert c.scheduler_stats()["parts_sent"] == 0  # nothing of a refused batch was sent
+        # A push and a pull ending at the key's end fit; keys 20 and 21 were never taken by the refused batches.
+        ones, gathered = torch.ones(3), torch.zeros(2)
+        c.push_pull_batch([(ones, 20, 0), (t, 21, 0, gathered, Mode.COPY, 4, 0, 2)]).wait()
+        assert torch.equal(ones, torch.ones(3)) and torch.equal(gathered, t[2:])
+
+
 def test_job_id_from_name_is_a_stable_u64():
     assert job_id_from_name("resnet") == job_id_from_name("resnet") != job_id_from_name("resnet2")
     assert 0 <= job_id_from_name("x") < 2**64
