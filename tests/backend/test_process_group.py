@@ -500,6 +500,47 @@ def test_a_callbacks_collective_starts_where_nccls_inline_callback_puts_it_on_ev
         assert errors == [] and exact == [True] * 3, f"rank {rank}: {errors}, exact sums {exact}"
 
 
+def _buckets_held_back(rank, world, gloo):
+    """How many of DDP's bucket all_reduces waited for an earlier collective's callbacks: with no hook (the reducer
+    takes its futures in C++), then with torch's allreduce_hook (it takes them in Python)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from torch_bps.pg.work import LaunchOrder
+
+    held = []
+    start = LaunchOrder.start
+
+    def counting(self, entry, run, hold):
+        with self._lock:
+            held.append(not entry.nested and bool(self._open or self._held or self._starting))
+        return start(self, entry, run, hold)
+
+    LaunchOrder.start = counting
+    counts = []
+    for hook in (None, allreduce_hook):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8))), bucket_cap_mb=1
+        )  # 8 buckets of 1 MB
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        held.clear()
+        for _ in range(3):
+            ddp(torch.randn(8, 512)).sum().backward()
+        counts.append(sum(held))
+    return counts
+
+
+@pytest.mark.timeout(90)
+def test_ddps_own_buckets_are_never_held_back_for_callbacks():
+    """Holding later collectives behind a future Python took (NCCL's callback order) must not reach DDP's own
+    buckets, whose futures the reducer takes in C++: there it would cost the overlap of every bucket with the next.
+    torch's Python hooks are held back (their buckets go one after another), which shows the count can see it."""
+    counts = run_ranks(_buckets_held_back, 2, env={"BPS_TIMEOUT": "20"}, timeout=80)
+    assert [plain for plain, _ in counts] == [0, 0], f"DDP's own bucket all_reduces held back, by rank: {counts}"
+    assert sum(hooked for _, hooked in counts) > 0, f"allreduce_hook's buckets never held back: {counts}"
+
+
 @pytest.mark.timeout(60)
 def test_logic_on_threaded_ranks():
     groups = _threaded_groups(3)
