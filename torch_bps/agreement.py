@@ -104,18 +104,22 @@ class Agreement:
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
     start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
     available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
-    # rank 0: whether a server takes a new job now (a draining or stalled one does not: the failover leaves it out)
+    # whether a server takes a new job now (a draining or stalled one does not): rank 0 leaves out of a failover those
+    # that do not; a rank whose client of the decided servers failed names those it cannot reach
     answers: Callable[[str], bool] = lambda address: True
+    connect_timeout: float = 30.0  # a new client's wait for its servers' HELLO replies (BPS_CONNECT_TIMEOUT)
 
 
-def wait_all(a: Agreement, prefix: str, what: str) -> list[bytes]:
+def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:
+    """Every rank's report under `prefix`, waiting `timeout` (default: the agreement's) for the last one."""
     keys = [f"{prefix}/{r}" for r in range(a.world_size)]
+    timeout = timeout or a.timeout
     try:
-        a.store.wait(keys, timedelta(seconds=a.timeout))
+        a.store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:
         missing = [r for r, k in enumerate(keys) if not a.store.check([k])]
         raise BpsTimeoutError(
-            f"failover: rank(s) {missing} did not report {what} within {a.timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
+            f"failover: rank(s) {missing} did not report {what} within {timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
             "that does not report is lost itself, or does not see the server as lost"
         ) from e
     return [a.store.get(k) for k in keys]

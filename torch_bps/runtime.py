@@ -196,7 +196,8 @@ class Runtime:
             return self._engine.own_keys(every_slice)  # the engine, made after its router, before any failover
 
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
-                              own_keys, make_client, standby, start_colocated, available, self._answers)  # fmt: skip
+                              own_keys, make_client, standby, start_colocated, available, self._answers,
+                              connect_timeout=timeout)  # fmt: skip
         return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:
