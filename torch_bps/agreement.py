@@ -100,14 +100,17 @@ class Agreement:
     timeout: float  # each wait of the agreement (BPS_FAILOVER_TIMEOUT)
     placement: str  # the paper's split, as configured
     own_keys: Callable[..., dict[int, tuple[int, int]]]  # (every_slice) -> {key: (epoch-0 server, bytes)}
-    make_client: Callable[[list[Server], int, Callable], object]  # (servers, job id, on_link_down) -> Client
+    # (servers, job id, on_link_down[, seconds to wait for HELLO replies, default BPS_CONNECT_TIMEOUT]) -> Client
+    make_client: Callable[..., object]
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
     start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
     available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
     # whether a server takes a new job now (a draining or stalled one does not): rank 0 leaves out of a failover those
     # that do not; a rank whose client of the decided servers failed names those it cannot reach
     answers: Callable[[str], bool] = lambda address: True
-    connect_timeout: float = 30.0  # a new client's wait for its servers' HELLO replies (BPS_CONNECT_TIMEOUT)
+    # A failover's client's wait for its servers' HELLO replies: they answered rank 0 a moment ago, and a server silent
+    # for the heartbeat timeout counts as lost (BPS_HEARTBEAT_TIMEOUT)
+    hello_timeout: float = 10.0
 
 
 def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:

@@ -416,13 +416,13 @@ class Router:
         rank's could not (every rank then closes its own, and notes the servers that rank could not reach as lost)."""
         a, client, trouble = self._agree, None, None
         try:
-            client = a.make_client(servers, job_id, self._link_down_handler(servers))
+            client = a.make_client(servers, job_id, self._link_down_handler(servers), a.hello_timeout)
         except (TransportError, BpsTimeoutError, ServerError) as error:
             unreachable = [s.address for s in servers if s.dedicated and not a.answers(s.address)]
             trouble = {"error": f"{type(error).__name__}: {error}", "unreachable": unreachable}
         a.store.set(f"{ns}up/{a.rank}", json.dumps(trouble))
-        # A rank whose servers do not answer waits its connect timeout for them: the others wait that much longer.
-        reports = wait_all(a, ns + "up", "whether its client reached the servers", a.timeout + a.connect_timeout)
+        # A rank whose servers do not answer waits the HELLO timeout for them: the others wait that much longer.
+        reports = wait_all(a, ns + "up", "whether its client reached the servers", a.timeout + a.hello_timeout)
         failed = {rank: t for rank, t in enumerate(map(json.loads, reports)) if t}
         if not failed:
             return client

@@ -239,8 +239,9 @@ def router_rank0(store, servers: list, job_id: int, keys: dict[int, int]):
     """Rank 0 of 2: a Router over a failover client of `servers` (all dedicated; anything with .address)."""
     weights = server_weights([], [s.address for s in servers])
 
-    def make_client(new, new_job, on_link_down):
-        return Client([s.address for s in new], new_job, 0, 2, timeout=30, failover=True, on_link_down=on_link_down)
+    def make_client(new, new_job, on_link_down, hello_timeout=30):
+        return Client([s.address for s in new], new_job, 0, 2, timeout=30, connect_timeout=hello_timeout, failover=True,
+                      on_link_down=on_link_down)  # fmt: skip
 
     own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
     no_colocated = lambda prefix: pytest.fail("no colocated servers in this test")  # noqa: E731
@@ -381,7 +382,7 @@ def test_a_collective_held_through_two_epochs_clients_completes():
             time.sleep(0.01)
         return standbys.pop(0)
 
-    def make_client(new, job, on_link_down):
+    def make_client(new, job, on_link_down, hello_timeout=30):
         return Client([s.address for s in new], job, 0, 1, timeout=30, failover=True, on_link_down=on_link_down)
 
     own_keys = lambda every_slice=False: {key_a: (0, N * 4), key_b: (1, N * 4)}  # noqa: E731
@@ -426,9 +427,9 @@ def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}  # one key on each server
 
-    def make_client(new, new_job, on_link_down):
-        return Client([s.address for s in new], new_job, 0, 1, timeout=30, connect_timeout=3, heartbeat_timeout=60,
-                      failover=True, on_link_down=on_link_down)  # fmt: skip
+    def make_client(new, new_job, on_link_down, hello_timeout=3):
+        return Client([s.address for s in new], new_job, 0, 1, timeout=30, connect_timeout=hello_timeout,
+                      heartbeat_timeout=60, failover=True, on_link_down=on_link_down)  # fmt: skip
 
     def answers(address):
         try:
@@ -470,12 +471,12 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
     rank0_up = threading.Event()
 
     def make_client(rank):
-        def make(new, job, on_link_down):
+        def make(new, job, on_link_down, hello_timeout=30):
             addresses = [s.address for s in new]
             if rank == 1 and first.address in addresses:
                 assert rank0_up.wait(20), "rank 0's client of the standby never came up"
                 first.kill()
-            client = Client(addresses, job, rank, 2, timeout=30, connect_timeout=2, failover=True,
+            client = Client(addresses, job, rank, 2, timeout=30, connect_timeout=hello_timeout, failover=True,
                             on_link_down=on_link_down)  # fmt: skip
             if rank == 0 and first.address in addresses:
                 rank0_up.set()
@@ -496,7 +497,7 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
         rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one wait at a time per client
         agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank),
                               lambda n: standbys.pop(0)[:n], lambda prefix: pytest.fail("no colocated"),
-                              lambda: ([], []), answers, connect_timeout=2)  # fmt: skip
+                              lambda: ([], []), answers, hello_timeout=2)  # fmt: skip
         weights = server_weights([], [s.address for s in servers])
         routers.append(Router(weights, agreement, f"rank{rank}", job_id=0x5EED0005))
 
