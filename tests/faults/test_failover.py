@@ -531,6 +531,19 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
         stop_servers([*servers, first, second])
 
 
+def test_a_standby_claimed_once_is_not_claimed_again_by_the_same_job():
+    """A job claims the one standby registered; its next failover must find none free, not the same one again (found
+    by benchmarks/chaos.py on namespaces: the standby came back as a "standby" and stood twice in the servers)."""
+    from torch_bps.registry import claim_standby, register_server
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    for address in ("127.0.0.1:1", "127.0.0.1:2"):  # the job's server, then a standby
+        register_server(store, address)
+    assert claim_standby(store, 1, set(), 1, 0.0, "0x5eed") == ["127.0.0.1:2"]
+    assert claim_standby(store, 1, set(), 1, 0.0, "0x5eed") == []
+    assert claim_standby(store, 1, set(), 1, 0.0, "0xbeef") == []  # nor by another job
+
+
 def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
     """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
     `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule."""
