@@ -417,6 +417,15 @@ def test_a_collective_held_through_two_epochs_clients_completes():
         stop_servers([*servers, standby])
 
 
+def answers(address: str) -> bool:
+    """Whether a server takes a new job now (the runtime's check, on its own job id)."""
+    try:
+        Client([address], 0x5EED0003, 0, 1, timeout=5, connect_timeout=1).close()
+        return True
+    except (TransportError, BpsTimeoutError):
+        return False
+
+
 def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
     """Server 0 dies while server 1 takes no new job (stalled here, as a draining server refuses new jobs; its
     connections stay open and it is not noticed yet), and the first standby died while it waited: the decision
@@ -430,13 +439,6 @@ def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
     def make_client(new, new_job, on_link_down, hello_timeout=3):
         return Client([s.address for s in new], new_job, 0, 1, timeout=30, connect_timeout=hello_timeout,
                       heartbeat_timeout=60, failover=True, on_link_down=on_link_down)  # fmt: skip
-
-    def answers(address):
-        try:
-            Client([address], 0x5EED0003, 0, 1, timeout=5, connect_timeout=1).close()
-            return True
-        except (TransportError, BpsTimeoutError):
-            return False
 
     own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
     standbys = lambda n: [dead.address, standby.address][:n]  # noqa: E731
@@ -483,13 +485,6 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
             return client
 
         return make
-
-    def answers(address):
-        try:
-            Client([address], 0x5EED0006, 0, 1, timeout=5, connect_timeout=1).close()
-            return True
-        except (TransportError, BpsTimeoutError):
-            return False
 
     own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
     routers = []
