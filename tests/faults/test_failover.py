@@ -29,13 +29,13 @@ from torch_bps.wire import Command, Mode, Partition
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = os.path.join(REPO, "tests", "scripts", "fault_train.py")
+SCRIPT = os.path.join(REPO, "tests", "scripts", "failover_train.py")
 STEPS = 10
 
 
 def train(tmp_path, servers: list[str], kill: str = "", env: dict | None = None, hook: bool = False, name="run",
           workers: int = 2):  # fmt: skip
-    """Run tests/scripts/fault_train.py on `workers` workers; return (final parameters, failover records, output)."""
+    """Run tests/scripts/failover_train.py on `workers` workers; return (final parameters, failover records, output)."""
     out = str(tmp_path / name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--out", out, "--steps", str(STEPS),
