@@ -29,8 +29,9 @@ bench: install
 cluster: install
 	$(PY) -m benchmarks.cluster --quick
 
-# The nemesis (benchmarks/chaos.py): WORKLOAD (ddp, backup, async) trains for MINUTES under a seeded schedule of
-# faults, then the checker's table. Link faults need root and iproute2 (network namespaces); else they are skipped.
+# The nemesis (benchmarks/chaos.py, its faults in benchmarks/chaos_nemesis.py): WORKLOAD (ddp, backup, async) trains
+# for MINUTES under a seeded schedule of faults, then the checker's table. Link faults need root and iproute2 (network
+# namespaces); else they are skipped.
 SEED ?= 1
 MINUTES ?= 5
 WORKLOAD ?= ddp

@@ -100,22 +100,29 @@ class Agreement:
     timeout: float  # each wait of the agreement (BPS_FAILOVER_TIMEOUT)
     placement: str  # the paper's split, as configured
     own_keys: Callable[..., dict[int, tuple[int, int]]]  # (every_slice) -> {key: (epoch-0 server, bytes)}
-    make_client: Callable[[list[Server], int, Callable], object]  # (servers, job id, on_link_down) -> Client
+    # (servers, job id, on_link_down[, seconds to wait for HELLO replies, default BPS_CONNECT_TIMEOUT]) -> Client
+    make_client: Callable[..., object]
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
     start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
     available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
-    # rank 0: whether a server takes a new job now (a draining or stalled one does not: the failover leaves it out)
+    # whether a server takes a new job now (a draining or stalled one does not): rank 0 leaves out of a failover those
+    # that do not; a rank whose client of the decided servers failed names those it cannot reach
     answers: Callable[[str], bool] = lambda address: True
+    # A failover's client's wait for its servers' HELLO replies: they answered rank 0 a moment ago, and a server silent
+    # for the heartbeat timeout counts as lost (BPS_HEARTBEAT_TIMEOUT)
+    hello_timeout: float = 10.0
 
 
-def wait_all(a: Agreement, prefix: str, what: str) -> list[bytes]:
+def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:
+    """Every rank's report under `prefix`, waiting `timeout` (default: the agreement's) for the last one."""
     keys = [f"{prefix}/{r}" for r in range(a.world_size)]
+    timeout = timeout or a.timeout
     try:
-        a.store.wait(keys, timedelta(seconds=a.timeout))
+        a.store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:
         missing = [r for r, k in enumerate(keys) if not a.store.check([k])]
         raise BpsTimeoutError(
-            f"failover: rank(s) {missing} did not report {what} within {a.timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
+            f"failover: rank(s) {missing} did not report {what} within {timeout}s (BPS_FAILOVER_TIMEOUT): a rank "
             "that does not report is lost itself, or does not see the server as lost"
         ) from e
     return [a.store.get(k) for k in keys]

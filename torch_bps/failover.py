@@ -10,6 +10,9 @@ part whose server is lost is held, not failed, and the workers agree through the
                    the servers that remain (with claimed standbys; with none left, fresh colocated ones), the
                    new job id, each moved key's new owner (`place_moved`), and per key whose round closed on a
                    lost server, who supplies its result (`decide`)
+    up/<rank>      whether this rank's client of the decided servers said HELLO to each: a server that died since
+                   the decision (a standby killed once claimed) fails some rank's, and then every rank drops its new
+                   client and the ranks agree again (under failover/<epoch>/again<n>/), the dead server lost too
 
 Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
 and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
@@ -39,11 +42,12 @@ import torch
 from torch_bps.agreement import RECOVERY_BIT, Agreement, decide, owner, place_moved, recovery_part, wait_all, wait_one
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
 from torch_bps.engine.placement import Placement, Server, server_weights
-from torch_bps.errors import BpsTimeoutError
+from torch_bps.errors import BpsTimeoutError, ServerError, TransportError
 from torch_bps.futures import Done
 from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps")
+ATTEMPTS = 3  # agreements of one failover before it fails: each drops the servers some rank's client could not reach
 
 
 def _weights(colocated: list[str], dedicated: list[str], placement: str) -> list[Server]:
@@ -120,8 +124,9 @@ class Router:
         self._active = 0  # collectives in flight
         self._idle = threading.Condition(self._lock)
         self._rebalances = 0
+        self._spare: list[str] = []  # rank 0: standbys claimed by a failover agreed again, not used yet
         self.failovers: list[dict] = []  # what each failover did (also logged)
-        client = agreement.make_client(list(servers), job_id, lambda server, why: self.on_link_down(0, server, why))
+        client = agreement.make_client(list(servers), job_id, self._link_down_handler(list(servers)))
         self._epochs.append(_Epoch(client, list(servers)))
 
     @property
@@ -129,13 +134,17 @@ class Router:
         """Epoch 0's client: the job's own, whose server indices every partition is given in."""
         return self._epochs[0].client
 
-    def on_link_down(self, epoch: int, server: int, why: str) -> None:
+    def _link_down_handler(self, servers: list[Server]):
         """A client's link-down handler: a dedicated server that goes down is failed over even if no part of
-        this rank waits on it, so that this rank reports too."""
-        with self._lock:
-            s = self._epochs[epoch].servers[server]
-            if s.dedicated:
-                self._notice(s.address)
+        this rank waits on it, so that this rank reports too. It holds the client's servers, not its epoch's index:
+        a failover's client reports from its HELLO on, before its epoch exists (and maybe for an agreement redone)."""
+
+        def on_link_down(server: int, why: str) -> None:
+            with self._lock:
+                if servers[server].dedicated:
+                    self._notice(servers[server].address)
+
+        return on_link_down
 
     def failing_over(self) -> bool:
         """A failover is under way: its own waits bound it (BPS_FAILOVER_TIMEOUT) while it holds collectives."""
@@ -286,13 +295,14 @@ class Router:
 
     def _fail_over(self) -> None:
         try:
+            attempt = 0
             while True:
                 with self._lock:
                     seen = sorted(self._seen - self._lost)
                     if not seen:
                         self._thread = None  # under the lock: a later notice starts a new thread
                         return
-                self._one_failover(seen)
+                attempt = 0 if self._one_failover(seen, attempt) else attempt + 1
         except BaseException as e:  # noqa: BLE001 - every held collective fails with it, and every later one
             log.error("torch_bps[%s]: failover failed: %s", self._name, e)
             with self._lock:
@@ -306,9 +316,11 @@ class Router:
             for c in finished:
                 self._epochs[0].client.post(lambda c=c: c.done(c.error))
 
-    def _one_failover(self, seen: list[str]) -> None:
+    def _one_failover(self, seen: list[str], attempt: int = 0) -> bool:
+        """Agree on a failover of the servers `seen` lost and apply it; False if the ranks must agree again (some
+        rank's new client could not reach a server of the decision; the lost servers include it now)."""
         a, e = self._agree, len(self._epochs)
-        ns, started = f"failover/{e}/", time.monotonic()
+        ns, started = f"failover/{e}/" + (f"again{attempt}/" if attempt else ""), time.monotonic()
         # 1. The lost servers: the union of what the ranks saw, so that all abandon the same ones.
         a.store.set(f"{ns}lost/{a.rank}", json.dumps(seen))
         if a.rank == 0:
@@ -345,7 +357,9 @@ class Router:
         if not decision["dedicated"] and not colocated:  # nothing left: every machine starts a server of its own
             colocated = a.start_colocated(ns + "colocated")
         servers = _weights(colocated, decision["dedicated"], a.placement)
-        client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
+        client = self._connect(ns, servers, decision["job_id"], e, attempt)
+        if client is None:
+            return False
         actions = {int(k): tuple(v) for k, v in decision["actions"].items()}
         # 3. Finish the open rounds on the new owners, send the held parts there, go on.
         with self._lock:
@@ -361,6 +375,7 @@ class Router:
                 self._fill[key] = done - decision["model_base"][str(key)]
             self._epochs.append(_Epoch(client, servers, frozenset(lost)))
             self._lost |= lost
+            self._spare = []
             for key in mine:
                 self._route(key, *own[key])
             held, self._held = sorted(self._held, key=lambda h: h[0]), []
@@ -382,7 +397,7 @@ class Router:
                   "standby": decision["standby"], "keys_moved": len(mine),
                   "broadcast": sum(1 for k in actions if k in mine and actions[k][1] >= 0),
                   "summed_again": sum(1 for k in actions if k in mine and actions[k][1] < 0),
-                  "held_parts": len(held), "shares": decision["shares"],
+                  "held_parts": len(held), "shares": decision["shares"], "attempt": attempt,
                   "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
         self.failovers.append(record)
         # Like the start-up split: each server's share of the bytes now, against the paper's split of what remains.
@@ -396,18 +411,50 @@ class Router:
                     ", ".join(decision["standby"]) or "none", split, record["broadcast"], record["summed_again"],
                     len(held), record["seconds"])  # fmt: skip
 
+    def _connect(self, ns: str, servers: list[Server], job_id: int, e: int, attempt: int):
+        """This rank's client of the decided `servers`, once every rank's said HELLO to all of them; None if some
+        rank's could not (every rank then closes its own, and notes the servers that rank could not reach as lost)."""
+        a, client, trouble = self._agree, None, None
+        try:
+            client = a.make_client(servers, job_id, self._link_down_handler(servers), a.hello_timeout)
+        except (TransportError, BpsTimeoutError, ServerError) as error:
+            unreachable = [s.address for s in servers if s.dedicated and not a.answers(s.address)]
+            trouble = {"error": f"{type(error).__name__}: {error}", "unreachable": unreachable}
+        a.store.set(f"{ns}up/{a.rank}", json.dumps(trouble))
+        # A rank whose servers do not answer waits the HELLO timeout for them: the others wait that much longer.
+        reports = wait_all(a, ns + "up", "whether its client reached the servers", a.timeout + a.hello_timeout)
+        failed = {rank: t for rank, t in enumerate(map(json.loads, reports)) if t}
+        if not failed:
+            return client
+        if client is not None:
+            client.close()
+        unreachable = sorted({address for t in failed.values() for address in t["unreachable"]})
+        why = "; ".join(f"rank {rank}: {t['error']}" for rank, t in failed.items())
+        if attempt + 1 >= ATTEMPTS:
+            raise TransportError(f"failover {e}: agreed {ATTEMPTS} times, and each time some rank's client could not "
+                                 f"reach the servers decided: {why}")  # fmt: skip
+        log.warning("torch_bps[%s]: failover %d: rank(s) %s could not reach the servers decided (%s): agreeing again "
+                    "without %s", self._name, e, sorted(failed), why, ", ".join(unreachable) or "them")  # fmt: skip
+        with self._lock:
+            self._seen.update(unreachable)
+        return None
+
     def _decide(self, lost: set[str], reports: list[dict]) -> dict:
         """Rank 0: the servers that remain (and standbys), where the lost servers' keys go, who finishes which
         open round; from every rank's counts (JSON: key -> [completed, whole, bytes])."""
         current = self._current_servers()
         remaining = [s.address for s in current if s.dedicated and s.address not in lost]
+        gone = [s.address for s in current if s.dedicated and s.address in lost]
         # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
         # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
         dedicated = [address for address in remaining if self._agree.answers(address)]
         colocated = [s.address for s in current if not s.dedicated]
-        # A standby may have died since it registered: one that does not answer is claimed and left out.
-        claimed = self._agree.standby(len(lost) + len(remaining) - len(dedicated))
-        standby = [address for address in claimed if self._agree.answers(address)]
+        # A standby may have died since it registered: one that does not answer is claimed and left out. Standbys an
+        # agreement redone claimed already come first.
+        wanted = len(gone) + len(remaining) - len(dedicated)
+        spare = [address for address in self._spare if address not in lost][:wanted]
+        claimed = spare + (self._agree.standby(wanted - len(spare)) if wanted > len(spare) else [])
+        standby = self._spare = [address for address in claimed if self._agree.answers(address)]
         dedicated += standby
         decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
                     "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip
@@ -468,8 +515,7 @@ class Router:
             a.store.set(ns + "decision", json.dumps(decision))
         decision = json.loads(wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
         servers = _weights(decision["colocated"], decision["dedicated"], a.placement)
-        e = len(self._epochs)
-        client = a.make_client(servers, decision["job_id"], lambda server, why: self.on_link_down(e, server, why))
+        client = a.make_client(servers, decision["job_id"], self._link_down_handler(servers))
         keys = a.own_keys(True)  # every slice's keys, in one order: every rank places them alike
         with self._lock:
             old = self._epochs[1:]

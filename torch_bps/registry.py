@@ -8,6 +8,7 @@ May import: the standard library, torch.distributed and torch_bps.address only (
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -62,7 +63,9 @@ def registered(store: dist.Store) -> list[str]:
 def claim_standby(store: dist.Store, skip: int, used: set[str], count: int, wait: float, owner: str) -> list[str]:
     """Claim up to `count` servers registered beyond the first `skip` (standbys) that nobody claimed and are not
     in `used`; wait up to `wait` seconds for more to register. A claim (compare_set, keyed by address) holds for
-    every job sharing the registry: `owner` names the job that took it."""
+    every job sharing the registry: `owner` names the job that took it, with a mark of this call's, so that a server
+    the job claimed in an earlier failover (and uses now) is not claimed again as a free standby."""
+    token = f"{owner}/{os.urandom(4).hex()}"
     claimed: list[str] = []
     deadline = time.monotonic() + wait
     index = skip
@@ -71,7 +74,7 @@ def claim_standby(store: dist.Store, skip: int, used: set[str], count: int, wait
             address = store.get(f"{_PREFIX}{index}").decode()
             index += 1
             key = f"{_PREFIX}claimed/{address}"
-            if address not in used and store.compare_set(key, "", owner).decode() == owner:
+            if address not in used and store.compare_set(key, "", token).decode() == token:
                 claimed.append(address)
         elif time.monotonic() < deadline:
             time.sleep(0.1)

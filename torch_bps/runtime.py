@@ -153,9 +153,10 @@ class Runtime:
 
         config, topology = self.config, self.topology
 
-        def make_client(servers, new_job_id, on_link_down):
+        def make_client(servers, new_job_id, on_link_down, connect_timeout=None):
             credentials = _client_credentials(config, self._secret, servers)
-            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials, timeout,
+            return _client(config, [s.address for s in servers], new_job_id, worker, num_workers, credentials,
+                           connect_timeout or timeout,
                            dedicated=self._with_dedicated, weights=servers, failover=True,
                            on_link_down=on_link_down)  # fmt: skip
 
@@ -196,7 +197,8 @@ class Runtime:
             return self._engine.own_keys(every_slice)  # the engine, made after its router, before any failover
 
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
-                              own_keys, make_client, standby, start_colocated, available, self._answers)  # fmt: skip
+                              own_keys, make_client, standby, start_colocated, available, self._answers,
+                              hello_timeout=config.heartbeat_timeout)  # fmt: skip
         return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:

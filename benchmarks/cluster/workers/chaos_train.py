@@ -10,7 +10,8 @@ Workloads (--workload):
           element n + r every step, so the servers' final model says exactly how many of each rank's acknowledged
           updates it holds, and whether one was applied twice
 
-Each step appends a JSON line {"t", "rank", "step", "crc"} to --record. Rank 0 decides when to stop (--seconds
+Each step appends a JSON line {"t", "rank", "step", "crc"} to --record; the end, one with "event": "done" and the
+workload's result, or "event": "error" with the exception's type and message. Rank 0 decides when to stop (--seconds
 elapsed or --steps reached) and publishes the last step, a margin ahead, through the job's store, so every rank
 ends on the same step. Rendezvous from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (env://); BPS_* configure the rest.
 May import: the standard library, torch and torch_bps.
@@ -96,6 +97,19 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(16, 32, generator=torch.Generator().manual_seed(1_000_003 * rank + step))
 
 
+def train(args, record: Recorder, stop: Stop, one_step, params: list) -> int:
+    """Run `one_step(step)` up to rank 0's last step, recording `params` (a CRC) after each; return the steps."""
+    step = 0
+    while True:
+        one_step(step)
+        record.step(step, crc=crc(params))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if stop.done(step):
+            return step + 1
+        step += 1
+
+
 def run_ddp(args, rank: int, record: Recorder, stop: Stop) -> dict:
     dist.init_process_group("byteps")
     model = model_of()
@@ -103,21 +117,22 @@ def run_ddp(args, rank: int, record: Recorder, stop: Stop) -> dict:
         p.register_hook(exact_grad)  # before DDP's reducer sees the gradient
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)  # several buckets: several keys per step
     opt = torch.optim.SGD(ddp.parameters(), lr=2.0**-4)
-    step = 0
-    while True:
+
+    def one_step(step: int) -> None:
         opt.zero_grad()
         ddp(batch(rank, step)).pow(2).mean().backward()
         opt.step()
-        record.step(step, crc=crc(model.parameters()))
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if stop.done(step):
-            break
-        step += 1
+
+    steps = train(args, record, stop, one_step, list(model.parameters()))
     if args.out and rank == 0:
         torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, args.out)
+    return {"steps": steps, "failovers": failovers()}
+
+
+def failovers() -> list[dict]:
+    """What every failover of this process's groups did."""
     routers = [rt._engine.router for rt in _RUNTIMES.values() if rt._engine.router is not None]
-    return {"steps": step + 1, "failovers": [r for router in routers for r in router.failovers]}
+    return [r for router in routers for r in router.failovers]
 
 
 def run_backup(args, rank: int, record: Recorder, stop: Stop) -> dict:
@@ -126,19 +141,14 @@ def run_backup(args, rank: int, record: Recorder, stop: Stop) -> dict:
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
     opt = torch.optim.SGD(ddp.parameters(), lr=2.0**-4)
     sync = torch_bps.BackupWorkers(ddp, opt, backups=args.backups)
-    step = 0
-    while True:
+
+    def one_step(step: int) -> None:
         opt.zero_grad()
         if sync.compute():
             ddp(batch(rank, step)).pow(2).mean().backward()
         sync.step()
-        record.step(step, crc=crc(model.parameters()))
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if stop.done(step):
-            break
-        step += 1
-    out = {"steps": step + 1, "caught_up": sync.caught_up}
+
+    out = {"steps": train(args, record, stop, one_step, list(model.parameters())), "caught_up": sync.caught_up}
     sync.close()
     return out
 
@@ -149,21 +159,16 @@ def run_async(args, rank: int, record: Recorder, stop: Stop) -> dict:
     p = torch.nn.Parameter(torch.zeros(2 * n, dtype=torch.float64))
     opt = torch.optim.SGD([p], lr=1.0)
     trainer = torch_bps.AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=2)
-    step, powers = 0, 0.0
-    while True:
+
+    def one_step(step: int) -> None:
         opt.zero_grad()
         grad = torch.zeros_like(p)
         grad[rank] = 1.0
         grad[n + rank] = 2.0 ** (step % POWERS)
         p.grad = grad * n  # AsyncTraining divides each update by n, as DDP's mean would
         trainer.step()
-        powers += 2.0 ** (step % POWERS)
-        record.step(step, crc=crc([p]))
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if stop.done(step):
-            break
-        step += 1
+
+    steps = train(args, record, stop, one_step, [p])
     trainer.flush()  # every update of this rank acknowledged
     stop.store.add("chaos/flushed", 1)
     deadline = time.monotonic() + 120
@@ -173,10 +178,10 @@ def run_async(args, rank: int, record: Recorder, stop: Stop) -> dict:
         time.sleep(0.05)
     trainer.flush()
     model = p.detach().tolist()
-    routers = [rt._engine.router for rt in _RUNTIMES.values() if rt._engine.router is not None]
-    failovers = [r for router in routers for r in router.failovers]
+    done = failovers()
     trainer.close()
-    return {"steps": step + 1, "acked": step + 1, "powers": powers, "model": model, "failovers": failovers}
+    powers = sum(2.0 ** (step % POWERS) for step in range(steps))
+    return {"steps": steps, "acked": steps, "powers": powers, "model": model, "failovers": done}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,7 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     record, stop = Recorder(args.record, rank), Stop(rank, args.seconds, args.steps)
-    result = {"ddp": run_ddp, "backup": run_backup, "async": run_async}[args.workload](args, rank, record, stop)
+    try:
+        result = {"ddp": run_ddp, "backup": run_backup, "async": run_async}[args.workload](args, rank, record, stop)
+    except Exception as e:  # recorded for the checker (an unsurvivable fault must end every rank with its error)
+        record.step(-1, event="error", type=type(e).__name__, message=str(e)[:2000])
+        raise
     record.step(-1, event="done", **result)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
