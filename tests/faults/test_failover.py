@@ -127,7 +127,8 @@ def test_standby_server_takes_over(tmp_path, baseline):
     assert shares.keys() == {servers[0].address, standby.address} and min(shares.values()) > 0.48, shares
 
 
-@pytest.mark.parametrize("placement", ["optimal", "dedicated"])
+# "optimal" and random-k below run in make stress: make test's 20 minutes are spent, and their siblings take the path.
+@pytest.mark.parametrize("placement", [pytest.param("optimal", marks=pytest.mark.slow), "dedicated"])
 def test_every_dedicated_server_lost_falls_back_to_colocated(tmp_path, baseline, placement):
     """Two failovers in one run: to the survivor, then (none left) to colocated servers the workers start, which
     take every byte also where the placement gave colocated servers none (a ValueError there, found by
@@ -156,7 +157,7 @@ def test_hook_door(tmp_path, baseline):
     assert [r["lost"] for r in records] == [[servers[0].address]], output[-3000:]
 
 
-@pytest.mark.parametrize("compressor", ["onebit", "topk:0.1", "randomk:0.1"])
+@pytest.mark.parametrize("compressor", ["onebit", "topk:0.1", pytest.param("randomk:0.1", marks=pytest.mark.slow)])
 def test_compressed_buckets_are_failed_over(tmp_path, compressor):
     """bps_hook's compressed buckets through a killed server: no step lost and replicas bit-identical. Random-k
     ends bit-identical to an uninterrupted run (its moved keys restart their rounds, and its sums do not depend on
