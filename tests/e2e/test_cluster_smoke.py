@@ -506,7 +506,10 @@ def test_cpu_window_measures_watched_processes_over_its_own_window_only():
         for c in children:
             c.kill()
             c.wait(timeout=30)
-    assert got["burned"]["process_cores"] < 0.05 < 0.3 < got["spinning"]["process_cores"] <= 1.05, got
+    spinning = got["spinning"]
+    assert got["burned"]["process_cores"] < 0.05 < spinning["process_cores"] <= 1.05, got
+    # The spinner runs or waits for a core through the whole window: on a busy machine, more of it waiting.
+    assert 0.9 <= spinning["process_cores"] + spinning["process_waiting"] <= 1.1, got
 
 
 def test_process_wait_seconds_counts_time_runnable_without_a_core():
