@@ -151,12 +151,14 @@ def _child_cannot_map(rank, size, port, node, results):
         results.put((rank, traceback.format_exc()))
 
 
-def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike():
+def _two_local_ranks(target) -> tuple[dict, str, list]:
+    """Run `target(rank, 2, port, node, results)` in 2 spawned processes; return what each put, by rank, the node's
+    name and the processes."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     node = f"dev-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_child_cannot_map, args=(r, 2, store.port, node, results), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, 2, store.port, node, results), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -166,6 +168,11 @@ def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    return reports, node, procs
+
+
+def test_a_rank_that_cannot_map_its_peers_buffers_fails_every_ranks_set_up_alike():
+    reports, node, procs = _two_local_ranks(_child_cannot_map)
     assert "set-up: cannot map local rank 0's buffer (OSError: no IPC here)" in reports[1], reports[1]
     assert r"local rank(s) [1] passed invalid input" in reports[0], reports[0]
     # Only these ranks' files (the name carries the creator's pid): other tests may run beside this one.
@@ -197,20 +204,7 @@ def test_the_stage_stream_waits_for_the_callers_and_every_barrier_for_the_stage_
     """What a GPU's streams would do, recorded: each call's stage stream first waits for an event of the caller's
     stream (the copies in read what the caller wrote), every barrier host-waits for an event of the stage stream (a
     peer may then overwrite what this rank read), and the caller's stream waits for the stage stream at the end."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = ctx.Queue()
-    node = f"dev-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_child_recorded, args=(r, 2, store.port, node, results), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        logs = dict(results.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    logs, _, _ = _two_local_ranks(_child_recorded)
     for rank, log in logs.items():
         assert isinstance(log, list), f"local rank {rank}:\n{log}"
         recorded = {e[2]: e[1] for e in log if e[0] == "record"}  # event -> the stream it was recorded on
