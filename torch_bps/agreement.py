@@ -1,6 +1,7 @@
 """How the workers agree on a failover (failover.py): what the Router needs from the runtime (`Agreement`), the
-waits in the job's store, and the rules: pure functions, so that every rank computes the same from the same
-inputs (`decide`, `place_moved`, `owner`, `recovery_part`).
+waits in the job's store (`wait_all`, `wait_one`, `connect`), and the rules: functions of what every rank sees
+alike, so that every rank computes the same (`decide`, `place_moved`, `owner`, `recovery_part`), or that rank 0
+computes alone and writes to the store (`plan`).
 
 May import: the standard library, torch, torch_bps.errors, wire, engine.placement.
 """
@@ -8,18 +9,23 @@ May import: the standard library, torch, torch_bps.errors, wire, engine.placemen
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from torch_bps.engine.placement import Server
-from torch_bps.errors import BpsTimeoutError
+from torch_bps.engine.placement import Server, server_weights
+from torch_bps.errors import BpsTimeoutError, ServerError, TransportError
 from torch_bps.wire import Mode, Partition
 
+log = logging.getLogger("torch_bps")
 RECOVERY_BIT = 1 << 63  # key K's unfinished round is finished on key K | RECOVERY_BIT (KeyBook keys stay below 2**56)
+ATTEMPTS = 3  # agreements of one failover before it fails: each drops the servers some rank's client could not reach
 
 
 # -- the rules: pure functions, so every rank computes the same from the same inputs
@@ -45,6 +51,12 @@ def decide(counts: list[dict[int, tuple[int, bool]]]) -> dict[int, tuple[int, in
             sources = [rank for done, whole, rank in entries if done == hi and whole]
             actions[key] = (lo, min(sources) if sources else -1)
     return actions
+
+
+def weights(colocated: list[str], dedicated: list[str], placement: str) -> list[Server]:
+    """`server_weights`, but with every dedicated server lost the colocated fallback takes every byte whatever the
+    placement (BPS_PLACEMENT=dedicated has no colocated share to give it)."""
+    return server_weights(colocated, dedicated, placement if dedicated else "colocated")
 
 
 def place_moved(moved: dict[int, int], loads: dict[str, int], servers: list[Server]) -> dict[int, int]:
@@ -136,3 +148,68 @@ def wait_one(a: Agreement, key: str, what: str) -> bytes:
             f"failover: waited {a.timeout}s (BPS_FAILOVER_TIMEOUT) for {what} (store key {key})"
         ) from e
     return a.store.get(key)
+
+
+def plan(a: Agreement, current: list[Server], lost: set[str], spare: list[str], reports: list[dict],
+         loads: dict[str, int]) -> dict:  # fmt: skip
+    """Rank 0: a failover's decision. The servers: of those some key may live on now (`current`), the dedicated ones
+    that remain and answer, standbys for the rest (`spare` first: those an agreement redone claimed already), and the
+    colocated ones; a fresh job id; who finishes which open round (`decide`); where each moved key goes
+    (`place_moved`) and each server's share of the bytes then. reports: every rank's counts (JSON: key ->
+    [completed, whole, bytes]); loads: per server, the bytes of the keys that stay."""
+    remaining = [s.address for s in current if s.dedicated and s.address not in lost]
+    gone = [s.address for s in current if s.dedicated and s.address in lost]
+    # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
+    # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
+    dedicated = [address for address in remaining if a.answers(address)]
+    colocated = [s.address for s in current if not s.dedicated]
+    wanted = len(gone) + len(remaining) - len(dedicated)
+    spare = [address for address in spare if address not in lost][:wanted]
+    claimed = spare + (a.standby(wanted - len(spare)) if wanted > len(spare) else [])
+    # A standby may have died since it registered: one that does not answer is claimed and left out.
+    standby = [address for address in dict.fromkeys(claimed) if address not in dedicated and a.answers(address)]
+    dedicated += standby
+    counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
+    decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated, "colocated": colocated,
+                "standby": standby, "actions": {str(k): v for k, v in decide(counts).items()}, "owners": {},
+                "shares": {}}  # fmt: skip
+    if dedicated or colocated:  # else colocated servers are started and keys spread by `owner`
+        servers = weights(colocated, dedicated, a.placement)
+        moved = {int(k): v[2] for r in reports for k, v in r.items()}
+        loads = dict(loads)
+        decision["owners"] = {str(k): i for k, i in place_moved(moved, loads, servers).items()}
+        total = sum(loads.values()) + sum(moved.values())
+        for k, i in decision["owners"].items():
+            loads[servers[i].address] = loads.get(servers[i].address, 0) + moved[int(k)]
+        decision["shares"] = {s.address: round(loads.get(s.address, 0) / max(total, 1), 3) for s in servers}
+    return decision
+
+
+def connect(a: Agreement, ns: str, servers: list[Server], job_id: int, on_link_down: Callable, what: str,
+            attempt: int) -> tuple[object | None, list[str]]:  # fmt: skip
+    """This rank's client of the decided `servers`, once every rank's said HELLO to all of them (`up/<rank>`).
+    If some rank's could not, every rank closes its own and gets (None, the servers those ranks could not reach);
+    after `ATTEMPTS` agreements, a TransportError naming each rank's error. what: e.g. "torch_bps[default]:
+    failover 2", for the logs."""
+    client, trouble = None, None
+    try:
+        client = a.make_client(servers, job_id, on_link_down, a.hello_timeout)
+    except (TransportError, BpsTimeoutError, ServerError) as error:
+        unreachable = [s.address for s in servers if s.dedicated and not a.answers(s.address)]
+        trouble = {"error": f"{type(error).__name__}: {error}", "unreachable": unreachable}
+    a.store.set(f"{ns}up/{a.rank}", json.dumps(trouble))
+    # A rank whose servers do not answer waits the HELLO timeout for them: the others wait that much longer.
+    reports = wait_all(a, ns + "up", "whether its client reached the servers", a.timeout + a.hello_timeout)
+    failed = {rank: t for rank, t in enumerate(map(json.loads, reports)) if t}
+    if not failed:
+        return client, []
+    if client is not None:
+        client.close()
+    unreachable = sorted({address for t in failed.values() for address in t["unreachable"]})
+    why = "; ".join(f"rank {rank}: {t['error']}" for rank, t in failed.items())
+    if attempt + 1 >= ATTEMPTS:
+        raise TransportError(f"{what}: agreed {ATTEMPTS} times, and each time some rank's client could not reach the "
+                             f"servers decided: {why}")  # fmt: skip
+    log.warning("%s: rank(s) %s could not reach the servers decided (%s): agreeing again without %s", what,
+                sorted(failed), why, ", ".join(unreachable) or "them")  # fmt: skip
+    return None, unreachable

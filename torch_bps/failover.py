@@ -39,22 +39,14 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_bps.agreement import RECOVERY_BIT, Agreement, decide, owner, place_moved, recovery_part, wait_all, wait_one
+from torch_bps.agreement import Agreement, connect, owner, plan, recovery_part, wait_all, wait_one, weights
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
-from torch_bps.engine.placement import Placement, Server, server_weights
-from torch_bps.errors import BpsTimeoutError, ServerError, TransportError
+from torch_bps.engine.placement import Placement, Server
+from torch_bps.errors import BpsTimeoutError
 from torch_bps.futures import Done
 from torch_bps.wire import Mode, Partition
 
 log = logging.getLogger("torch_bps")
-ATTEMPTS = 3  # agreements of one failover before it fails: each drops the servers some rank's client could not reach
-
-
-def _weights(colocated: list[str], dedicated: list[str], placement: str) -> list[Server]:
-    """`server_weights`, but with every dedicated server lost the colocated fallback takes every byte whatever the
-    placement (BPS_PLACEMENT=dedicated has no colocated share to give it)."""
-    return server_weights(colocated, dedicated, placement if dedicated else "colocated")
-
 
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
@@ -356,9 +348,12 @@ class Router:
         colocated = decision["colocated"]
         if not decision["dedicated"] and not colocated:  # nothing left: every machine starts a server of its own
             colocated = a.start_colocated(ns + "colocated")
-        servers = _weights(colocated, decision["dedicated"], a.placement)
-        client = self._connect(ns, servers, decision["job_id"], e, attempt)
+        servers = weights(colocated, decision["dedicated"], a.placement)
+        client, unreachable = connect(a, ns, servers, decision["job_id"], self._link_down_handler(servers),
+                                      f"torch_bps[{self._name}]: failover {e}", attempt)  # fmt: skip
         if client is None:
+            with self._lock:
+                self._seen.update(unreachable)
             return False
         actions = {int(k): tuple(v) for k, v in decision["actions"].items()}
         # 3. Finish the open rounds on the new owners, send the held parts there, go on.
@@ -410,71 +405,21 @@ class Router:
                     self._name, e, ", ".join(record["lost"]), len(mine), a.rank,
                     ", ".join(decision["standby"]) or "none", split, record["broadcast"], record["summed_again"],
                     len(held), record["seconds"])  # fmt: skip
-
-    def _connect(self, ns: str, servers: list[Server], job_id: int, e: int, attempt: int):
-        """This rank's client of the decided `servers`, once every rank's said HELLO to all of them; None if some
-        rank's could not (every rank then closes its own, and notes the servers that rank could not reach as lost)."""
-        a, client, trouble = self._agree, None, None
-        try:
-            client = a.make_client(servers, job_id, self._link_down_handler(servers), a.hello_timeout)
-        except (TransportError, BpsTimeoutError, ServerError) as error:
-            unreachable = [s.address for s in servers if s.dedicated and not a.answers(s.address)]
-            trouble = {"error": f"{type(error).__name__}: {error}", "unreachable": unreachable}
-        a.store.set(f"{ns}up/{a.rank}", json.dumps(trouble))
-        # A rank whose servers do not answer waits the HELLO timeout for them: the others wait that much longer.
-        reports = wait_all(a, ns + "up", "whether its client reached the servers", a.timeout + a.hello_timeout)
-        failed = {rank: t for rank, t in enumerate(map(json.loads, reports)) if t}
-        if not failed:
-            return client
-        if client is not None:
-            client.close()
-        unreachable = sorted({address for t in failed.values() for address in t["unreachable"]})
-        why = "; ".join(f"rank {rank}: {t['error']}" for rank, t in failed.items())
-        if attempt + 1 >= ATTEMPTS:
-            raise TransportError(f"failover {e}: agreed {ATTEMPTS} times, and each time some rank's client could not "
-                                 f"reach the servers decided: {why}")  # fmt: skip
-        log.warning("torch_bps[%s]: failover %d: rank(s) %s could not reach the servers decided (%s): agreeing again "
-                    "without %s", self._name, e, sorted(failed), why, ", ".join(unreachable) or "them")  # fmt: skip
-        with self._lock:
-            self._seen.update(unreachable)
-        return None
+        return True
 
     def _decide(self, lost: set[str], reports: list[dict]) -> dict:
-        """Rank 0: the servers that remain (and standbys), where the lost servers' keys go, who finishes which
-        open round; from every rank's counts (JSON: key -> [completed, whole, bytes])."""
-        current = self._current_servers()
-        remaining = [s.address for s in current if s.dedicated and s.address not in lost]
-        gone = [s.address for s in current if s.dedicated and s.address in lost]
-        # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
-        # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
-        dedicated = [address for address in remaining if self._agree.answers(address)]
-        colocated = [s.address for s in current if not s.dedicated]
-        # A standby may have died since it registered: one that does not answer is claimed and left out. Standbys an
-        # agreement redone claimed already come first.
-        wanted = len(gone) + len(remaining) - len(dedicated)
-        spare = [address for address in self._spare if address not in lost][:wanted]
-        claimed = spare + (self._agree.standby(wanted - len(spare)) if wanted > len(spare) else [])
-        standby = self._spare = [address for address in claimed if self._agree.answers(address)]
-        dedicated += standby
-        decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated,
-                    "colocated": colocated, "standby": standby, "owners": {}, "shares": {}}  # fmt: skip
-        counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
-        decision["actions"] = {str(k): v for k, v in decide(counts).items()}
-        if dedicated or colocated:  # else colocated servers are started and keys spread by `owner`
-            servers = _weights(colocated, dedicated, self._agree.placement)
-            moved = {int(k): v[2] for r in reports for k, v in r.items()}
-            loads: dict[str, int] = {}
-            with self._lock:
-                for key, (server, nbytes) in self._agree.own_keys(True).items():
-                    if key not in moved:
-                        epoch, index = self._route(key, server, nbytes)
-                        address = self._epochs[epoch].servers[index].address
-                        loads[address] = loads.get(address, 0) + nbytes
-            decision["owners"] = {str(k): i for k, i in place_moved(moved, loads, servers).items()}
-            total = sum(loads.values()) + sum(moved.values())
-            for k, i in decision["owners"].items():
-                loads[servers[i].address] = loads.get(servers[i].address, 0) + moved[int(k)]
-            decision["shares"] = {s.address: round(loads.get(s.address, 0) / max(total, 1), 3) for s in servers}
+        """Rank 0's failover decision (agreement.plan), given where the keys no rank reported live now."""
+        moved = {int(k) for r in reports for k in r}
+        loads: dict[str, int] = {}  # per server, the bytes of the keys that stay where they are
+        with self._lock:
+            for key, (server, nbytes) in self._agree.own_keys(True).items():
+                if key not in moved:
+                    epoch, index = self._route(key, server, nbytes)
+                    address = self._epochs[epoch].servers[index].address
+                    loads[address] = loads.get(address, 0) + nbytes
+            current, spare = self._current_servers(), self._spare
+        decision = plan(self._agree, current, lost, spare, reports, loads)
+        self._spare = decision["standby"]
         return decision
 
     def _recovery_done(self, error: BaseException | None) -> None:
@@ -514,7 +459,7 @@ class Router:
             }
             a.store.set(ns + "decision", json.dumps(decision))
         decision = json.loads(wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
-        servers = _weights(decision["colocated"], decision["dedicated"], a.placement)
+        servers = weights(decision["colocated"], decision["dedicated"], a.placement)
         client = a.make_client(servers, decision["job_id"], self._link_down_handler(servers))
         keys = a.own_keys(True)  # every slice's keys, in one order: every rank places them alike
         with self._lock:
@@ -541,4 +486,4 @@ class Router:
             epoch.client.close()
 
 
-__all__ = ["Agreement", "RECOVERY_BIT", "Router", "decide", "owner", "recovery_part"]
+__all__ = ["Router"]

@@ -12,7 +12,7 @@ the process's one registry (`_RUNTIMES`; `acquire` and `release` for runtimes.py
 default one reuse the servers of the process's default Runtime if there is one; subgroups treat every rank as its
 own machine (no local reduction).
 May import: torch, torch_bps.config, errors, futures, rendezvous, topology, registry, security, client, local,
-engine, timeline, failover, wire; device.comm when a device's local stage opens.
+engine, timeline, agreement, failover, wire; device.comm when a device's local stage opens.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ class Runtime:
     def _router(self, weights, worker: int, num_workers: int, store_host: str, job_id: int, timeout: float):
         """The failover router of this group's engine (torch_bps/failover.py), with what its agreement needs; it
         makes the job's client of `weights` (job `job_id`) and each failover's."""
-        from torch_bps.failover import Agreement, Router
+        from torch_bps.agreement import Agreement
+        from torch_bps.failover import Router
 
         config, topology = self.config, self.topology
 

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port, start_servers, stop_servers
+from torch_bps.agreement import RECOVERY_BIT, Agreement
 from torch_bps.client import Client
 from torch_bps.engine.placement import server_weights
 from torch_bps.errors import BpsTimeoutError, TransportError
-from torch_bps.failover import RECOVERY_BIT, Agreement, Router
+from torch_bps.failover import Router
 from torch_bps.server.metrics import query_stats
 from torch_bps.wire import DTYPE_CODES as PROTOCOL_CODES
 from torch_bps.wire import Command, Mode, Partition

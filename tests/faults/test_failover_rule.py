@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch_bps.agreement import RECOVERY_BIT, decide, owner, place_moved, recovery_part
 from torch_bps.engine.placement import server_weights
-from torch_bps.failover import RECOVERY_BIT, decide, owner, place_moved, recovery_part
 from torch_bps.wire import Mode, Partition
 
 N = 12  # elements per key

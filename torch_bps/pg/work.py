@@ -66,11 +66,11 @@ class LaunchOrder:
         self._open: list[_Launch] = []  # taken, not nested, not yet delivered: what later launches wait for
         self._held: deque[tuple[list[_Launch], Callable[[], None]]] = deque()  # (what it waits for, its start)
         self._starting = False  # a thread is starting held collectives: new ones queue behind them
-        self._inside = threading.local()  # depth of deliveries on this thread
+        self._inside = _Depth()  # deliveries under way on this thread
 
     def enter(self) -> _Launch:
         """A collective about to be launched (by a callback of one of this group's, if this thread delivers one)."""
-        return _Launch(nested=getattr(self._inside, "depth", 0) > 0)
+        return _Launch(nested=self._inside.depth > 0)
 
     def start(self, entry: _Launch, run: Callable[[], None], hold: Callable[[], Callable[[], None]]) -> None:
         """Run `run` now, or queue what `hold()` returns (the same start, made to run on another thread later)
@@ -91,7 +91,7 @@ class LaunchOrder:
 
     def delivering(self):
         """Around a collective's set_result: what its callbacks launch is nested."""
-        return _Depth(self._inside)
+        return self._inside
 
     def delivered(self, entry: _Launch) -> None:
         """entry's future completed and its callbacks returned: start what waited for it, in launch order."""
@@ -111,15 +111,16 @@ class LaunchOrder:
             run()
 
 
-class _Depth:
-    def __init__(self, local: threading.local):
-        self._local = local
+class _Depth(threading.local):
+    """How many deliveries this thread is inside (a context manager: one more inside it)."""
+
+    depth = 0
 
     def __enter__(self):
-        self._local.depth = getattr(self._local, "depth", 0) + 1
+        self.depth += 1
 
     def __exit__(self, *exc):
-        self._local.depth -= 1
+        self.depth -= 1
 
 
 _orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> LaunchOrder
@@ -170,7 +171,7 @@ def launch(runtime, op: str, exchanges: Sequence[Exchange], result: Any, *, wher
     Example: `launch(rt, "barrier", [Exchange(torch.zeros(1))], [], where="on group 0", timeout=60)`.
     """
     on_device = device is not None and device.type != "cpu"
-    future = cuda_ops().future([device] if on_device else [])
+    future = cuda_ops().future([device]) if on_device else torch.futures.Future()
     if on_device:  # the finishes may write into outputs the collective only writes (scatter, gather...)
         order_after_caller(device)
     order, what = launch_order(runtime), f"{op} {where}"
