@@ -17,13 +17,13 @@ part whose server is lost is held, not failed, and the workers agree through the
 Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
 and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
 
-A MODEL key (asynchronous training) has no rounds to finish: its total on the servers is, by definition, the sum
-of every worker's updates. So each rank keeps the sum of its own updates of the key that came back, and the key's
-first push wherever it moves (a failover or a rebalance) carries that sum: the new total holds each acknowledged
-update once, and a held update, whose reply never came, is pushed after it, also once. In a failover, ranks that
-completed more rounds of the key than the fewest any rank did push that many zero rounds after their sum, so
-that a round there is the same step on every rank (the staleness bound counts rounds).
-`Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary, on the servers answering then.
+A MODEL key (asynchronous training) has no rounds to finish: its total is the sum of every worker's updates. Each
+rank keeps the sum of its own updates that came back, and the key's first push wherever it moves carries it: the
+new total holds each acknowledged update once, and a held update is pushed after it, also once. Ranks that
+completed more rounds of the key than the fewest any rank did then push that many zero rounds, so that a round
+there is the same step on every rank (the staleness bound counts rounds).
+`Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary on the servers answering then,
+agreed again as under up/ above if one of them dies before every rank said HELLO.
 
 May import: the standard library, torch, torch_bps.agreement, client, errors, futures, wire, engine.placement.
 """
@@ -116,6 +116,7 @@ class Router:
         self._active = 0  # collectives in flight
         self._idle = threading.Condition(self._lock)
         self._rebalances = 0
+        self._rebalancing = False  # a rebalance is agreeing: a server noticed lost meanwhile waits for its end
         self._spare: list[str] = []  # rank 0: standbys claimed by a failover agreed again, not used yet
         self.failovers: list[dict] = []  # what each failover did (also logged)
         client = agreement.make_client(list(servers), job_id, self._link_down_handler(list(servers)))
@@ -151,13 +152,12 @@ class Router:
     def push_pull_batch(self, parts: list[Partition], *, priority: int = 0, on_done: Done) -> None:
         """Run a collective's parts (servers indexed as at epoch 0); call `on_done` once, when all are back,
         wherever they went."""
-        done = on_done
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             self._calls += 1
             self._active += 1
-            call = _Call(done, priority, self._calls)
+            call = _Call(on_done, priority, self._calls)
             finished = self._send(call, [((call.seq, i), part) for i, part in enumerate(parts)])
         for c in finished:
             c.done(c.error)
@@ -281,7 +281,7 @@ class Router:
         if address in self._lost or address in self._seen:
             return
         self._seen.add(address)
-        if self._thread is None:
+        if self._thread is None and not self._rebalancing:  # one agreement at a time in the store
             self._thread = threading.Thread(target=self._fail_over, name=f"bps-failover-{self._name}", daemon=True)
             self._thread.start()
 
@@ -417,8 +417,11 @@ class Router:
                     epoch, index = self._route(key, server, nbytes)
                     address = self._epochs[epoch].servers[index].address
                     loads[address] = loads.get(address, 0) + nbytes
-            current, spare = self._current_servers(), self._spare
-        decision = plan(self._agree, current, lost, spare, reports, loads)
+            current: dict[str, Server] = {}  # every server some key may live on now, once each, in joining order
+            for s in (s for e in self._epochs for s in e.servers if s.address not in self._lost):
+                current.setdefault(s.address, s)
+            spare = self._spare
+        decision = plan(self._agree, list(current.values()), lost, spare, reports, loads)
         self._spare = decision["standby"]
         return decision
 
@@ -427,15 +430,6 @@ class Router:
             log.error("torch_bps[%s]: a recovery round failed: %s", self._name, error)
             with self._lock:
                 self._failure = self._failure or error
-
-    def _current_servers(self) -> list[Server]:
-        """Every server some key may live on now, once each, in the order they joined."""
-        out: dict[str, Server] = {}
-        for epoch in self._epochs:
-            for s in epoch.servers:
-                if s.address not in self._lost:
-                    out.setdefault(s.address, s)
-        return list(out.values())
 
     def rebalance(self) -> dict:
         """Re-place every key by the paper's rule over the servers that answer now: those that remain, standbys,
@@ -447,29 +441,25 @@ class Router:
             if not self._idle.wait_for(lambda: self._active == 0, a.timeout):
                 raise BpsTimeoutError(f"rebalance: {self._active} collective(s) still in flight after {a.timeout}s")
             self._rebalances += 1
+            self._rebalancing = True
             ns, started = f"rebalance/{self._rebalances}/", time.monotonic()
-        a.store.set(f"{ns}ready/{a.rank}", "1")
-        if a.rank == 0:
-            wait_all(a, ns + "ready", "that its collectives are done")
-            colocated, dedicated = a.available()
-            decision = {
-                "job_id": int.from_bytes(os.urandom(8), "little"),
-                "colocated": colocated,
-                "dedicated": dedicated,
-            }
-            a.store.set(ns + "decision", json.dumps(decision))
-        decision = json.loads(wait_one(a, ns + "decision", "the rebalance decision from rank 0"))
-        servers = weights(decision["colocated"], decision["dedicated"], a.placement)
-        client = a.make_client(servers, decision["job_id"], self._link_down_handler(servers))
+        try:
+            client, servers = self._agree_rebalance(ns)
+        except BaseException:
+            with self._lock:  # the servers noticed lost meanwhile are failed over now
+                self._rebalancing, seen, self._seen = False, self._seen - self._lost, set()
+                for address in seen:
+                    self._notice(address)
+            raise
         keys = a.own_keys(True)  # every slice's keys, in one order: every rank places them alike
         with self._lock:
-            old = self._epochs[1:]
+            # Every key goes to servers every rank reached: one noticed lost meanwhile holds none of them.
+            self._rebalancing, old = False, self._epochs[1:]
+            self._seen.clear()
             self._epochs.append(_Epoch(client, servers, placement=Placement(servers)))
             for key in sorted(keys):
                 self._route(key, *keys[key])
-            back = {s.address for s in servers}
-            self._lost -= back  # a server that came back is failed over again if lost again
-            self._seen -= back
+            self._lost -= {s.address for s in servers}  # a server that came back is failed over again if lost again
         for epoch in old:  # nothing routes there any more
             epoch.client.close()
         record = {"rebalance": self._rebalances, "servers": [s.address for s in servers], "keys": len(keys),
@@ -479,6 +469,26 @@ class Router:
         log.warning("torch_bps[%s]: rebalance %d: %d key(s) placed over %s; %.2f s", self._name, self._rebalances,
                     len(keys), to, record["seconds"])  # fmt: skip
         return record
+
+    def _agree_rebalance(self, ns: str) -> tuple[object, list[Server]]:
+        """Every rank's client of the servers rank 0 finds answering; agreed again if one of them dies before every
+        rank said HELLO to it (`connect`)."""
+        a, client, attempt = self._agree, None, 0
+        a.store.set(f"{ns}ready/{a.rank}", "1")
+        if a.rank == 0:
+            wait_all(a, ns + "ready", "that its collectives are done")
+        while client is None:
+            sub = ns + (f"again{attempt}/" if attempt else "")
+            if a.rank == 0:  # the servers that answer now: a dead one does not
+                job, (colocated, dedicated) = int.from_bytes(os.urandom(8), "little"), a.available()
+                decision = {"job_id": job, "colocated": colocated, "dedicated": dedicated}
+                a.store.set(sub + "decision", json.dumps(decision))
+            decision = json.loads(wait_one(a, sub + "decision", "the rebalance decision from rank 0"))
+            servers = weights(decision["colocated"], decision["dedicated"], a.placement)
+            client, _ = connect(a, sub, servers, decision["job_id"], self._link_down_handler(servers),
+                                f"torch_bps[{self._name}]: rebalance {self._rebalances}", attempt)  # fmt: skip
+            attempt += 1
+        return client, servers
 
     def close(self) -> None:
         """Close the clients failovers added (the runtime closes epoch 0's, which it shares)."""

@@ -528,6 +528,68 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
         stop_servers([*servers, first, second])
 
 
+def test_a_server_a_rebalance_chose_that_dies_before_every_rank_said_hello_is_left_out_when_they_agree_again():
+    """`rebalance()` over servers 0, 1 and a newcomer, SIGKILLed once rank 0's new client said HELLO to it and before
+    rank 1's did: both ranks drop their new clients and agree again over the servers that answer then, and the keys
+    work on there (before, rank 1's rebalance failed and rank 0's went on alone). Two real Routers in threads."""
+    *servers, newcomer = start_servers(3)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    keys = {0x7 << 24: 0, 0x8 << 24: 1}
+    rank0_up = threading.Event()
+
+    def make_client(rank):
+        def make(new, job, on_link_down, hello_timeout=30):
+            addresses = [s.address for s in new]
+            if rank == 1 and newcomer.address in addresses:
+                assert rank0_up.wait(20), "rank 0's client of the newcomer never came up"
+                newcomer.kill()
+            client = Client(addresses, job, rank, 2, timeout=30, connect_timeout=hello_timeout, failover=True,
+                            on_link_down=on_link_down)  # fmt: skip
+            if rank == 0 and newcomer.address in addresses:
+                rank0_up.set()
+            return client
+
+        return make
+
+    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
+    available = lambda: ([], [s.address for s in (*servers, newcomer) if s.alive()])  # noqa: E731
+    routers = []
+    for rank in range(2):
+        rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank), lambda n: [],
+                              lambda _: pytest.fail("no colocated"), available, answers, hello_timeout=2)  # fmt: skip
+        routers.append(Router(server_weights([], [s.address for s in servers]), agreement, f"rank{rank}",
+                              job_id=0x5EED0006))  # fmt: skip
+    try:
+        records = [None, None]
+
+        def rebalance(rank):
+            records[rank] = routers[rank].rebalance()
+
+        threads = [threading.Thread(target=rebalance, args=(rank,)) for rank in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None for r in records), "a rank's rebalance failed (its error is logged above)"
+        for record in records:
+            assert sorted(record["servers"]) == sorted(s.address for s in servers), record
+        futures, out = [], []
+        for rank, router in enumerate(routers):  # both keys on both ranks, on the rebalanced placement
+            ts = [torch.full((N,), float(rank + 1)) for _ in keys]
+            parts = [(t, key, server, t, Mode.SUM, N, 0, 0) for t, (key, server) in zip(ts, keys.items(), strict=True)]
+            futures.append(submit(router, parts))
+            out += ts
+        for f in futures:
+            f.wait()
+        assert all(torch.equal(t, torch.full((N,), 3.0)) for t in out)
+    finally:
+        for router in routers:
+            router.close()
+            router.client.close()
+        stop_servers([*servers, newcomer])
+
+
 def test_a_standby_claimed_once_is_not_claimed_again_by_the_same_job():
     """A job claims the one standby registered; its next failover must find none free, not the same one again (found
     by benchmarks/chaos.py on namespaces: the standby came back as a "standby" and stood twice in the servers)."""
