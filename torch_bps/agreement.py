@@ -151,19 +151,20 @@ def wait_one(a: Agreement, key: str, what: str) -> bytes:
 
 
 def plan(a: Agreement, current: list[Server], lost: set[str], spare: list[str], reports: list[dict],
-         loads: dict[str, int]) -> dict:  # fmt: skip
+         loads: dict[str, int], size: int = 0) -> dict:  # fmt: skip
     """Rank 0: a failover's decision. The servers: of those some key may live on now (`current`), the dedicated ones
     that remain and answer, standbys for the rest (`spare` first: those an agreement redone claimed already), and the
     colocated ones; a fresh job id; who finishes which open round (`decide`); where each moved key goes
     (`place_moved`) and each server's share of the bytes then. reports: every rank's counts (JSON: key ->
-    [completed, whole, bytes]); loads: per server, the bytes of the keys that stay."""
+    [completed, whole, bytes]); loads: per server, the bytes of the keys that stay; size: the dedicated servers the
+    job started with (standbys are claimed up to it: a failover that found too few leaves the next one to make up)."""
     remaining = [s.address for s in current if s.dedicated and s.address not in lost]
     gone = [s.address for s in current if s.dedicated and s.address in lost]
     # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
     # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
     dedicated = [address for address in remaining if a.answers(address)]
     colocated = [s.address for s in current if not s.dedicated]
-    wanted = len(gone) + len(remaining) - len(dedicated)
+    wanted = max(len(gone) + len(remaining), size) - len(dedicated)
     spare = [address for address in spare if address not in lost][:wanted]
     claimed = spare + (a.standby(wanted - len(spare)) if wanted > len(spare) else [])
     # A standby may have died since it registered: one that does not answer is claimed and left out.

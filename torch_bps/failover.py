@@ -421,7 +421,8 @@ class Router:
             for s in (s for e in self._epochs for s in e.servers if s.address not in self._lost):
                 current.setdefault(s.address, s)
             spare = self._spare
-        decision = plan(self._agree, list(current.values()), lost, spare, reports, loads)
+        size = sum(s.dedicated for s in self._epochs[0].servers)
+        decision = plan(self._agree, list(current.values()), lost, spare, reports, loads, size)
         self._spare = decision["standby"]
         return decision
 

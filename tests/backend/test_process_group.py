@@ -461,14 +461,18 @@ def test_nested_blocking_callbacks_do_not_deadlock():
         assert torch.equal(value, torch.full((4,), 2.0 + 12.0 + 2.0))
 
 
-def _callback_launches_while_the_caller_does(rank, world, gloo):
+def _callback_launches_while_the_caller_does(rank, world, gloo, two_deep=False):
     """A `then` callback launches a collective (as PowerSGD's do) while the caller launches its next one: on rank 0
-    the callback's comes first in time (the caller sleeps), on the others the caller's. Returns (errors, which sums
-    are exact)."""
-    first, nested, then = (torch.full((n,), rank + 1.0) for n in (1000, 300, 700))  # three shapes: three keys
+    the callback's comes first in time (the caller sleeps), on the others the caller's. `two_deep`: the callback does
+    not wait for its collective but attaches a callback to it that launches a third. Returns (errors, which sums are
+    exact)."""
+    first, nested, then, third = (torch.full((n,), rank + 1.0) for n in (1000, 300, 700, 500))  # a key each
 
     def launches_nested(fut):
-        dist.all_reduce(nested, async_op=True).get_future().wait()  # no timeout, as PowerSGD
+        if two_deep:
+            dist.all_reduce(nested, async_op=True).get_future().then(lambda _: dist.all_reduce(third))
+        else:
+            dist.all_reduce(nested, async_op=True).get_future().wait()  # no timeout, as PowerSGD
         return fut.value()
 
     chained = dist.all_reduce(first, async_op=True).get_future().then(launches_nested)
@@ -486,7 +490,11 @@ def _callback_launches_while_the_caller_does(rank, world, gloo):
     except Exception as e:  # noqa: BLE001 - reported to the test
         errors.append(f"{type(e).__name__}: {str(e)[:300]}")
     total = world * (world + 1) / 2
-    return errors, [bool(t.eq(total).all()) for t in (first, nested, then)]
+    if two_deep:
+        deadline = time.monotonic() + 20
+        while not third.eq(total).all() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return errors, [bool(t.eq(total).all()) for t in (first, nested, then, *([third] if two_deep else []))]
 
 
 @pytest.mark.timeout(120)
@@ -498,6 +506,17 @@ def test_a_callbacks_collective_starts_where_nccls_inline_callback_puts_it_on_ev
     for rank, (errors, exact) in enumerate(run_ranks(_callback_launches_while_the_caller_does, 2, env=env,
                                                      timeout=100)):  # fmt: skip
         assert errors == [] and exact == [True] * 3, f"rank {rank}: {errors}, exact sums {exact}"
+
+
+@pytest.mark.timeout(120)
+def test_the_callbacks_of_a_callbacks_collective_start_before_the_callers_next_one_on_every_rank():
+    """A callback's collective whose own callback launches a third: NCCL runs both callbacks inline, so the third
+    starts before the caller's next collective on every rank. Two machines of one rank: on one machine of two the
+    first collective completes before its callback is attached, and every callback runs on the caller's thread."""
+    env = {"LOCAL_WORLD_SIZE": "1", "BPS_TIMEOUT": "10"}
+    for rank, (errors, exact) in enumerate(run_ranks(_callback_launches_while_the_caller_does, 2, True, env=env,
+                                                     timeout=100)):  # fmt: skip
+        assert errors == [] and exact == [True] * 4, f"rank {rank}: {errors}, exact sums {exact}"
 
 
 def _buckets_held_back(rank, world, gloo):

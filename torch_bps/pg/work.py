@@ -54,8 +54,9 @@ class LaunchOrder:
     rounds numbered differently). So a collective whose future Python took (`work.get_future()`, the only way to
     attach a callback) holds back the collectives launched after it until its callbacks have returned, and a
     collective launched from inside those callbacks starts at once: the order NCCL gives. A future only C++ takes
-    (DDP's reducer), or nobody, holds nothing back. Two limits: a callback attached to a future taken after a later
-    collective was launched, and the callbacks of a callback's collective, are not ordered.
+    (DDP's reducer), or nobody, holds nothing back; a callback's collective whose future Python took holds them back
+    too, until its own callbacks have returned (NCCL runs those inline as well). One limit: a callback attached to a
+    future taken after a later collective was launched is not ordered.
 
     Example: `entry = order.enter(); order.start(entry, lambda: runtime.run(...))`; then `order.taken(entry)` when
     Python takes the future, `with order.delivering(): future.set_result(...)` and `order.delivered(entry)`.
@@ -63,7 +64,7 @@ class LaunchOrder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: list[_Launch] = []  # taken, not nested, not yet delivered: what later launches wait for
+        self._open: list[_Launch] = []  # taken, not yet delivered: what later launches wait for
         self._held: deque[tuple[list[_Launch], Callable[[], None]]] = deque()  # (what it waits for, its start)
         self._starting = False  # a thread is starting held collectives: new ones queue behind them
         self._inside = _Depth()  # deliveries under way on this thread
@@ -86,8 +87,11 @@ class LaunchOrder:
     def taken(self, entry: _Launch) -> None:
         with self._lock:
             entry.taken = True
-            if not entry.nested and not entry.delivered:
+            if not entry.delivered:
                 self._open.append(entry)
+                if entry.nested:  # launched by a callback: it and its own callbacks' come before all held now
+                    for waits, _ in self._held:
+                        waits.append(entry)
 
     def delivering(self):
         """Around a collective's set_result: what its callbacks launch is nested."""
