@@ -83,6 +83,7 @@ def test_killed_server_costs_no_step(tmp_path, baseline, step, when):
     assert "failover 1: lost" in output
 
 
+@pytest.mark.slow  # 50 s; the two-worker siblings cover the kill in `make test`
 def test_three_workers_end_within_summation_order_of_an_uninterrupted_run(tmp_path):
     """With three workers a server may add in another order (an uninterrupted run's sums vary too): the kill
     costs no step and moves the parameters no further than summation order does."""
