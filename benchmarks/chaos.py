@@ -221,11 +221,13 @@ def verdict(path: str) -> dict:
     faults = [f for f in faults if "expect" not in f]
     kinds: dict[str, list[int]] = {}
     recoveries, errors, unfinished = [], [], 0
+    servers_at = job_servers(steps)
     for fault in faults:
         if "skipped" in fault or not t0 or fault["t"] > t0[-1]:  # none, or after the job's last step
             continue
-        counted = kinds.setdefault(fault["fault"], [0, 0])
+        counted = kinds.setdefault(fault["fault"], [0, 0, 0])
         counted[0] += 1
+        counted[2] += fault["fault"] == "worker_kill" or fault.get("target") in servers_at(fault["t"])
         after = [t for t in t0 if t > fault.get("cleared", fault["t"])]
         if "error" in fault:
             errors.append(f"{fault['fault']} {fault.get('target')}: {fault['error']}")
@@ -235,6 +237,8 @@ def verdict(path: str) -> dict:
         else:
             unfinished += 1  # it cleared after the job's last step: nothing left to recover
     out["faults"] = kinds
+    changes = next((e.get("failovers", []) for e in steps if e.get("event") == "done" and e["rank"] == 0), [])
+    out["failovers"] = sum("epoch" in c for c in changes), sum("rebalance" in c for c in changes)
     out["fault_errors"] = errors
     out["cleared_after_end"] = unfinished
     out["recovery_s"] = (statistics.median(recoveries), max(recoveries)) if recoveries else None
@@ -289,6 +293,20 @@ def verdict(path: str) -> dict:
     return out
 
 
+def job_servers(steps: list):
+    """A function of a time: the dedicated servers the job used then, as rank 0 recorded them (the servers it
+    started on, then those of each failover and rebalance that had ended by then). A fault reached the job if it
+    struck one of them, or a rank: the nemesis also strikes standbys, and servers a failover left behind."""
+    start = next((set(e["servers"]) for e in steps if e.get("event") == "servers" and e["rank"] == 0), set())
+    done = next((e for e in steps if e.get("event") == "done" and e["rank"] == 0), {})
+    changes = sorted((c["t"], set(c["servers"])) for c in done.get("failovers", []) if "t" in c)
+
+    def at(t: float) -> set[str]:
+        return next((servers for when, servers in reversed(changes) if when <= t), start)
+
+    return at
+
+
 def unsurvivable(meta: dict, steps: list, faults: list, exits: dict) -> tuple[dict, set[str]]:
     """Faults that cannot be survived by design (FINAL): each must end every rank it did not find dead with the
     documented error, of that type and naming a server it struck. Returns, per such kind, (whether it did, a line
@@ -317,10 +335,13 @@ def table(v: dict) -> str:
     rows = [
         ("workload, seed, seconds", f"{v['workload']}, {v['seed']}, {v['seconds']:.0f}"),
         ("steps (rank 0)", str(v["steps"])),
-        ("faults by kind (injected/recovered)",
-         ", ".join(f"{k} {a}/{b}" for k, (a, b) in sorted(v["faults"].items())) or "none"),
-        ("faults in all; cleared after the last step",
-         f"{sum(a for a, _ in v['faults'].values())} of {len(v['faults'])} kinds; {v['cleared_after_end']}"),
+        ("faults by kind (injected/recovered/reached the job)",
+         ", ".join(f"{k} {a}/{b}/{c}" for k, (a, b, c) in sorted(v["faults"].items())) or "none"),
+        ("faults in all; that reached the job; cleared after the last step",
+         f"{sum(a for a, _, _ in v['faults'].values())} of {len(v['faults'])} kinds; "
+         f"{sum(c for _, _, c in v['faults'].values())} of {sum(c > 0 for _, _, c in v['faults'].values())} kinds; "
+         f"{v['cleared_after_end']}"),
+        ("failovers; rebalances (rank 0)", "{}; {}".format(*v["failovers"])),
         ("link faults", "skipped: " + v["link_faults_skipped"] if v["link_faults_skipped"] else "on (namespaces)"),
         ("fault cleared to the next step, median / max", f"{rec[0]:.2f} s / {rec[1]:.2f} s" if rec else "n/a"),
         ("recoveries slower than 2x the timeout", str(v["slow_recoveries"])),

@@ -393,7 +393,7 @@ class Router:
                   "broadcast": sum(1 for k in actions if k in mine and actions[k][1] >= 0),
                   "summed_again": sum(1 for k in actions if k in mine and actions[k][1] < 0),
                   "held_parts": len(held), "shares": decision["shares"], "attempt": attempt,
-                  "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+                  "seconds": round(time.monotonic() - started, 3), "t": time.time()}  # fmt: skip
         self.failovers.append(record)
         # Like the start-up split: each server's share of the bytes now, against the paper's split of what remains.
         # Keys moved to colocated servers started just now are spread by `owner`, with no shares decided.
@@ -464,7 +464,7 @@ class Router:
         for epoch in old:  # nothing routes there any more
             epoch.client.close()
         record = {"rebalance": self._rebalances, "servers": [s.address for s in servers], "keys": len(keys),
-                  "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+                  "seconds": round(time.monotonic() - started, 3), "t": time.time()}  # fmt: skip
         self.failovers.append(record)
         to = ", ".join(f"{s.address} ({s.weight:.0%})" for s in servers)
         log.warning("torch_bps[%s]: rebalance %d: %d key(s) placed over %s; %.2f s", self._name, self._rebalances,

@@ -84,7 +84,8 @@ def _train(rank, world, gloo, steps):
             "exact": exact, "offs": offs}  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", ["", *SPECS])
+# Random-k trains in `make stress`; `make test` has its codec in tests/engine and its error feedback below.
+@pytest.mark.parametrize("spec", ["", *SPECS[:2], pytest.param(SPECS[2], marks=pytest.mark.slow)])
 def test_ddp_trains_with_each_compressor(spec):
     env = {"BPS_COMPRESSOR": spec, "BPS_COMPRESS_MIN_BYTES": "1024", "BPS_COMPRESS_EXCLUDE": "0.bias"}
     results = run_ranks(_train, 3, 100, env=env, timeout=180)

@@ -59,7 +59,7 @@ class LaunchOrder:
     future taken after a later collective was launched is not ordered.
 
     Example: `entry = order.enter(); order.start(entry, lambda: runtime.run(...))`; then `order.taken(entry)` when
-    Python takes the future, `with order.delivering(): future.set_result(...)` and `order.delivered(entry)`.
+    Python takes the future; `order.inside.depth` raised around `future.set_result(...)`; `order.delivered(entry)`.
     """
 
     def __init__(self) -> None:
@@ -67,11 +67,11 @@ class LaunchOrder:
         self._open: list[_Launch] = []  # taken, not yet delivered: what later launches wait for
         self._held: deque[tuple[list[_Launch], Callable[[], None]]] = deque()  # (what it waits for, its start)
         self._starting = False  # a thread is starting held collectives: new ones queue behind them
-        self._inside = _Depth()  # deliveries under way on this thread
+        self.inside = _Depth()  # deliveries under way on this thread (raised around a set_result)
 
     def enter(self) -> _Launch:
         """A collective about to be launched (by a callback of one of this group's, if this thread delivers one)."""
-        return _Launch(nested=self._inside.depth > 0)
+        return _Launch(nested=self.inside.depth > 0)
 
     def start(self, entry: _Launch, run: Callable[[], None], hold: Callable[[], Callable[[], None]]) -> None:
         """Run `run` now, or queue what `hold()` returns (the same start, made to run on another thread later)
@@ -93,15 +93,11 @@ class LaunchOrder:
                     for waits, _ in self._held:
                         waits.append(entry)
 
-    def delivering(self):
-        """Around a collective's set_result: what its callbacks launch is nested."""
-        return self._inside
-
     def delivered(self, entry: _Launch) -> None:
         """entry's future completed and its callbacks returned: start what waited for it, in launch order."""
         with self._lock:
             entry.delivered = True
-            if entry in self._open:
+            if entry.taken:  # only a taken entry is ever open
                 self._open.remove(entry)
             if self._starting or not self._held:
                 return
@@ -116,15 +112,9 @@ class LaunchOrder:
 
 
 class _Depth(threading.local):
-    """How many deliveries this thread is inside (a context manager: one more inside it)."""
+    """How many deliveries this thread is inside."""
 
     depth = 0
-
-    def __enter__(self):
-        self.depth += 1
-
-    def __exit__(self, *exc):
-        self.depth -= 1
 
 
 _orders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> LaunchOrder
@@ -134,11 +124,13 @@ _internal = threading.local()  # set while this package takes a future for itsel
 
 def launch_order(runtime) -> LaunchOrder | None:
     """The runtime's LaunchOrder, made on first use (None for a stand-in that cannot be weakly referenced)."""
-    with _orders_lock:
-        try:
+    try:
+        if (order := _orders.get(runtime)) is not None:
+            return order
+        with _orders_lock:
             return _orders.setdefault(runtime, LaunchOrder())
-        except TypeError:
-            return None
+    except TypeError:
+        return None
 
 
 def own_future(work: dist.Work) -> torch.futures.Future:
@@ -256,8 +248,12 @@ def _deliver(order: LaunchOrder | None, entry: _Launch | None, future, result: A
     if order is None:
         _settle(future, result, error, what)
         return
-    with order.delivering():
+    inside = order.inside
+    inside.depth += 1  # what the callbacks launch is nested
+    try:
         _settle(future, result, error, what)
+    finally:
+        inside.depth -= 1
     order.delivered(entry)
 
 

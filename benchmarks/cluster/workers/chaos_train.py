@@ -98,11 +98,15 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 def train(args, record: Recorder, stop: Stop, one_step, params: list) -> int:
-    """Run `one_step(step)` up to rank 0's last step, recording `params` (a CRC) after each; return the steps."""
+    """Run `one_step(step)` up to rank 0's last step, recording `params` (a CRC) after each; return the steps.
+    After the first step rank 0 records the dedicated servers the job started on (the checker follows the job's
+    servers from there through the failovers' and rebalances' records)."""
     step = 0
     while True:
         one_step(step)
         record.step(step, crc=crc(params))
+        if step == 0 and record.rank == 0:
+            record.step(-1, event="servers", servers=sorted({a for rt in _RUNTIMES.values() for a in rt.dedicated}))
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if stop.done(step):
