@@ -104,7 +104,7 @@ def _run_on(site: Site, s: Settings, kinds, record: Record, record_path: str) ->
         pool.ready(proc)
     worker = [sys.executable, "-m", "benchmarks.cluster.workers.chaos_train", "--workload", s.workload, "--record",
               record_path, "--seconds", str(s.seconds), "--backups", str(s.backups), "--step-sleep",
-              str(s.step_sleep)]  # fmt: skip
+              str(s.step_sleep), "--rebalance-every", str(s.rebalance_every)]  # fmt: skip
     out = record_path + ".params.pt"
     ranks = [site.spawn(f"rank {r}", h, worker + (["--out", out] if r == 0 else []),
                         rank_env(s, r, master, registry)) for r, h in enumerate(site.workers)]  # fmt: skip
@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gap", type=float, default=Settings.gap, help="mean seconds between faults")
     r.add_argument("--kinds", default="", help="comma-separated subset of the kinds (default: all that apply)")
     r.add_argument("--no-netns", action="store_true", help="loopback even where namespaces are available")
+    r.add_argument("--rebalance-every", type=int, default=0, help="ddp: torch_bps.rebalance() every this many steps")
     r.add_argument("--record", default="", help="the record's path (default: a file in a fresh temporary folder)")
     c = sub.add_parser("check", help="the table of a run's record")
     c.add_argument("record")
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return check(args.record)
     s = Settings(workload=args.workload, seed=args.seed, seconds=args.minutes * 60, gap=args.gap,
-                 kinds=tuple(k for k in args.kinds.split(",") if k), netns=not args.no_netns)  # fmt: skip
+                 kinds=tuple(k for k in args.kinds.split(",") if k), netns=not args.no_netns,
+                 rebalance_every=args.rebalance_every)  # fmt: skip
     path = args.record or os.path.join(tempfile.mkdtemp(prefix="bps-chaos-record-"), "record.jsonl")
     print(f"record: {path}", flush=True)
     return run(s, path)

@@ -1,7 +1,8 @@
 """How the workers agree on a failover (failover.py): what the Router needs from the runtime (`Agreement`), the
-waits in the job's store (`wait_all`, `wait_one`, `connect`), and the rules: functions of what every rank sees
-alike, so that every rank computes the same (`decide`, `place_moved`, `owner`, `recovery_part`), or that rank 0
-computes alone and writes to the store (`plan`).
+waits in the job's store (`wait_all`, `wait_one`, `poll_keys`, `connect`), and the rules: functions of what every
+rank sees alike, so that every rank computes the same (`decide`, `place_moved`, `owner`, `recovery_part`), or that
+rank 0 computes alone and writes to the store (`plan`); and what asynchronous training's keys carry where they
+move (`ModelTotals`).
 
 May import: the standard library, torch, torch_bps.errors, wire, engine.placement.
 """
@@ -13,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,6 +86,48 @@ def owner(key: int, servers: list[Server]) -> int:
     return max(range(len(servers)), key=score)
 
 
+CARRIED = (0, -1)  # the order (collective, part) of a MODEL key's carried sum and zero rounds
+
+
+class ModelTotals:
+    """Asynchronous training's MODEL keys through failovers and rebalances (docs/protocol.md, "Failover"), under
+    the Router's lock: per key, the epoch its total lives on and the sum of this rank's updates that came back, and
+    the update of its part in flight (a copy: the pull writes the total over the part's tensor). A key's first part
+    on another epoch goes after that sum, then after `fill[key]` zero rounds, so that a round on the new server is
+    the same step on every rank whatever step each was at (the staleness bound counts rounds)."""
+
+    def __init__(self) -> None:
+        self._totals: dict[int, tuple[int, torch.Tensor]] = {}
+        self._updates: dict[int, torch.Tensor] = {}
+        self.fill: dict[int, int] = {}
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._totals
+
+    def carry(self, epoch: int, group: list) -> list:
+        """A batch's (order, part)s for `epoch`, each MODEL part's update kept, its carried rounds put before it."""
+        out = []
+        for order, part in group:
+            if part.mode != Mode.MODEL or order == CARRIED:
+                out.append((order, part))
+                continue
+            where, mine = self._totals.get(part.key) or (epoch, torch.zeros_like(part.tensor))
+            if where != epoch:  # every rank's first round there is its sum, then zeros up to its own round
+                out.append((CARRIED, part._replace(tensor=mine.clone(), out=torch.empty_like(mine))))
+                for _ in range(self.fill.pop(part.key, 0)):
+                    out.append((CARRIED, part._replace(tensor=torch.zeros_like(mine), out=torch.empty_like(mine))))
+            self._totals[part.key] = (epoch, mine)
+            self._updates[part.key] = part.tensor.clone()
+            out.append((order, part))
+        return out
+
+    def acknowledged(self, group: list, ok: list[bool]) -> None:
+        """A batch came back (`ok`: per part, whether it succeeded): each MODEL update acknowledged joins its sum."""
+        for (order, part), done in zip(group, ok, strict=True):
+            if done and part.mode == Mode.MODEL and order != CARRIED:
+                self._totals[part.key][1].add_(self._updates.pop(part.key))
+
+
 def recovery_part(key: int, action: tuple[int, int], rank: int, completed: int, kept: torch.Tensor | None,
                   held: Partition | None, spec: tuple[int, torch.dtype, Mode],
                   push_offset: int) -> Partition:  # fmt: skip
@@ -138,6 +182,18 @@ def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None)
             "that does not report is lost itself, or does not see the server as lost"
         ) from e
     return [a.store.get(k) for k in keys]
+
+
+def poll_keys(a: Agreement, keys: list[str], what: str, meanwhile: Callable[[], bool]) -> None:
+    """Wait for every key as `wait_all` does, but polling: between polls the store client is free for another
+    agreement, and `meanwhile()` runs (True: it did something that took time, and the wait starts again)."""
+    deadline = time.monotonic() + a.timeout
+    while not a.store.check(keys):
+        if meanwhile():
+            deadline = time.monotonic() + a.timeout
+        elif time.monotonic() > deadline:
+            raise BpsTimeoutError(f"failover: waited {a.timeout}s (BPS_FAILOVER_TIMEOUT) for {what} (keys {keys})")
+        time.sleep(0.01)
 
 
 def wait_one(a: Agreement, key: str, what: str) -> bytes:

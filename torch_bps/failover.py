@@ -1,29 +1,14 @@
 """Failover of the summation service: a lost dedicated server costs no step (docs/protocol.md, "Failover").
 
-With failover on, the engine hands every collective's partitions to a `Router` instead of the client. The
-router sends them through the clients of the job's epochs (epoch 0: the job's own client; each failover adds
-a client, under a fresh job id, of the servers that remain) and follows each key to where it lives now. A
-part whose server is lost is held, not failed, and the workers agree through the job's store in two steps:
-
-    lost/<rank>    the lost servers this rank saw -> rank 0 writes `lost`, their union; every rank abandons them
-    counts/<rank>  per key on them, the rounds this rank completed and what it kept -> rank 0 writes `decision`:
-                   the servers that remain (with claimed standbys; with none left, fresh colocated ones), the
-                   new job id, each moved key's new owner (`place_moved`), and per key whose round closed on a
-                   lost server, who supplies its result (`decide`)
-    up/<rank>      whether this rank's client of the decided servers said HELLO to each: a server that died since
-                   the decision (a standby killed once claimed) fails some rank's, and then every rank drops its new
-                   client and the ranks agree again (under failover/<epoch>/again<n>/), the dead server lost too
-
-Then every rank finishes those rounds on the keys' new owners (`recovery_part`), sends its held parts there,
-and goes on. Colocated servers are not failed over: losing one means losing its machine, a lost worker.
-
-A MODEL key (asynchronous training) has no rounds to finish: its total is the sum of every worker's updates. Each
-rank keeps the sum of its own updates that came back, and the key's first push wherever it moves carries it: the
-new total holds each acknowledged update once, and a held update is pushed after it, also once. Ranks that
-completed more rounds of the key than the fewest any rank did then push that many zero rounds, so that a round
-there is the same step on every rank (the staleness bound counts rounds).
-`Router.rebalance` (torch_bps.rebalance) places every key anew at a step boundary on the servers answering then,
-agreed again as under up/ above if one of them dies before every rank said HELLO.
+With failover on, the engine hands every collective's partitions to a `Router` instead of the client. It sends
+them through the clients of the job's epochs (epoch 0: the job's own client; each failover adds one, under a fresh
+job id, of the servers that remain) and follows each key to where it lives now. A part whose server is lost is
+held, not failed; the workers agree through the job's store (`lost/`, `counts/`, `up/` under failover/<epoch>/,
+the rules in agreement.py) on the servers lost, who finishes each open round and where each moved key goes, then
+finish those rounds on the keys' new owners and send the held parts there. A MODEL key's total (asynchronous
+training) moves with each rank's sum of its own acknowledged updates (`ModelTotals`). `Router.rebalance`
+(torch_bps.rebalance) places every key anew at a step boundary over the servers answering then; a failover another
+rank started first is joined before the rebalance's decision, so that no two agreements interleave.
 
 May import: the standard library, torch, torch_bps.agreement, client, errors, futures, wire, engine.placement.
 """
@@ -39,7 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_bps.agreement import Agreement, connect, owner, plan, recovery_part, wait_all, wait_one, weights
+from torch_bps.agreement import (
+    CARRIED,
+    Agreement,
+    ModelTotals,
+    connect,
+    owner,
+    plan,
+    poll_keys,
+    recovery_part,
+    wait_all,
+    wait_one,
+    weights,
+)
 from torch_bps.client import OUTCOME_OK, OUTCOME_SERVER_LOST
 from torch_bps.engine.placement import Placement, Server
 from torch_bps.errors import BpsTimeoutError
@@ -50,7 +47,6 @@ log = logging.getLogger("torch_bps")
 
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
-_CARRIED = (0, -1)  # the order of a MODEL key's carried sum (_carry_totals)
 
 
 @dataclass(eq=False)
@@ -104,19 +100,13 @@ class Router:
         self._seen: set[str] = set()  # lost servers some part or link reported
         self._lost: set[str] = set()  # failed over
         self._recover: dict[int, tuple] = {}  # key -> recovery_part's arguments, until this rank sent it
-        # MODEL keys: key -> (the epoch its total lives on, the sum of this rank's updates that came back), and the
-        # update of its part in flight (a copy: the pull writes the total over the part's tensor).
-        self._totals: dict[int, tuple[int, torch.Tensor]] = {}
-        self._updates: dict[int, torch.Tensor] = {}
-        # MODEL keys that moved: the zero rounds this rank pushes after its carried sum, so that a round on the new
-        # server is the same step on every rank, whatever step each rank was at (the staleness bound counts rounds).
-        self._fill: dict[int, int] = {}
+        self._totals = ModelTotals()  # asynchronous training's keys: what their first part carries where they move
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._active = 0  # collectives in flight
         self._idle = threading.Condition(self._lock)
         self._rebalances = 0
-        self._rebalancing = False  # a rebalance is agreeing: a server noticed lost meanwhile waits for its end
+        self._rebalancing = False  # past a rebalance's `ready`: a server noticed lost meanwhile waits for its end
         self._spare: list[str] = []  # rank 0: standbys claimed by a failover agreed again, not used yet
         self.failovers: list[dict] = []  # what each failover did (also logged)
         client = agreement.make_client(list(servers), job_id, self._link_down_handler(list(servers)))
@@ -188,7 +178,7 @@ class Router:
         call.pending += len(groups)
         finished = []
         for (e, _), group in groups.items():
-            group = self._carry_totals(e, group)
+            group = self._totals.carry(e, group)
             outcomes = torch.zeros(len(group), dtype=torch.uint8)
             on_done = lambda error, e=e, g=group, o=outcomes: self._batch_done(call, e, g, o, error)  # noqa: E731
             try:
@@ -199,30 +189,10 @@ class Router:
                 finished += self._end(call)
         return finished
 
-    def _carry_totals(self, epoch: int, group: list[Ordered]) -> list[Ordered]:
-        """MODEL parts: keep a copy of each update; a key's first part on another epoch goes after the sum of this
-        rank's earlier updates, its contribution to the total that moved there, and after its zero rounds."""
-        out = []
-        for order, part in group:
-            if part.mode != Mode.MODEL or order == _CARRIED:
-                out.append((order, part))
-                continue
-            where, mine = self._totals.get(part.key) or (epoch, torch.zeros_like(part.tensor))
-            if where != epoch:  # every rank's first round there is its sum, then zeros up to its own round
-                out.append((_CARRIED, part._replace(tensor=mine.clone(), out=torch.empty_like(mine))))
-                for _ in range(self._fill.pop(part.key, 0)):
-                    out.append((_CARRIED, part._replace(tensor=torch.zeros_like(mine), out=torch.empty_like(mine))))
-            self._totals[part.key] = (epoch, mine)
-            self._updates[part.key] = part.tensor.clone()
-            out.append((order, part))
-        return out
-
     def _batch_done(self, call: _Call, epoch: int, group: list, outcomes: torch.Tensor, error) -> None:
         with self._lock:
             finished = []
-            for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
-                if outcome == OUTCOME_OK and part.mode == Mode.MODEL and order != _CARRIED:
-                    self._totals[part.key][1].add_(self._updates.pop(part.key))
+            self._totals.acknowledged(group, [o == OUTCOME_OK for o in outcomes.tolist()])
             if error is not None:
                 lost = []
                 for (order, part), outcome in zip(group, outcomes.tolist(), strict=True):
@@ -254,7 +224,7 @@ class Router:
         """Send held parts to their keys' new owners; a key's part of an unfinished round becomes its recovery."""
         finished, plain = [], []
         for order, part in items:
-            if order == _CARRIED:  # made again from the sums when its key's next part is sent
+            if order == CARRIED:  # made again from the sums when its key's next part is sent
                 continue
             if part.key in self._recover:
                 finished += self._send_recovery(call, part.key, part)
@@ -281,9 +251,14 @@ class Router:
         if address in self._lost or address in self._seen:
             return
         self._seen.add(address)
-        if self._thread is None and not self._rebalancing:  # one agreement at a time in the store
+        if not self._rebalancing:  # a rebalance past its `ready` only joins other ranks' failovers (_join_failover)
+            self._start_failover()
+
+    def _start_failover(self) -> threading.Thread:
+        if self._thread is None:  # one agreement at a time in the store
             self._thread = threading.Thread(target=self._fail_over, name=f"bps-failover-{self._name}", daemon=True)
             self._thread.start()
+        return self._thread
 
     def _fail_over(self) -> None:
         try:
@@ -293,6 +268,7 @@ class Router:
                     seen = sorted(self._seen - self._lost)
                     if not seen:
                         self._thread = None  # under the lock: a later notice starts a new thread
+                        self._idle.notify_all()  # a rebalance waits for it
                         return
                 attempt = 0 if self._one_failover(seen, attempt) else attempt + 1
         except BaseException as e:  # noqa: BLE001 - every held collective fails with it, and every later one
@@ -315,6 +291,7 @@ class Router:
         ns, started = f"failover/{e}/" + (f"again{attempt}/" if attempt else ""), time.monotonic()
         # 1. The lost servers: the union of what the ranks saw, so that all abandon the same ones.
         a.store.set(f"{ns}lost/{a.rank}", json.dumps(seen))
+        a.store.add(f"failover/{e}/started", 1)  # what a rank inside a rebalance polls for (_join_failover)
         if a.rank == 0:
             union = sorted({s for r in wait_all(a, ns + "lost", "the servers it lost") for s in json.loads(r)})
             a.store.set(ns + "lost", json.dumps(union))
@@ -324,7 +301,7 @@ class Router:
                 if server.address in lost:
                     epoch.client.abandon(i, f"failover {e} of the job")
         # 2. Per key on them, the rounds this rank completed; rank 0 decides who finishes each open round.
-        # MODEL keys: their totals move with their next parts (_carry_totals); only their rounds are counted.
+        # MODEL keys: their totals move with their next parts (ModelTotals); only their rounds are counted.
         own = a.own_keys()
         with self._lock:
             mine, model = {}, {}
@@ -367,7 +344,7 @@ class Router:
                     data = old.kept_bytes(key) if done > lo else None
                     self._recover[key] = ((lo, source), done, data, (numel, dtype, Mode(mode)), push_offset)
             for key, done in rounds.items():
-                self._fill[key] = done - decision["model_base"][str(key)]
+                self._totals.fill[key] = done - decision["model_base"][str(key)]
             self._epochs.append(_Epoch(client, servers, frozenset(lost)))
             self._lost |= lost
             self._spare = []
@@ -438,9 +415,12 @@ class Router:
         boundary: every rank calls it once its collectives are done (it waits for them, up to the timeout).
         Returns what it did (also logged)."""
         a = self._agree
-        with self._lock:
-            if not self._idle.wait_for(lambda: self._active == 0, a.timeout):
-                raise BpsTimeoutError(f"rebalance: {self._active} collective(s) still in flight after {a.timeout}s")
+        with self._lock:  # this rank's failover, if one runs, ends first: other ranks join it (_join_failover)
+            if not self._idle.wait_for(lambda: self._active == 0 and self._thread is None or self._failure, a.timeout):
+                raise BpsTimeoutError(f"rebalance: {self._active} collective(s) or a failover still under way after "
+                                      f"{a.timeout}s")  # fmt: skip
+            if self._failure is not None:
+                raise self._failure
             self._rebalances += 1
             self._rebalancing = True
             ns, started = f"rebalance/{self._rebalances}/", time.monotonic()
@@ -477,19 +457,37 @@ class Router:
         a, client, attempt = self._agree, None, 0
         a.store.set(f"{ns}ready/{a.rank}", "1")
         if a.rank == 0:
-            wait_all(a, ns + "ready", "that its collectives are done")
+            ready = [f"{ns}ready/{r}" for r in range(a.world_size)]
+            poll_keys(a, ready, "every rank's collectives and failovers done", self._join_failover)
         while client is None:
             sub = ns + (f"again{attempt}/" if attempt else "")
             if a.rank == 0:  # the servers that answer now: a dead one does not
                 job, (colocated, dedicated) = int.from_bytes(os.urandom(8), "little"), a.available()
                 decision = {"job_id": job, "colocated": colocated, "dedicated": dedicated}
                 a.store.set(sub + "decision", json.dumps(decision))
-            decision = json.loads(wait_one(a, sub + "decision", "the rebalance decision from rank 0"))
+            poll_keys(a, [sub + "decision"], "the rebalance decision from rank 0", self._join_failover)
+            decision = json.loads(a.store.get(sub + "decision"))
             servers = weights(decision["colocated"], decision["dedicated"], a.placement)
             client, _ = connect(a, sub, servers, decision["job_id"], self._link_down_handler(servers),
                                 f"torch_bps[{self._name}]: rebalance {self._rebalances}", attempt)  # fmt: skip
             attempt += 1
         return client, servers
+
+    def _join_failover(self) -> bool:
+        """Inside a rebalance, before its decision: join the failover another rank started before its own rebalance
+        (it waits for every rank; this rank's own notices wait for the rebalance's end). True if it joined one."""
+        a, e = self._agree, len(self._epochs)
+        if not a.store.check([f"failover/{e}/started"]):
+            return False
+        reports = [f"failover/{e}/lost/{r}" for r in range(a.world_size)]
+        lost = {s for key in reports if a.store.check([key]) for s in json.loads(a.store.get(key))}
+        with self._lock:
+            self._seen |= lost - self._lost
+            thread = self._start_failover()
+        thread.join(3 * a.timeout)
+        if self._failure is not None:
+            raise self._failure
+        return True
 
     def close(self) -> None:
         """Close the clients failovers added (the runtime closes epoch 0's, which it shares)."""

@@ -582,6 +582,61 @@ def test_a_server_a_rebalance_chose_that_dies_before_every_rank_said_hello_is_le
         stop_servers([*servers, newcomer])
 
 
+def test_a_rebalance_called_while_another_rank_fails_over_waits_for_that_failover_and_leaves_the_lost_out():
+    """Server 0 stops (SIGSTOP: its connections stay open) at a step boundary. Rank 1 notices first (its client's
+    link-down notice) and starts a failover; rank 0, which has not noticed, calls `rebalance()`, then rank 1 does
+    too. Rank 0 joins rank 1's failover from inside its rebalance, both rebalances then agree over the servers that
+    answer (server 1 and a standby), and the keys work on there. Two real Routers in threads."""
+    *servers, standby = start_servers(3)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    keys = {0x7 << 24: 0, 0x8 << 24: 1}
+    notices = {}  # rank -> its epoch-0 client's link-down handler
+
+    def make_client(rank):
+        def make(new, job, on_link_down, hello_timeout=30):
+            notices.setdefault(rank, on_link_down)
+            return Client([s.address for s in new], job, rank, 2, timeout=30, connect_timeout=hello_timeout,
+                          failover=True, on_link_down=on_link_down)  # fmt: skip
+
+        return make
+
+    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
+    available = lambda: ([], [s.address for s in (*servers, standby) if answers(s.address)])  # noqa: E731 - the runtime's
+    routers = []
+    for rank in range(2):
+        rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank), lambda n: [],
+                              lambda _: pytest.fail("no colocated"), available, answers, hello_timeout=2)  # fmt: skip
+        routers.append(Router(server_weights([], [s.address for s in servers]), agreement, f"rank{rank}",
+                              job_id=0x5EED0007))  # fmt: skip
+    try:
+        assert all(torch.equal(t, torch.full((N,), 3.0)) for t in _sum_on_both(routers, keys, 1.0))
+        os.kill(servers[0].proc.pid, signal.SIGSTOP)
+        notices[1](0, "server 0 lost (the test's notice)")  # rank 1's failover starts
+        records = [None, None]
+
+        def rebalance(rank):
+            records[rank] = routers[rank].rebalance()
+
+        threads = [threading.Thread(target=rebalance, args=(rank,)) for rank in range(2)]
+        threads[0].start()
+        time.sleep(0.5)  # rank 0 is inside its rebalance before rank 1 calls its own
+        threads[1].start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None for r in records), "a rank's rebalance failed (its error is logged above)"
+        for rank, router in enumerate(routers):
+            assert [r["lost"] for r in router.failovers if "lost" in r] == [[servers[0].address]], router.failovers
+            assert sorted(records[rank]["servers"]) == sorted([servers[1].address, standby.address]), records
+        assert all(torch.equal(t, torch.full((N,), 6.0)) for t in _sum_on_both(routers, keys, 2.0))
+    finally:
+        os.kill(servers[0].proc.pid, signal.SIGCONT)
+        for router in routers:
+            router.close()
+            router.client.close()
+        stop_servers([*servers, standby])
+
+
 def test_a_standby_claimed_once_is_not_claimed_again_by_the_same_job():
     """A job claims the one standby registered; its next failover must find none free, not the same one again (found
     by benchmarks/chaos.py on namespaces: the standby came back as a "standby" and stood twice in the servers)."""

@@ -3,7 +3,8 @@
 Workloads (--workload):
   ddp     synchronous DDP on the "byteps" backend; gradients rounded to multiples of 2**-8 below 1 in magnitude, so
           every sum of the 4 ranks' is exact and the final parameters depend on no summation order: a run that only
-          lost servers ends bit-identical to a fault-free one (--out writes them)
+          lost servers ends bit-identical to a fault-free one (--out writes them); with --rebalance-every, every
+          rank calls torch_bps.rebalance() at those step boundaries, as a long job would to take servers back
   backup  DDP on gloo under BackupWorkers (b = --backups): each step's parameters are recorded as a CRC, which the
           checker compares across ranks at every step (replicas bit-identical) and in order
   async   AsyncTraining, staleness 2, one float64 parameter: rank r adds -1 to element r and -2**(step % 20) to
@@ -123,6 +124,8 @@ def run_ddp(args, rank: int, record: Recorder, stop: Stop) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=2.0**-4)
 
     def one_step(step: int) -> None:
+        if args.rebalance_every and step and step % args.rebalance_every == 0:
+            torch_bps.rebalance()  # servers back and standbys registered since are taken in, a fallback left
         opt.zero_grad()
         ddp(batch(rank, step)).pow(2).mean().backward()
         opt.step()
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=1 << 30, help="at most this many steps")
     p.add_argument("--backups", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--rebalance-every", type=int, default=0, help="ddp: torch_bps.rebalance() every this many steps")
     p.add_argument("--out", default="", help="ddp: rank 0 saves the final parameters here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
