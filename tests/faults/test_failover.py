@@ -503,6 +503,20 @@ def _sum_on_both(routers, keys: dict[int, int], value: float) -> list[torch.Tens
     return out
 
 
+def _two_routers(store, servers, keys: dict[int, int], make_client, available, job_id: int) -> list[Router]:
+    """Ranks 0 and 1's Routers over `servers` (keys: key -> server), each on a store client of its own (one wait at
+    a time per client), with no standby and no colocated fallback."""
+    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
+    routers = []
+    for rank in range(2):
+        rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank), lambda n: [],
+                              lambda _: pytest.fail("no colocated"), available, answers, hello_timeout=2)  # fmt: skip
+        routers.append(Router(server_weights([], [s.address for s in servers]), agreement, f"rank{rank}",
+                              job_id=job_id))  # fmt: skip
+    return routers
+
+
 def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
     """The failover of server 0 gives its keys to a standby, SIGKILLed once rank 0's new client said HELLO to it and
     before rank 1's did: rank 1's client cannot come up, so both ranks drop their new clients and agree again, the
@@ -550,15 +564,8 @@ def test_a_server_a_rebalance_chose_that_dies_before_every_rank_said_hello_is_le
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}
     make_client = _clients_killing(newcomer)
-    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
     available = lambda: ([], [s.address for s in (*servers, newcomer) if s.alive()])  # noqa: E731
-    routers = []
-    for rank in range(2):
-        rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank), lambda n: [],
-                              lambda _: pytest.fail("no colocated"), available, answers, hello_timeout=2)  # fmt: skip
-        routers.append(Router(server_weights([], [s.address for s in servers]), agreement, f"rank{rank}",
-                              job_id=0x5EED0006))  # fmt: skip
+    routers = _two_routers(store, servers, keys, make_client, available, 0x5EED0006)
     try:
         records = [None, None]
 
@@ -600,15 +607,8 @@ def test_a_rebalance_called_while_another_rank_fails_over_waits_for_that_failove
 
         return make
 
-    own_keys = lambda every_slice=False: {k: (server, N * 4) for k, server in keys.items()}  # noqa: E731
     available = lambda: ([], [s.address for s in (*servers, standby) if answers(s.address)])  # noqa: E731 - the runtime's
-    routers = []
-    for rank in range(2):
-        rank_store = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        agreement = Agreement(rank_store, rank, 2, 20.0, "optimal", own_keys, make_client(rank), lambda n: [],
-                              lambda _: pytest.fail("no colocated"), available, answers, hello_timeout=2)  # fmt: skip
-        routers.append(Router(server_weights([], [s.address for s in servers]), agreement, f"rank{rank}",
-                              job_id=0x5EED0007))  # fmt: skip
+    routers = _two_routers(store, servers, keys, make_client, available, 0x5EED0007)
     try:
         assert all(torch.equal(t, torch.full((N,), 3.0)) for t in _sum_on_both(routers, keys, 1.0))
         os.kill(servers[0].proc.pid, signal.SIGSTOP)
