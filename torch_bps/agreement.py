@@ -159,7 +159,8 @@ class Agreement:
     # (servers, job id, on_link_down[, seconds to wait for HELLO replies, default BPS_CONNECT_TIMEOUT]) -> Client
     make_client: Callable[..., object]
     standby: Callable[[int], list[str]]  # rank 0: claim up to n standby servers, return their addresses
-    start_colocated: Callable[[str], list[str]]  # every rank: start fresh colocated servers under a store prefix
+    # every rank: start colocated servers under a store prefix (each machine's, started ahead if it was)
+    start_colocated: Callable[[str], list[str]]
     available: Callable[[], tuple[list[str], list[str]]]  # rank 0: (colocated, dedicated) servers that answer now
     # whether a server takes a new job now (a draining or stalled one does not): rank 0 leaves out of a failover those
     # that do not; a rank whose client of the decided servers failed names those it cannot reach
@@ -167,6 +168,9 @@ class Agreement:
     # A failover's client's wait for its servers' HELLO replies: they answered rank 0 a moment ago, and a server silent
     # for the heartbeat timeout counts as lost (BPS_HEARTBEAT_TIMEOUT)
     hello_timeout: float = 10.0
+    # Start, in the background, the colocated server `start_colocated` would start on this machine, if the job has
+    # none: losing every dedicated server then costs no server start-up (tens of seconds on a loaded machine).
+    colocated_ahead: Callable[[], None] = lambda: None
 
 
 def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:

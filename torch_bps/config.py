@@ -204,7 +204,8 @@ class Config:
     trace: str = field(default="", metadata={"env": "BPS_TRACE", "parse": str})
 
     # A lost dedicated server is failed over (torch_bps/failover.py): its keys move to a standby server, else to
-    # the servers that remain, else to fresh colocated ones, and training goes on. Off: it fails the collective.
+    # the servers that remain, else to colocated ones (each machine's started at the job's first failover, idle till
+    # then), and training goes on. Off: it fails the collective.
     failover: bool = field(default=True, metadata={"env": "BPS_FAILOVER", "parse": _parse_bool})
     # How long each step of a failover's agreement waits for every rank (a rank silent that long is lost).
     failover_timeout: float = field(default=60.0, metadata={"env": "BPS_FAILOVER_TIMEOUT", "parse": float})

@@ -262,6 +262,7 @@ class Router:
 
     def _fail_over(self) -> None:
         try:
+            self._agree.colocated_ahead()  # a job that lost a server may lose them all: its fallback, ready
             attempt = 0
             while True:
                 with self._lock:
@@ -275,6 +276,7 @@ class Router:
             log.error("torch_bps[%s]: failover failed: %s", self._name, e)
             with self._lock:
                 self._failure = e
+                self._idle.notify_all()  # a rebalance waiting for this failover fails now, not at its timeout
                 held, self._held = self._held, []
                 finished = []
                 for c in {id(c): c for _, _, c in held}.values():

@@ -80,40 +80,58 @@ def wait(store: dist.Store, keys: list[str], timeout: float, what: str) -> None:
         raise BpsTimeoutError(f"waited {timeout}s in the job store for {what} (keys {keys})") from e
 
 
-def colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str):
-    """Local rank 0 of every machine starts its embedded server; everyone learns every machine's address."""
+def colocated_servers(ns: dist.Store, topo: Topology, config: Config, timeout: float, store_host: str, secret: str,
+                      ahead: EmbeddedServer | None = None):  # fmt: skip
+    """Local rank 0 of every machine starts its embedded server (or takes `ahead`, one it started earlier that still
+    runs); everyone learns every machine's address."""
     proc = None
     if topo.local_rank == 0:
         host = advertised_host(config, store_host)
-        proc, port = start_server(config, timeout, bind_address(host), secret)
+        server = ahead
+        if server is None or server.proc.poll() is not None:
+            server = EmbeddedServer(config, bind_address(host), secret)
+        proc, port = server.proc, server.port(timeout)
         ns.set(f"colocated/{topo.node_rank}", f"{host}:{port}")
     keys = [f"colocated/{i}" for i in range(topo.num_nodes)]
     wait(ns, keys, timeout, f"the embedded servers of {topo.num_nodes} machine(s)")
     return proc, [ns.get(k).decode() for k in keys]
 
 
+class EmbeddedServer:
+    """A summation server process this worker starts (`python -m torch_bps.server`); `port` waits for it to listen.
+    Started, it needs a few seconds (it imports torch: 2 s alone, 15-27 s for 4 at once on a loaded 2-core machine),
+    which is why a failover's fallback takes one started ahead (runtime.py)."""
+
+    def __init__(self, config: Config, bind: str, secret: str):
+        # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
+        # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
+        max_frame = max(16 << 20, config.partition_bytes)
+        cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
+               "--heartbeat-timeout", str(config.heartbeat_timeout),
+               "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
+               "--job-lease", "1e9", "--auth", config.auth]  # fmt: skip
+        if config.trace:
+            cmd += ["--trace", TimelineSpec.parse(config.trace).directory]
+        # The secret goes by environment, which only this user can read, never on the command line.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, JOB_SECRET_ENV: secret})
+        self._line = [""]
+        self._reader = threading.Thread(target=lambda: self._line.__setitem__(0, self.proc.stdout.readline()),
+                                        daemon=True)  # fmt: skip
+        self._reader.start()
+
+    def port(self, timeout: float) -> int:
+        """The port it listens on, once it says so; it is killed if it has not within `timeout` seconds."""
+        self._reader.join(timeout)
+        if not (listening := parse_listening(self._line[0])):
+            self.proc.kill()
+            raise TransportError(f"the embedded summation server did not start within {timeout}s "
+                                 f"(printed {self._line[0]!r})")  # fmt: skip
+        return listening[0]
+
+
 def start_server(config: Config, timeout: float, bind: str, secret: str) -> tuple[subprocess.Popen, int]:
-    # Listens only on the interface the other machines reach it at; reads frames up to a partition's size.
-    # No lease: it serves one job and ends with it, so a job pausing for long (evaluation) is never forgotten.
-    max_frame = max(16 << 20, config.partition_bytes)
-    cmd = [sys.executable, "-m", "torch_bps.server", "--host", bind, "--port", "0", "--exit-with-parent",
-           "--heartbeat-timeout", str(config.heartbeat_timeout),
-           "--heartbeat-interval", str(config.heartbeat_interval), "--max-frame-bytes", str(max_frame),
-           "--job-lease", "1e9"]  # fmt: skip
-    # The secret goes by environment, which only this user can read, never on the command line.
-    env = {**os.environ, JOB_SECRET_ENV: secret}
-    cmd += ["--auth", config.auth]
-    if config.trace:
-        cmd += ["--trace", TimelineSpec.parse(config.trace).directory]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    line = [""]
-    reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not (listening := parse_listening(line[0])):
-        proc.kill()
-        raise TransportError(f"the embedded summation server did not start within {timeout}s (printed {line[0]!r})")
-    return proc, listening[0]
+    server = EmbeddedServer(config, bind, secret)
+    return server.proc, server.port(timeout)
 
 
 def store_host(store: dist.Store, launch: Launch) -> str:

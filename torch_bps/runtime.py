@@ -81,6 +81,7 @@ class Runtime:
         self._failed = False  # a collective failed: the job is broken, close waits for nobody
         self._fallback_procs: list[subprocess.Popen] = []  # colocated servers a failover started
         self._fallback_colocated: list[str] = []  # and their addresses
+        self._ahead: rendezvous.EmbeddedServer | None = None  # this machine's next fallback server, started ahead
         self._timeline = None
         self._closed = False
         self._close_lock = threading.Lock()
@@ -176,9 +177,16 @@ class Runtime:
                                       config.standby_wait, f"{job_id:#x}")  # fmt: skip
             return free
 
+        def colocated_ahead() -> None:
+            if topology.local_rank == 0 and not self._colocated and self._ahead is None:
+                host = rendezvous.bind_address(rendezvous.advertised_host(config, store_host))
+                self._ahead = rendezvous.EmbeddedServer(config, host, self._secret)
+
         def start_colocated(prefix: str) -> list[str]:
             proc, addresses = rendezvous.colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
-                                                 config.failover_timeout, store_host, self._secret)  # fmt: skip
+                                                           config.failover_timeout, store_host, self._secret,
+                                                           self._ahead)  # fmt: skip
+            self._ahead = None
             if proc is not None:
                 self._fallback_procs.append(proc)
             self._fallback_colocated = addresses
@@ -199,7 +207,7 @@ class Runtime:
 
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
                               own_keys, make_client, standby, start_colocated, available, self._answers,
-                              hello_timeout=config.heartbeat_timeout)  # fmt: skip
+                              hello_timeout=config.heartbeat_timeout, colocated_ahead=colocated_ahead)  # fmt: skip
         return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:
@@ -357,7 +365,7 @@ class Runtime:
         self._client.close()
         for channel in [*(self._local_channels or ()), *self._device_channels]:
             channel.close()
-        for proc in [self._server_proc, *self._fallback_procs]:
+        for proc in [self._server_proc, *self._fallback_procs, self._ahead and self._ahead.proc]:
             if proc is None:
                 continue
             proc.terminate()

@@ -1,6 +1,7 @@
 """DDP training for tests/faults/test_failover.py, run by torchrun: deterministic data, and rank 0 may SIGKILL a
 summation server at a chosen moment of a chosen step. Rank 0 saves the final parameters and what every
 failover did to --out, and the initial ones to --out.init.pt; every rank its final parameters to --out.rankR.pt.
+Rank 0 also writes to --out.servers.json the summation servers it had started at each kill, and its fallback's.
 
 --kill PID:STEP:WHEN[:stop], WHEN one of
   start     before the step's forward (no collective in flight)
@@ -33,6 +34,22 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def server_children() -> list[int]:
+    """The pids of the summation servers this process started that run now."""
+    pids = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if parent == os.getpid() and b"torch_bps.server" in command:
+            pids.append(int(name))
+    return pids
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=12)
@@ -62,9 +79,12 @@ def main() -> None:
     kills = [k for k in kills if rank == 0]
     armed: list = []
 
+    servers_at_kills: list[list[int]] = []  # per kill, the summation servers rank 0 had started just before
+
     def kill_now(*_):
         while armed:
             pid, stop = armed.pop()
+            servers_at_kills.append(server_children())
             say(f"{'stopping' if stop else 'killing'} server pid {pid}")
             os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
 
@@ -99,6 +119,9 @@ def main() -> None:
         torch.save({n: t.detach().clone() for n, t in model.state_dict().items()}, args.out + ".pt")
         with open(args.out + ".json", "w") as f:
             json.dump([r for rt in runtimes for r in rt._engine.router.failovers], f)
+        with open(args.out + ".servers.json", "w") as f:
+            fallback = [p.pid for rt in runtimes for p in rt._fallback_procs]
+            json.dump({"at_kills": servers_at_kills, "fallback": fallback}, f)
     dist.destroy_process_group()
 
 
