@@ -456,22 +456,24 @@ class Router:
     def _agree_rebalance(self, ns: str) -> tuple[object, list[Server]]:
         """Every rank's client of the servers rank 0 finds answering; agreed again if one of them dies before every
         rank said HELLO to it (`connect`)."""
-        a, client, attempt = self._agree, None, 0
+        a, client, attempt, unreachable = self._agree, None, 0, set()
         a.store.set(f"{ns}ready/{a.rank}", "1")
         if a.rank == 0:
             ready = [f"{ns}ready/{r}" for r in range(a.world_size)]
             poll_keys(a, ready, "every rank's collectives and failovers done", self._join_failover)
         while client is None:
             sub = ns + (f"again{attempt}/" if attempt else "")
-            if a.rank == 0:  # the servers that answer now: a dead one does not
+            if a.rank == 0:  # the servers that answer now (a dead one does not), none a rank could not reach
                 job, (colocated, dedicated) = int.from_bytes(os.urandom(8), "little"), a.available()
+                dedicated = [address for address in dedicated if address not in unreachable]
                 decision = {"job_id": job, "colocated": colocated, "dedicated": dedicated}
                 a.store.set(sub + "decision", json.dumps(decision))
             poll_keys(a, [sub + "decision"], "the rebalance decision from rank 0", self._join_failover)
             decision = json.loads(a.store.get(sub + "decision"))
             servers = weights(decision["colocated"], decision["dedicated"], a.placement)
-            client, _ = connect(a, sub, servers, decision["job_id"], self._link_down_handler(servers),
-                                f"torch_bps[{self._name}]: rebalance {self._rebalances}", attempt)  # fmt: skip
+            client, missed = connect(a, sub, servers, decision["job_id"], self._link_down_handler(servers),
+                                     f"torch_bps[{self._name}]: rebalance {self._rebalances}", attempt)  # fmt: skip
+            unreachable.update(missed)
             attempt += 1
         return client, servers
 

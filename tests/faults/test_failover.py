@@ -561,15 +561,18 @@ def test_a_standby_lost_before_every_rank_said_hello_is_failed_over_again():
         stop_servers([*servers, first, second])
 
 
-def test_a_server_a_rebalance_chose_that_dies_before_every_rank_said_hello_is_left_out_when_they_agree_again():
+@pytest.mark.parametrize("stale", [False, True], ids=["available-now", "available-stale"])
+def test_a_server_a_rebalance_chose_that_dies_before_every_rank_said_hello_is_left_out_when_they_agree_again(stale):
     """`rebalance()` over servers 0, 1 and a newcomer, SIGKILLed once rank 0's new client said HELLO to it and before
-    rank 1's did: both ranks drop their new clients and agree again over the servers that answer then, and the keys
-    work on there (before, rank 1's rebalance failed and rank 0's went on alone). Two real Routers in threads."""
+    rank 1's did: both ranks drop their new clients and agree again without it, and the keys work on there (before,
+    rank 1's rebalance failed and rank 0's went on alone). Left out also where rank 0's view of the servers that
+    answer is stale and still lists it (`stale`: before, every agreement chose it again until the rebalance failed).
+    Two real Routers in threads."""
     *servers, newcomer = start_servers(3)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}
     make_client = _clients_killing(newcomer)
-    available = lambda: ([], [s.address for s in (*servers, newcomer) if s.alive()])  # noqa: E731
+    available = lambda: ([], [s.address for s in (*servers, newcomer) if stale or s.alive()])  # noqa: E731
     routers = _two_routers(store, servers, keys, make_client, available, 0x5EED0006)
     try:
         records = [None, None]
