@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -173,6 +174,16 @@ class Agreement:
     colocated_ahead: Callable[[], None] = lambda: None
 
 
+def answering(answers: Callable[[str], bool], addresses: list[str]) -> list[str]:
+    """Those of `addresses` that answer, asked at once: one that does not costs its HELLO's whole timeout, and a
+    registry collects many (servers killed, stopped or cut off since they registered), which asked one by one kept a
+    rebalance's decision past the other ranks' wait (found by benchmarks/chaos.py)."""
+    if len(addresses) < 2:
+        return [address for address in addresses if answers(address)]
+    with ThreadPoolExecutor(min(len(addresses), 32), thread_name_prefix="bps-answers") as pool:
+        return [address for address, ok in zip(addresses, pool.map(answers, addresses), strict=True) if ok]
+
+
 def wait_all(a: Agreement, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:
     """Every rank's report under `prefix`, waiting `timeout` (default: the agreement's) for the last one."""
     keys = [f"{prefix}/{r}" for r in range(a.world_size)]
@@ -222,13 +233,13 @@ def plan(a: Agreement, current: list[Server], lost: set[str], spare: list[str], 
     gone = [s.address for s in current if s.dedicated and s.address in lost]
     # A server that remains but takes no new job (draining after a SIGTERM, or stalled and not yet noticed) would
     # fail the new epoch's client on every rank: leave it out. Its keys stay where they are until it is lost.
-    dedicated = [address for address in remaining if a.answers(address)]
+    dedicated = answering(a.answers, remaining)
     colocated = [s.address for s in current if not s.dedicated]
     wanted = max(len(gone) + len(remaining), size) - len(dedicated)
     spare = [address for address in spare if address not in lost][:wanted]
     claimed = spare + (a.standby(wanted - len(spare)) if wanted > len(spare) else [])
     # A standby may have died since it registered: one that does not answer is claimed and left out.
-    standby = [address for address in dict.fromkeys(claimed) if address not in dedicated and a.answers(address)]
+    standby = answering(a.answers, [address for address in dict.fromkeys(claimed) if address not in dedicated])
     dedicated += standby
     counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
     decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated, "colocated": colocated,
@@ -256,7 +267,8 @@ def connect(a: Agreement, ns: str, servers: list[Server], job_id: int, on_link_d
     try:
         client = a.make_client(servers, job_id, on_link_down, a.hello_timeout)
     except (TransportError, BpsTimeoutError, ServerError) as error:
-        unreachable = [s.address for s in servers if s.dedicated and not a.answers(s.address)]
+        candidates = [s.address for s in servers if s.dedicated]
+        unreachable = sorted(set(candidates) - set(answering(a.answers, candidates)))
         trouble = {"error": f"{type(error).__name__}: {error}", "unreachable": unreachable}
     a.store.set(f"{ns}up/{a.rank}", json.dumps(trouble))
     # A rank whose servers do not answer waits the HELLO timeout for them: the others wait that much longer.

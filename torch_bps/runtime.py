@@ -150,7 +150,7 @@ class Runtime:
     def _router(self, weights, worker: int, num_workers: int, store_host: str, job_id: int, timeout: float):
         """The failover router of this group's engine (torch_bps/failover.py), with what its agreement needs; it
         makes the job's client of `weights` (job `job_id`) and each failover's."""
-        from torch_bps.agreement import Agreement
+        from torch_bps.agreement import Agreement, answering
         from torch_bps.failover import Router
 
         config, topology = self.config, self.topology
@@ -198,7 +198,7 @@ class Runtime:
             dedicated = list(dict.fromkeys([*self._dedicated, *config.standby_servers]))
             if config.num_servers:
                 dedicated += [a for a in registered(registry()) if a not in dedicated]
-            dedicated = [a for a in dedicated if self._answers(a)]
+            dedicated = answering(self._answers, dedicated)
             # Colocated servers a failover started stand in for dedicated ones only while none answers.
             return self._colocated or ([] if dedicated else self._fallback_colocated), dedicated
 
