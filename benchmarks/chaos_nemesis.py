@@ -8,6 +8,7 @@ Faults (`KINDS` by workload):
   stop_long    a server SIGSTOPped for twice the heartbeat timeout (failed over; it is retired, and replaced)
   drain        a server SIGTERMed (a rolling update's drain), a replacement started
   link_down    a server host's link down for twice the heartbeat timeout, then up (retired, replaced)
+  link_flap    a server host's link down for a third of the heartbeat timeout, then up (no failover needed)
   link_slow    a server host's link cut to a tenth of the rate for a while
   worker_kill  a rank (never rank 0, which hosts the job's store) SIGKILLed: backup workload only, at most b times
                (backup workers and failover do not combine: that workload loses no server)
@@ -42,12 +43,12 @@ from torch_bps.address import parse_listening  # noqa: E402
 
 TOKEN_ENV = "BPS_CHAOS_RUN"  # every process a run starts carries its token: what is left behind is found by it
 SERVER_FAULTS = ("kill", "stop_short", "stop_long", "drain", "hostile", "hog")
-LINK_FAULTS = ("link_down", "link_slow")
+LINK_FAULTS = ("link_down", "link_flap", "link_slow")
 # Backup workers and server failover do not combine (runtime._check_backups refuses it): under BackupWorkers the
 # nemesis loses no server before its last fault, it kills a worker, stalls a server or its link briefly, and sends
 # hostile peers.
 KINDS = {"ddp": SERVER_FAULTS + LINK_FAULTS, "async": SERVER_FAULTS + LINK_FAULTS,
-         "backup": ("stop_short", "link_slow", "hostile", "hog", "worker_kill")}  # fmt: skip
+         "backup": ("stop_short", "link_flap", "link_slow", "hostile", "hog", "worker_kill")}  # fmt: skip
 # Where losing a server is fatal by design (failover off), the schedule ends with every server lost, and every rank
 # must end with the documented error, naming a lost server (README, "Settings": BPS_FAILOVER=0 fails at once).
 FINAL = {"backup": "every_server"}
@@ -335,6 +336,11 @@ class Nemesis:
                 entry["cleared"] = time.time()
                 v.proc.kill(grace_s=1.0)
                 self.pool.ready(replacement)
+            elif kind == "link_flap":
+                self.site.link(v.host, up=False)
+                self._sleep(hb / 3, started)
+                self.site.link(v.host, up=True)
+                entry["cleared"] = time.time()
             elif kind == "link_slow":
                 self.site.slow(v.host, 0.1)
                 self._sleep(self.rng.uniform(hb, 3 * hb), started)
