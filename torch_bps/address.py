@@ -8,6 +8,7 @@ May import: the standard library only.
 from __future__ import annotations
 
 import re
+import socket
 
 # What `listening_line` prints: its groups are the port and the incarnation.
 _LISTENING = re.compile(r"port (\d+) incarnation (0x[0-9a-f]+)")
@@ -19,6 +20,16 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} is not host:port (a port in 1-65535)")
     return host, int(port)
+
+
+def accepts(address: str, timeout: float) -> bool:
+    """Whether a TCP connection to `address` opens within `timeout` seconds (then closed, nothing sent): False where
+    nothing listens (a server killed) or the host is cut off, which ZeroMQ would retry silently."""
+    try:
+        socket.create_connection(split_host_port(address), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def listening_line(address: str, port: int, incarnation: int) -> str:

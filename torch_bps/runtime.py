@@ -11,7 +11,7 @@ Every group (the default group, each new_group, the DDP hook) gets its own Runti
 the process's one registry (`_RUNTIMES`; `acquire` and `release` for runtimes.py's leases). Groups other than the
 default one reuse the servers of the process's default Runtime if there is one; subgroups treat every rank as its
 own machine (no local reduction).
-May import: torch, torch_bps.config, errors, futures, rendezvous, topology, registry, security, client, local,
+May import: torch, torch_bps.address, config, errors, futures, rendezvous, topology, registry, security, client, local,
 engine, timeline, agreement, failover, wire; device.comm when a device's local stage opens.
 """
 
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torch_bps import rendezvous
+from torch_bps.address import accepts
 from torch_bps.config import Config, transport_options
 from torch_bps.engine.compress import Compressor
 from torch_bps.engine.exchange import Exchange
@@ -211,6 +212,11 @@ class Runtime:
         return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:
+        # A connection first: a HELLO to a server killed or cut off waits its whole timeout (ZeroMQ retries), and a
+        # registry collects many such servers.
+        if not accepts(address, 1.0):
+            log.info("torch_bps[%s]: server %s does not accept a connection", self.name, address)
+            return False
         try:
             self.solo_client(address, connect_timeout=2.0).close()
             return True

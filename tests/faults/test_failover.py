@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import REPO, RawPeer, ServerProcess, TcpRelay, _free_port, start_servers, stop_servers
+from torch_bps.address import accepts
 from torch_bps.agreement import RECOVERY_BIT, Agreement
 from torch_bps.client import Client
 from torch_bps.engine.placement import server_weights
@@ -438,6 +440,20 @@ def answers(address: str) -> bool:
         return False
 
 
+def test_a_server_killed_is_known_gone_by_its_refused_connection_not_a_hellos_timeout():
+    """The runtime's check of a server (failover, rebalance) first opens a connection: where nothing listens it says
+    no at once, where ZeroMQ would retry for the HELLO's whole timeout."""
+    (server,) = start_servers(1)
+    try:
+        assert accepts(server.address, 1.0)
+        server.kill()
+        started = time.monotonic()
+        assert not accepts(server.address, 1.0)
+        assert time.monotonic() - started < 0.5
+    finally:
+        stop_servers([server])
+
+
 def test_a_server_that_takes_no_new_job_is_left_out_of_a_failover():
     """Server 0 dies while server 1 takes no new job (stalled here, as a draining server refuses new jobs; its
     connections stay open and it is not noticed yet), and the first standby died while it waited: the decision
@@ -661,11 +677,11 @@ def test_a_standby_claimed_once_is_not_claimed_again_by_the_same_job():
 def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, baseline):
     """Server 0 dies at step 2 (its keys fail over to server 1), comes back on its port as a new incarnation, and
     `torch_bps.rebalance()` at step 6 places every key over both again, by the paper's rule. Twenty standbys that
-    never answer (a registry's servers killed or cut off since) cost the rebalance one HELLO timeout, not twenty: asked
-    one by one (2 s each), rank 0's decision came after the others' 30 s wait and the rebalance failed the job
-    (found by benchmarks/chaos.py)."""
+    accept a connection and never answer (a registry's servers stopped since) cost the rebalance one HELLO timeout,
+    not twenty: asked one by one (2 s each), rank 0's decision came after the others' 30 s wait and the rebalance
+    failed the job (found by benchmarks/chaos.py)."""
     servers = start_servers(2)
-    silent = [f"127.0.0.1:{_free_port()}" for _ in range(20)]  # nothing listens: ZeroMQ retries till the timeout
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(20)]  # the kernel accepts; nothing replies
     back = tmp_path / "back"
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -673,7 +689,7 @@ def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, basel
            "--kill", f"{servers[0].proc.pid}:2:backward", "--rebalance", f"6:{back}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "BPS_LOCAL_REDUCE": "0", "BPS_TIMEOUT": "30",
            "BPS_SERVERS": ",".join(s.address for s in servers), "BPS_FAILOVER_TIMEOUT": "30",
-           "BPS_STANDBY_SERVERS": ",".join(silent)}  # fmt: skip
+           "BPS_STANDBY_SERVERS": ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)}  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -687,6 +703,8 @@ def test_a_server_that_comes_back_is_taken_in_at_a_step_boundary(tmp_path, basel
     finally:
         proc.kill()
         stop_servers(servers)
+        for listener in silent:
+            listener.close()
     with open(out + ".json") as f:
         records = json.load(f)
     assert_identical(torch.load(out + ".pt"), baseline)
