@@ -491,16 +491,18 @@ def test_process_cpu_seconds_reads_another_process_to_the_millisecond():
 
 def test_cpu_window_measures_watched_processes_over_its_own_window_only():
     # The servers' CPU is read over the workers' timed steps: one child burns 0.3 s before the window and then
-    # idles (a whole-life figure would count it), the other spins through the window.
+    # idles (a whole-life figure would count it), the other spins through the window. The window is 2 s: a wait
+    # in the run queue reaches /proc/<pid>/schedstat only when it ends, so the last one (up to a time slice on a
+    # loaded machine) is missing from the spinner's sum; 0.5 s windows fell to 0.88 under `-n 2`.
     burned = "import sys, time\nwhile time.process_time() < 0.3: pass\nprint(flush=True)\nsys.stdin.read()"
-    spin = "import time\nprint(flush=True)\nt = time.monotonic()\nwhile time.monotonic() - t < 5: pass"
+    spin = "import time\nprint(flush=True)\nt = time.monotonic()\nwhile time.monotonic() - t < 8: pass"
     children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 for code in (burned, spin)]  # fmt: skip
     try:
         for c in children:
             c.stdout.readline()
         window = cpu.CpuWindow({"burned": children[0].pid, "spinning": children[1].pid}).start()
-        time.sleep(0.5)
+        time.sleep(2.0)
         got = window.stop()["watched"]
     finally:
         for c in children:
