@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,8 @@ def rank_env(s: Settings, rank: int, master: str, registry: str) -> dict:
 def run(s: Settings, record_path: str) -> int:
     """Run one workload under the nemesis, recording everything to `record_path`; return the checker's verdict."""
     os.environ.setdefault("BPS_POOL_CREDENTIAL", secrets.token_urlsafe(32))
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM (kill, timeout) still cleans up below
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     token, logdir = secrets.token_hex(6), tempfile.mkdtemp(prefix="bps-chaos-")
     shm_before = set(os.listdir("/dev/shm"))
     open(record_path, "w").close()
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gap", type=float, default=Settings.gap, help="mean seconds between faults")
     r.add_argument("--kinds", default="", help="comma-separated subset of the kinds (default: all that apply)")
     r.add_argument("--no-netns", action="store_true", help="loopback even where namespaces are available")
-    r.add_argument("--rebalance-every", type=int, default=0, help="ddp: torch_bps.rebalance() every this many steps")
+    r.add_argument("--rebalance-every", type=int, default=0, help="ddp, async: rebalance every this many steps")
     r.add_argument("--record", default="", help="the record's path (default: a file in a fresh temporary folder)")
     c = sub.add_parser("check", help="the table of a run's record")
     c.add_argument("record")

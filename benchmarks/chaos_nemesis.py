@@ -75,7 +75,7 @@ class Settings:
     rate_mbit: float = 1000.0  # namespaces' link rate
     backups: int = 1
     step_sleep: float = 0.02  # per step: leaves the 2 cores' CPU to replacements starting
-    rebalance_every: int = 0  # ddp: steps between the job's rebalances (0: none)
+    rebalance_every: int = 0  # ddp, async: steps between the job's rebalances (0: none)
     netns: bool = True  # use namespaces where they are available
 
 

@@ -117,6 +117,16 @@ class AsyncTraining:
         self._settle()
         self._push([torch.zeros_like(flat) for flat in self._current.values()], overlap=False)
 
+    def rebalance(self) -> dict | None:
+        """Place the model's keys again by the paper's rule over the servers that answer now: servers back, standbys
+        registered since, and off a fallback to colocated servers (`torch_bps.rebalance`, which takes a "byteps"
+        group; this one's may be any). The model moves with its keys exactly: each worker's first round on the new
+        servers is the sum of its updates. Collective: every rank calls it after the same number of `step()`s and
+        `flush()`es (a round each). Returns what it did (also logged); None where the job has no server to move.
+        """
+        self._settle()
+        return None if self._alone is not None else self._connection.get().rebalance()
+
     def close(self) -> None:
         """Wait for the round in flight, then close the connection to the servers (a later step opens a new one)."""
         try:

@@ -8,7 +8,8 @@ the rules in agreement.py) on the servers lost, who finishes each open round and
 finish those rounds on the keys' new owners and send the held parts there. A MODEL key's total (asynchronous
 training) moves with each rank's sum of its own acknowledged updates (`ModelTotals`). `Router.rebalance`
 (torch_bps.rebalance) places every key anew at a step boundary over the servers answering then; a failover another
-rank started first is joined before the rebalance's decision, so that no two agreements interleave.
+rank started first is joined before the rebalance's decision, so that no two agreements interleave. A rank that did
+not see a loss joins the failover another rank started (a watcher thread looks in the store every WATCH_S).
 
 May import: the standard library, torch, torch_bps.agreement, client, errors, futures, wire, engine.placement.
 """
@@ -47,6 +48,7 @@ log = logging.getLogger("torch_bps")
 
 # -- the router
 Ordered = tuple[tuple[int, int], Partition]  # (the collective's sequence number, the part's index), a part
+WATCH_S = 1.0  # how often a rank looks in the store for a failover another rank started
 
 
 @dataclass(eq=False)
@@ -111,6 +113,9 @@ class Router:
         self.failovers: list[dict] = []  # what each failover did (also logged)
         client = agreement.make_client(list(servers), job_id, self._link_down_handler(list(servers)))
         self._epochs.append(_Epoch(client, list(servers)))
+        self._closed = threading.Event()
+        self._watch = threading.Thread(target=self._watch_store, name=f"bps-failover-watch-{name}", daemon=True)
+        self._watch.start()
 
     @property
     def client(self):
@@ -260,6 +265,34 @@ class Router:
             self._thread.start()
         return self._thread
 
+    def _watch_store(self) -> None:
+        """Join a failover another rank started: a rank that did not see the loss (a server stalled for less than
+        its heartbeat timeout here, longer there; a server holding none of its waiting parts) would otherwise leave
+        the others waiting for its report until the job failed (found by benchmarks/chaos.py)."""
+        while not self._closed.wait(WATCH_S):
+            with self._lock:
+                if self._failure is not None:
+                    return
+                if self._thread is not None or self._rebalancing:  # a rebalance joins by itself (_join_failover)
+                    continue
+                e = len(self._epochs)
+            try:
+                lost = self._started_by_others(e)
+            except Exception:  # noqa: BLE001 - the store is gone (the job ends); a failover's own waits name it
+                continue
+            with self._lock:
+                if lost and len(self._epochs) == e and self._thread is None and not self._rebalancing:
+                    self._seen |= lost - self._lost
+                    self._start_failover()
+
+    def _started_by_others(self, e: int) -> set[str]:
+        """The servers the ranks that started failover `e` reported lost (none if none started it)."""
+        a = self._agree
+        if not a.store.check([f"failover/{e}/started"]):
+            return set()
+        reports = [f"failover/{e}/lost/{r}" for r in range(a.world_size)]
+        return {s for key in reports if a.store.check([key]) for s in json.loads(a.store.get(key))}
+
     def _fail_over(self) -> None:
         try:
             self._agree.colocated_ahead()  # a job that lost a server may lose them all: its fallback, ready
@@ -293,7 +326,7 @@ class Router:
         ns, started = f"failover/{e}/" + (f"again{attempt}/" if attempt else ""), time.monotonic()
         # 1. The lost servers: the union of what the ranks saw, so that all abandon the same ones.
         a.store.set(f"{ns}lost/{a.rank}", json.dumps(seen))
-        a.store.add(f"failover/{e}/started", 1)  # what a rank inside a rebalance polls for (_join_failover)
+        a.store.add(f"failover/{e}/started", 1)  # what the other ranks look for (_watch_store, _join_failover)
         if a.rank == 0:
             union = sorted({s for r in wait_all(a, ns + "lost", "the servers it lost") for s in json.loads(r)})
             a.store.set(ns + "lost", json.dumps(union))
@@ -481,10 +514,9 @@ class Router:
         """Inside a rebalance, before its decision: join the failover another rank started before its own rebalance
         (it waits for every rank; this rank's own notices wait for the rebalance's end). True if it joined one."""
         a, e = self._agree, len(self._epochs)
-        if not a.store.check([f"failover/{e}/started"]):
+        lost = self._started_by_others(e)
+        if not lost:
             return False
-        reports = [f"failover/{e}/lost/{r}" for r in range(a.world_size)]
-        lost = {s for key in reports if a.store.check([key]) for s in json.loads(a.store.get(key))}
         with self._lock:
             self._seen |= lost - self._lost
             thread = self._start_failover()
@@ -495,6 +527,7 @@ class Router:
 
     def close(self) -> None:
         """Close the clients failovers added (the runtime closes epoch 0's, which it shares)."""
+        self._closed.set()
         for epoch in self._epochs[1:]:
             epoch.client.close()
 

@@ -484,7 +484,7 @@ def rebalance(group: dist.ProcessGroup | None = None) -> dict | None:
     """
     impl = implementation(group)
     if impl is None:
-        raise ValueError("torch_bps.rebalance needs a group of the 'byteps' backend")
+        raise ValueError("torch_bps.rebalance needs a group of the 'byteps' backend (AsyncTraining: its rebalance())")
     return impl.runtime.rebalance()
 
 

@@ -234,6 +234,48 @@ def test_a_killed_server_loses_no_update_and_adds_none_twice(tmp_path, lagging, 
         assert torch.equal(model, want), [sorted(set(row.tolist())) for row in model]
 
 
+def _through_rebalance(rank, world, gloo, addresses, standby, overlap):
+    """As _through_failover with no server lost: every rank calls `rebalance()` after step 5, with a standby
+    (`standby`) that the job does not use until then."""
+    p = torch.nn.Parameter(torch.zeros(world * BLOCK))
+    opt = torch.optim.SGD([p], lr=1.0)
+    config = Config.resolve(servers=tuple(addresses), standby_servers=(standby,), placement="dedicated",
+                            failover=True, auth="off", timeout=30, failover_timeout=30,
+                            min_partition_bytes=4096)  # fmt: skip
+    trainer = AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=1, overlap=overlap, config=config)
+    record = None
+    for step in range(STEPS):
+        if step == 6:
+            record = trainer.rebalance()
+        if rank == world - 1:
+            time.sleep(0.1)  # the last rank lags: the others wait at the staleness bound, then in the rebalance
+        opt.zero_grad()
+        (world * (rank + 1) * p[rank * BLOCK : (rank + 1) * BLOCK].sum()).backward()
+        trainer.step()
+    trainer.flush()
+    dist.barrier(group=gloo)
+    trainer.flush()
+    trainer.close()
+    return p.detach().numpy().tobytes(), record
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+def test_a_rebalance_moves_the_model_with_its_keys_and_loses_no_update(overlap):
+    """The servers' model is a running total: a rebalance onto a new placement (a standby taken in) must carry it,
+    or the model loses the updates before it."""
+    servers = start_servers(3, auth=False)
+    try:
+        results = run_ranks(_through_rebalance, 3, [s.address for s in servers[:2]], servers[2].address, overlap,
+                            backend="gloo")  # fmt: skip
+    finally:
+        stop_servers(servers)
+    want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(3)], dtype=torch.float32)
+    for model, record in results:
+        model = torch.frombuffer(bytearray(model), dtype=torch.float32).view(3, BLOCK)
+        assert record["rebalance"] == 1 and sorted(record["servers"]) == sorted(s.address for s in servers), record
+        assert torch.equal(model, want), [sorted(set(row.tolist())) for row in model]
+
+
 def test_settings_that_cannot_be_are_refused_by_name(server, monkeypatch):
     with pytest.raises(ConfigError, match="staleness=-1"):
         Config.resolve(staleness=-1)

@@ -661,6 +661,42 @@ def test_a_rebalance_called_while_another_rank_fails_over_waits_for_that_failove
         stop_servers([*servers, standby])
 
 
+def test_a_rank_that_did_not_see_a_loss_joins_the_failover_another_rank_started():
+    """Rank 1 loses server 0 (its client's link-down notice; a stall shorter than the heartbeat timeout for some
+    ranks is longer for others) and starts a failover; rank 0 sees nothing wrong and has no collective waiting on
+    server 0 (asynchronous training's one key lives elsewhere). Rank 0 must join within seconds: before, rank 1
+    waited for its report until the failover timeout and failed the job (found by benchmarks/chaos.py, async). Two
+    real Routers in threads."""
+    servers = start_servers(2)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    keys = {0x7 << 24: 0, 0x8 << 24: 1}
+    notices = {}  # rank -> its epoch-0 client's link-down handler
+
+    def make_client(rank):
+        def make(new, job, on_link_down, hello_timeout=30):
+            notices.setdefault(rank, on_link_down)
+            return Client([s.address for s in new], job, rank, 2, timeout=30, connect_timeout=hello_timeout,
+                          failover=True, on_link_down=on_link_down)  # fmt: skip
+
+        return make
+
+    routers = _two_routers(store, servers, keys, make_client, lambda: ([], []), 0x5EED0008)
+    try:
+        assert all(torch.equal(t, torch.full((N,), 3.0)) for t in _sum_on_both(routers, keys, 1.0))
+        notices[1](0, "server 0 lost (the test's notice)")
+        deadline = time.monotonic() + 10  # the failover timeout is 20 s
+        while not all(r.failovers for r in routers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for router in routers:
+            assert [r["lost"] for r in router.failovers] == [[servers[0].address]], router.failovers
+        assert all(torch.equal(t, torch.full((N,), 6.0)) for t in _sum_on_both(routers, keys, 2.0))
+    finally:
+        for router in routers:
+            router.close()
+            router.client.close()
+        stop_servers(servers)
+
+
 def test_a_standby_claimed_once_is_not_claimed_again_by_the_same_job():
     """A job claims the one standby registered; its next failover must find none free, not the same one again (found
     by benchmarks/chaos.py on namespaces: the standby came back as a "standby" and stood twice in the servers)."""

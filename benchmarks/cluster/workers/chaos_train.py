@@ -9,7 +9,8 @@ Workloads (--workload):
           checker compares across ranks at every step (replicas bit-identical) and in order
   async   AsyncTraining, staleness 2, one float64 parameter: rank r adds -1 to element r and -2**(step % 20) to
           element n + r every step, so the servers' final model says exactly how many of each rank's acknowledged
-          updates it holds, and whether one was applied twice
+          updates it holds, and whether one was applied twice; with --rebalance-every, every rank calls
+          AsyncTraining.rebalance() at those steps
 
 Each step appends a JSON line {"t", "rank", "step", "crc"} to --record; the end, one with "event": "done" and the
 workload's result, or "event": "error" with the exception's type and message. Rank 0 decides when to stop (--seconds
@@ -168,6 +169,8 @@ def run_async(args, rank: int, record: Recorder, stop: Stop) -> dict:
     trainer = torch_bps.AsyncTraining(torch.nn.ParameterList([p]), opt, staleness=2)
 
     def one_step(step: int) -> None:
+        if args.rebalance_every and step and step % args.rebalance_every == 0:
+            trainer.rebalance()  # the model's keys move with their totals: servers back, standbys, a fallback left
         opt.zero_grad()
         grad = torch.zeros_like(p)
         grad[rank] = 1.0
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=1 << 30, help="at most this many steps")
     p.add_argument("--backups", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--rebalance-every", type=int, default=0, help="ddp: torch_bps.rebalance() every this many steps")
+    p.add_argument("--rebalance-every", type=int, default=0, help="ddp, async: rebalance every this many steps")
     p.add_argument("--out", default="", help="ddp: rank 0 saves the final parameters here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
