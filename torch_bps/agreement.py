@@ -172,6 +172,7 @@ class Agreement:
     # Start, in the background, the colocated server `start_colocated` would start on this machine, if the job has
     # none: losing every dedicated server then costs no server start-up (tens of seconds on a loaded machine).
     colocated_ahead: Callable[[], None] = lambda: None
+    release: Callable[[list[str]], None] = lambda addresses: None  # rank 0: give back claimed standbys not used
 
 
 def answering(answers: Callable[[str], bool], addresses: list[str]) -> list[str]:
@@ -238,8 +239,10 @@ def plan(a: Agreement, current: list[Server], lost: set[str], spare: list[str], 
     wanted = max(len(gone) + len(remaining), size) - len(dedicated)
     spare = [address for address in spare if address not in lost][:wanted]
     claimed = spare + (a.standby(wanted - len(spare)) if wanted > len(spare) else [])
-    # A standby may have died since it registered: one that does not answer is claimed and left out.
+    # A standby may have died since it registered, or be stalled or still starting: one that does not answer is
+    # left out, and given back for a later failover to ask again.
     standby = answering(a.answers, [address for address in dict.fromkeys(claimed) if address not in dedicated])
+    a.release([address for address in claimed if address not in standby and address not in dedicated])
     dedicated += standby
     counts = [{int(k): (v[0], v[1]) for k, v in r.items()} for r in reports]
     decision = {"job_id": int.from_bytes(os.urandom(8), "little"), "dedicated": dedicated, "colocated": colocated,

@@ -74,10 +74,19 @@ def claim_standby(store: dist.Store, skip: int, used: set[str], count: int, wait
             address = store.get(f"{_PREFIX}{index}").decode()
             index += 1
             key = f"{_PREFIX}claimed/{address}"
-            if address not in used and store.compare_set(key, "", token).decode() == token:
+            if address not in used and store.compare_set(key, "", token).decode() == token:  # "": never or given back
                 claimed.append(address)
         elif time.monotonic() < deadline:
             time.sleep(0.1)
         else:
             break
     return claimed
+
+
+def release_standby(store: dist.Store, addresses: list[str], owner: str) -> None:
+    """Give back standbys `owner` claimed (claim_standby) and did not use: one that did not answer when claimed
+    (stalled, cut off, still starting) may serve a later failover, of this job or another."""
+    for address in addresses:
+        key = f"{_PREFIX}claimed/{address}"
+        if store.check([key]) and (held := store.get(key).decode()).startswith(f"{owner}/"):
+            store.compare_set(key, held, "")

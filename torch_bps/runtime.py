@@ -38,7 +38,7 @@ from torch_bps.engine.placement import Placement, receive_buffers, server_weight
 from torch_bps.engine.precision import travels_as, wire_dtype
 from torch_bps.errors import BpsTimeoutError, ConfigError, ServerError, TransportError
 from torch_bps.futures import completer
-from torch_bps.registry import claim_standby, connect, registered
+from torch_bps.registry import claim_standby, connect, registered, release_standby
 from torch_bps.rendezvous import start_server as _start_server  # noqa: F401 - tests/server start one through here
 from torch_bps.security import ClientCredentials
 from torch_bps.timeline.recorder import Recorder
@@ -178,6 +178,10 @@ class Runtime:
                                       config.standby_wait, f"{job_id:#x}")  # fmt: skip
             return free
 
+        def release(addresses: list[str]) -> None:
+            if addresses := [a for a in addresses if a not in config.standby_servers]:
+                release_standby(registry(), addresses, f"{job_id:#x}")
+
         def colocated_ahead() -> None:
             if topology.local_rank == 0 and not self._colocated and self._ahead is None:
                 host = rendezvous.bind_address(rendezvous.advertised_host(config, store_host))
@@ -208,7 +212,8 @@ class Runtime:
 
         agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
                               own_keys, make_client, standby, start_colocated, available, self._answers,
-                              hello_timeout=config.heartbeat_timeout, colocated_ahead=colocated_ahead)  # fmt: skip
+                              hello_timeout=config.heartbeat_timeout, colocated_ahead=colocated_ahead,
+                              release=release)  # fmt: skip
         return Router(weights, agreement, self.name, job_id=job_id)
 
     def _answers(self, address: str) -> bool:

@@ -8,7 +8,10 @@ server runs it in tests/faults/test_failover.py.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,3 +166,24 @@ def test_a_failover_that_found_too_few_standbys_claims_the_missing_ones_at_the_n
     assert decision["dedicated"] == ["s:1", "s:3", "s:4"] and decision["standby"] == ["s:3", "s:4"]  # 3 again
     pool[:] = ["s:5", "s:6"]
     assert plan(a, server_weights([], ["a:1", "b:1"]), {"a:1"}, [], reports, {"b:1": 64})["standby"] == ["s:5"]
+
+
+def test_a_standby_that_did_not_answer_when_claimed_is_given_back_for_a_later_failover():
+    """A failover claims the one standby registered while it does not answer (stalled, cut off, still starting) and
+    leaves it out; the next failover, when it answers, must be able to claim it (before, it stayed claimed and unused
+    for good, and no job could use it). A real TCPStore as the registry."""
+    from torch_bps.registry import claim_standby, register_server, release_standby
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    for address in ("a:1", "b:1", "st:1"):  # the job's two servers, then a standby
+        register_server(store, address)
+    up = {"st:1": False}
+    a = Agreement(None, 0, 2, 1.0, "optimal", lambda *_: {}, None, lambda n: claim_standby(store, 2, set(), n, 0.0,
+                  "0x5eed"), None, None, lambda address: up.get(address, True),
+                  release=lambda addresses: release_standby(store, addresses, "0x5eed"))  # fmt: skip
+    reports = [{str(7 << 24): [3, True, 64]}, {str(7 << 24): [3, True, 64]}]
+    assert plan(a, server_weights([], ["a:1", "b:1"]), {"a:1"}, [], reports, {"b:1": 64})["standby"] == []
+    up["st:1"] = True
+    decision = plan(a, server_weights([], ["a:1", "b:1"]), {"a:1"}, [], reports, {"b:1": 64})
+    assert decision["standby"] == ["st:1"] and decision["dedicated"] == ["b:1", "st:1"], decision
+    assert claim_standby(store, 2, set(), 1, 0.0, "0xbeef") == []  # used now: no other job claims it
