@@ -155,6 +155,9 @@ class Runtime:
         from torch_bps.failover import Router
 
         config, topology = self.config, self.topology
+        # Keys of this runtime's agreements only: a later runtime of the group (the same store and launch attempt)
+        # must not read this one's failover/<epoch>/ keys as a failover under way.
+        store = dist.PrefixStore(f"agreement/{job_id:#x}", self._store)
 
         def make_client(servers, new_job_id, on_link_down, connect_timeout=None):
             credentials = _client_credentials(config, self._secret, servers)
@@ -188,7 +191,7 @@ class Runtime:
                 self._ahead = rendezvous.EmbeddedServer(config, host, self._secret)
 
         def start_colocated(prefix: str) -> list[str]:
-            proc, addresses = rendezvous.colocated_servers(dist.PrefixStore(prefix, self._store), topology, config,
+            proc, addresses = rendezvous.colocated_servers(dist.PrefixStore(prefix, store), topology, config,
                                                            config.failover_timeout, store_host, self._secret,
                                                            self._ahead)  # fmt: skip
             self._ahead = None
@@ -210,7 +213,7 @@ class Runtime:
         def own_keys(every_slice: bool = False) -> dict[int, tuple[int, int]]:
             return self._engine.own_keys(every_slice)  # the engine, made after its router, before any failover
 
-        agreement = Agreement(self._store, self.rank, self.world_size, config.failover_timeout, config.placement,
+        agreement = Agreement(store, self.rank, self.world_size, config.failover_timeout, config.placement,
                               own_keys, make_client, standby, start_colocated, available, self._answers,
                               hello_timeout=config.heartbeat_timeout, colocated_ahead=colocated_ahead,
                               release=release)  # fmt: skip
