@@ -333,7 +333,19 @@ def unsurvivable(meta: dict, steps: list, faults: list, exits: dict) -> tuple[di
     return out, expected
 
 
-def table(v: dict) -> str:
+def table(vs: list[dict]) -> str:
+    """The checker's table: a row per measure, a column per run."""
+    rows = list(zip(*(_rows(v) for v in vs), strict=True))
+    width = max(len(row[0][0]) for row in rows)
+    lines = [f"| {row[0][0]:<{width}} | " + " | ".join(b for _, b in row) + " |" for row in rows]
+    if len(vs) > 1:
+        lines[1:1] = ["| " + "-" * width + " |" + " --- |" * len(vs)]  # markdown: the first row is the header
+    for v in vs:
+        lines += [f"  fault error ({v['workload']}, seed {v['seed']}): {e}" for e in v["fault_errors"][:10]]
+    return "\n".join(lines)
+
+
+def _rows(v: dict) -> list[tuple[str, str]]:
     rec = v["recovery_s"]
     rows = [
         ("workload, seed, seconds", f"{v['workload']}, {v['seed']}, {v['seconds']:.0f}"),
@@ -359,16 +371,14 @@ def table(v: dict) -> str:
         ("left behind", json.dumps(v["left_behind"]) if v["left_behind"] else "nothing"),
         ("verdict", "FAIL: " + "; ".join(v["failures"]) if v["failures"] else "ok"),
     ]  # fmt: skip
-    width = max(len(a) for a, _ in rows)
-    lines = [f"| {a:<{width}} | {b} |" for a, b in rows]
-    lines += [f"  fault error: {e}" for e in v["fault_errors"][:10]]
-    return "\n".join(lines)
+    return rows
 
 
-def check(path: str) -> int:
-    v = verdict(path)
-    print(table(v), flush=True)
-    return 1 if v["failures"] else 0
+def check(*paths: str) -> int:
+    """Print the table of the runs recorded at `paths`; 1 if any run failed."""
+    vs = [verdict(path) for path in paths]
+    print(table(vs), flush=True)
+    return 1 if any(v["failures"] for v in vs) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,11 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-netns", action="store_true", help="loopback even where namespaces are available")
     r.add_argument("--rebalance-every", type=int, default=0, help="ddp, async: rebalance every this many steps")
     r.add_argument("--record", default="", help="the record's path (default: a file in a fresh temporary folder)")
-    c = sub.add_parser("check", help="the table of a run's record")
-    c.add_argument("record")
+    c = sub.add_parser("check", help="the table of runs' records, a column each")
+    c.add_argument("record", nargs="+")
     args = p.parse_args(argv)
     if args.command == "check":
-        return check(args.record)
+        return check(*args.record)
     s = Settings(workload=args.workload, seed=args.seed, seconds=args.minutes * 60, gap=args.gap,
                  kinds=tuple(k for k in args.kinds.split(",") if k), netns=not args.no_netns,
                  rebalance_every=args.rebalance_every)  # fmt: skip

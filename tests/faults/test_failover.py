@@ -793,7 +793,7 @@ def test_a_short_seeded_chaos_run_loses_no_update(tmp_path):
                               kinds=("kill", "stop_short", "stop_long", "drain", "hostile", "hog"))  # fmt: skip
     path = str(tmp_path / "record.jsonl")
     verdict = chaos.run(settings, path)
-    table = chaos.table(chaos.verdict(path))
+    table = chaos.table([chaos.verdict(path)])
     assert verdict == 0, table
     assert len(chaos.verdict(path)["faults"]) == 6, table
 
@@ -851,13 +851,13 @@ def test_the_chaos_checker_expects_the_documented_error_of_an_unsurvivable_fault
     path = tmp_path / "record.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     v = chaos.verdict(str(path))
-    assert v["failures"] == [] and v["failed_ranks"] == {}, chaos.table(v)
-    assert v["unsurvivable"]["every_server"][0], chaos.table(v)
+    assert v["failures"] == [] and v["failed_ranks"] == {}, chaos.table([v])
+    assert v["unsurvivable"]["every_server"][0], chaos.table([v])
     rank2 = records.index(errors[1])
     records[rank2] = {**errors[1], "type": "BpsTimeoutError", "message": "no step for 30 s"}  # not as documented
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     v = chaos.verdict(str(path))
-    assert v["failed_ranks"] == {"rank 2": 1}, chaos.table(v)
+    assert v["failed_ranks"] == {"rank 2": 1}, chaos.table([v])
     assert v["failures"] == ["a rank or a fault failed",
                              "an unsurvivable fault did not end every rank with its documented error"], v  # fmt: skip
-    assert "rank 2: BpsTimeoutError: no step for 30 s" in chaos.table(v)
+    assert "rank 2: BpsTimeoutError: no step for 30 s" in chaos.table([v])
