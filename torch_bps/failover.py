@@ -282,8 +282,12 @@ class Router:
                 continue
             with self._lock:
                 if lost and len(self._epochs) == e and self._thread is None and not self._rebalancing:
-                    self._seen |= lost - self._lost
-                    self._start_failover()
+                    self._join(lost)
+
+    def _join(self, lost: set[str]) -> threading.Thread:
+        """Under the lock: take part in the failover of `lost` another rank started."""
+        self._seen |= lost - self._lost
+        return self._start_failover()
 
     def _started_by_others(self, e: int) -> set[str]:
         """The servers the ranks that started failover `e` reported lost (none if none started it)."""
@@ -518,8 +522,7 @@ class Router:
         if not lost:
             return False
         with self._lock:
-            self._seen |= lost - self._lost
-            thread = self._start_failover()
+            thread = self._join(lost)
         thread.join(3 * a.timeout)
         if self._failure is not None:
             raise self._failure

@@ -184,6 +184,13 @@ def test_a_lost_rank_holds_nobody_back_and_its_acknowledged_updates_stay_once(qu
 BLOCK = 4096  # elements per rank: several partitions of 4 KiB, on both servers
 
 
+def _assert_every_update_once(model: bytes, world: int = 3) -> None:
+    """A final model of _through_failover or _through_rebalance: rank r's STEPS updates of -(r + 1), each once."""
+    got = torch.frombuffer(bytearray(model), dtype=torch.float32).view(world, BLOCK)
+    want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(world)], dtype=torch.float32)
+    assert torch.equal(got, want), [sorted(set(row.tolist())) for row in got]
+
+
 def _through_failover(rank, world, gloo, addresses, victim, flag, overlap):
     """As _train, on a parameter of a block per rank, while rank 0 SIGKILLs server `victim` at step 4. With `flag`
     (a path), the last rank waits after its step 2 until rank 0 killed it, then lags: a round behind rank 0 at the
@@ -227,11 +234,9 @@ def test_a_killed_server_loses_no_update_and_adds_none_twice(tmp_path, lagging, 
                             backend="gloo")  # fmt: skip
     finally:
         stop_servers(servers)
-    want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(3)], dtype=torch.float32)
     for model, failovers in results:
-        model = torch.frombuffer(bytearray(model), dtype=torch.float32).view(3, BLOCK)
         assert failovers == 1
-        assert torch.equal(model, want), [sorted(set(row.tolist())) for row in model]
+        _assert_every_update_once(model)
 
 
 def _through_rebalance(rank, world, gloo, addresses, standby, overlap):
@@ -269,11 +274,9 @@ def test_a_rebalance_moves_the_model_with_its_keys_and_loses_no_update(overlap):
                             backend="gloo")  # fmt: skip
     finally:
         stop_servers(servers)
-    want = torch.tensor([[-(r + 1) * STEPS] * BLOCK for r in range(3)], dtype=torch.float32)
     for model, record in results:
-        model = torch.frombuffer(bytearray(model), dtype=torch.float32).view(3, BLOCK)
         assert record["rebalance"] == 1 and sorted(record["servers"]) == sorted(s.address for s in servers), record
-        assert torch.equal(model, want), [sorted(set(row.tolist())) for row in model]
+        _assert_every_update_once(model)
 
 
 def test_settings_that_cannot_be_are_refused_by_name(server, monkeypatch):

@@ -524,6 +524,21 @@ def _sum_on_both(routers, keys: dict[int, int], value: float) -> list[torch.Tens
     return out
 
 
+def _noticing_clients(notices: dict):
+    """make_client for _two_routers: each rank's real failover Client, its first link-down handler kept in
+    `notices` (rank -> handler) for a test to report a loss through."""
+
+    def make_client(rank):
+        def make(new, job, on_link_down, hello_timeout=30):
+            notices.setdefault(rank, on_link_down)
+            return Client([s.address for s in new], job, rank, 2, timeout=30, connect_timeout=hello_timeout,
+                          failover=True, on_link_down=on_link_down)  # fmt: skip
+
+        return make
+
+    return make_client
+
+
 def _two_routers(store, servers, keys: dict[int, int], make_client, available, job_id: int) -> list[Router]:
     """Ranks 0 and 1's Routers over `servers` (keys: key -> server), each on a store client of its own (one wait at
     a time per client), with no standby and no colocated fallback."""
@@ -622,14 +637,7 @@ def test_a_rebalance_called_while_another_rank_fails_over_waits_for_that_failove
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}
     notices = {}  # rank -> its epoch-0 client's link-down handler
-
-    def make_client(rank):
-        def make(new, job, on_link_down, hello_timeout=30):
-            notices.setdefault(rank, on_link_down)
-            return Client([s.address for s in new], job, rank, 2, timeout=30, connect_timeout=hello_timeout,
-                          failover=True, on_link_down=on_link_down)  # fmt: skip
-
-        return make
+    make_client = _noticing_clients(notices)
 
     available = lambda: ([], [s.address for s in (*servers, standby) if answers(s.address)])  # noqa: E731 - the runtime's
     routers = _two_routers(store, servers, keys, make_client, available, 0x5EED0007)
@@ -671,14 +679,7 @@ def test_a_rank_that_did_not_see_a_loss_joins_the_failover_another_rank_started(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     keys = {0x7 << 24: 0, 0x8 << 24: 1}
     notices = {}  # rank -> its epoch-0 client's link-down handler
-
-    def make_client(rank):
-        def make(new, job, on_link_down, hello_timeout=30):
-            notices.setdefault(rank, on_link_down)
-            return Client([s.address for s in new], job, rank, 2, timeout=30, connect_timeout=hello_timeout,
-                          failover=True, on_link_down=on_link_down)  # fmt: skip
-
-        return make
+    make_client = _noticing_clients(notices)
 
     routers = _two_routers(store, servers, keys, make_client, lambda: ([], []), 0x5EED0008)
     try:
