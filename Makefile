@@ -32,13 +32,16 @@ cluster: install
 # The nemesis (benchmarks/chaos.py, its faults in benchmarks/chaos_nemesis.py): WORKLOAD (ddp, backup, async) trains
 # for MINUTES under a seeded schedule of faults, then the checker's table. Link faults need root and iproute2 (network
 # namespaces); else they are skipped.
+# REBALANCE: steps between rebalances (ddp, async; 0: none); NETNS=0: loopback even where namespaces are available.
 SEED ?= 1
 MINUTES ?= 5
 WORKLOAD ?= ddp
+REBALANCE ?= 0
+NETNS ?= 1
 chaos: install
 	mkdir -p results
 	$(PY) -m benchmarks.chaos run --workload $(WORKLOAD) --seed $(SEED) --minutes $(MINUTES) \
-	  --record results/chaos-$(WORKLOAD)-$(SEED).jsonl
+	  --rebalance-every $(REBALANCE) $(if $(filter 0,$(NETNS)),--no-netns) --record results/chaos-$(WORKLOAD)-$(SEED).jsonl
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
