@@ -18,6 +18,7 @@ engine, timeline, agreement, failover, wire; device.comm when a device's local s
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import subprocess
@@ -53,6 +54,9 @@ _RUNTIMES: dict[str, Runtime] = {}
 _HOLDERS: dict[str, int] = {}
 _REGISTRY_LOCK = threading.Lock()  # _RUNTIMES' holders and _NAME_LOCKS
 _NAME_LOCKS: dict[str, threading.Lock] = {}  # one per name: making a Runtime is a rendezvous, which blocks
+# Runtimes of each name made by this process: every rank makes a group's runtimes in the same order (as torch names
+# its groups), so the count tells a later runtime's keys in the store from an earlier one's (its job id, "closed").
+_MADE: collections.Counter[str] = collections.Counter()
 
 
 class Runtime:
@@ -117,7 +121,10 @@ class Runtime:
         launch = Launch.from_env()
         topology = _topology(name, rank, world_size, launch)
         _check_backups(config, topology)
-        ns = dist.PrefixStore(f"torch_bps/{name}/{launch.attempt}", rendezvous.raw_store(store))
+        with _REGISTRY_LOCK:
+            _MADE[name] += 1
+            made = _MADE[name]
+        ns = dist.PrefixStore(f"torch_bps/{name}/{launch.attempt}/{made}", rendezvous.raw_store(store))
         job_id = rendezvous.agree_job_id(ns, rank, timeout)
         store_host = rendezvous.store_host(store, launch)
         secret, colocated, dedicated, server_proc = rendezvous.find_servers(

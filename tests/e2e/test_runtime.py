@@ -90,6 +90,17 @@ def _worker(rank, world, port, env, scenario, results):
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"
             out["seconds"] = time.monotonic() - start
+        elif scenario == "again":
+            # A second runtime of the same name in the same store and launch attempt; rank 1 comes first, so it
+            # reads the store before rank 0 wrote anything of the second runtime.
+            rt.push_pull(torch.ones(10)).wait()
+            first = rt._client.job_id
+            rt.close()
+            if rank == 0:
+                time.sleep(1.0)
+            rt = Runtime.create(_store(port), rank, world)
+            check_sum(rt.push_pull(_data(rank, 1000, torch.float32, 0)).wait(), world, torch.float32, 1000, 0)
+            out["job_ids"] = (first, rt._client.job_id)
         rt.close()
         results.put((rank, out))
     except Exception:
@@ -209,3 +220,15 @@ def test_dedicated_servers_register_themselves_in_the_job_store():
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_second_runtime_of_the_same_name_is_a_new_job_on_every_rank():
+    """Keys of the first runtime (its job id, its count of ranks closed) must not answer for the second's."""
+    server = ServerProcess()
+    try:
+        env = {"BPS_SERVERS": server.address, "BPS_TIMEOUT": "10", "BPS_LOCAL_REDUCE": "0", "BPS_FAILOVER": "0"}
+        out = run(2, lambda r: env, "again")
+        (first0, second0), (first1, second1) = out[0]["job_ids"], out[1]["job_ids"]
+        assert first0 == first1 and second0 == second1 and first0 != second0, out
+    finally:
+        server.stop()
