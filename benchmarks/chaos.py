@@ -23,6 +23,7 @@ import os
 import secrets
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -82,7 +83,7 @@ def run(s: Settings, record_path: str) -> int:
     kinds = s.kinds or KINDS[s.workload] + tuple(k for w, k in FINAL.items() if w == s.workload)
     if why:
         kinds = tuple(k for k in kinds if k not in LINK_FAULTS)
-    record({"meta": {**s.__dict__, "kinds": list(kinds), "link_faults_skipped": why, "token": token}})
+    record({"meta": {**s.__dict__, "kinds": list(kinds), "link_faults_skipped": why, "token": token, "tree": tree()}})
     print(f"chaos: {s.workload}, seed {s.seed}, {s.seconds:.0f} s, faults {', '.join(kinds)}"
           + (f" (link faults skipped: {why})" if why else ""), flush=True)  # fmt: skip
     site = NamespaceSite(s.workers, s.servers + 1, logdir, token, s.rate_mbit) if not why else \
@@ -96,6 +97,16 @@ def run(s: Settings, record_path: str) -> int:
         result["leftovers"] = leftovers(token, run_id, shm_before, [p.pid for p in site.procs])
         record({"result": result})
     return check(record_path)
+
+
+def tree() -> str:
+    """The commit the run's code is at ("-dirty" with uncommitted changes), so a table names the code it measured."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)  # fmt: skip
+        return out.stdout.strip() or "unknown (not a git checkout)"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
 
 
 def _run_on(site: Site, s: Settings, kinds, record: Record, record_path: str) -> dict:
@@ -218,7 +229,8 @@ def verdict(path: str) -> dict:
     done = {e["rank"]: e for e in steps if e.get("event") == "done"}
     t0 = [e["t"] for e in by_rank[0]]
     out: dict = {"workload": meta["workload"], "seed": meta["seed"], "seconds": meta["seconds"],
-                 "link_faults_skipped": meta["link_faults_skipped"], "steps": len(t0)}  # fmt: skip
+                 "link_faults_skipped": meta["link_faults_skipped"], "steps": len(t0),
+                 "tree": meta.get("tree", "not recorded")}  # fmt: skip
     exits = result.get("exits", {})
     out["unsurvivable"], expected = unsurvivable(meta, steps, faults, exits)
     faults = [f for f in faults if "expect" not in f]
@@ -349,6 +361,7 @@ def _rows(v: dict) -> list[tuple[str, str]]:
     rec = v["recovery_s"]
     rows = [
         ("workload, seed, seconds", f"{v['workload']}, {v['seed']}, {v['seconds']:.0f}"),
+        ("code (git describe)", v["tree"]),
         ("steps (rank 0)", str(v["steps"])),
         ("faults by kind (injected/recovered/reached the job)",
          ", ".join(f"{k} {a}/{b}/{c}" for k, (a, b, c) in sorted(v["faults"].items())) or "none"),
