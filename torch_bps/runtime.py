@@ -52,7 +52,7 @@ log = logging.getLogger("torch_bps")
 # how many leases (runtimes.Lease: bps_hook, BackupWorkers, AsyncTraining) hold each that `acquire` made.
 _RUNTIMES: dict[str, Runtime] = {}
 _HOLDERS: dict[str, int] = {}
-_REGISTRY_LOCK = threading.Lock()  # _RUNTIMES' holders and _NAME_LOCKS
+_REGISTRY_LOCK = threading.Lock()  # _RUNTIMES' holders, _NAME_LOCKS and _MADE
 _NAME_LOCKS: dict[str, threading.Lock] = {}  # one per name: making a Runtime is a rendezvous, which blocks
 # Runtimes of each name made by this process: every rank makes a group's runtimes in the same order (as torch names
 # its groups), so the count tells a later runtime's keys in the store from an earlier one's (its job id, "closed").
