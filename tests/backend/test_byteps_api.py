@@ -436,22 +436,36 @@ class _LandingOrder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _landing_order(rank, world, gloo):
+def _landing_order(rank, world, gloo, server_pid):
     import torch_bps.byteps as bps
 
     bps.init()
     orders = {}
     for priorities in (True, False):
         torch.manual_seed(0)
-        # The last layer 16 MiB (128 partitions of the credit), the first three 256 KiB: their gradients are pushed
-        # while most of the last one's partitions are still queued
-        model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(3)], nn.Linear(256, 1 << 14, bias=False))
+        # The first layer 256 KiB (2 partitions of the credit), the two between 4 MiB (32 each), the last 16 MiB (128):
+        # whichever of the first and the last goes ahead, the other's sum lands dozens of round trips later, a margin
+        # no thread's scheduling on a loaded machine overturns
+        model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 4096, bias=False),
+                              nn.Linear(4096, 256, bias=False), nn.Linear(256, 1 << 14, bias=False))  # fmt: skip
         sgd = _LandingOrder(model.parameters(), lr=0.01)
         sgd.updated = []
-        opt = bps.CrossBarrier(model, sgd, num_steps=2, priorities=priorities)
+        opt = bps.CrossBarrier(model, sgd, priorities=priorities)
         for _ in range(2):
-            model(torch.randn(8, 256)).pow(2).mean().backward()
-            opt.step()
+            loss = model(torch.randn(8, 256)).pow(2).mean()  # waits for the last step's updates
+            # The server paused through the backward pass: one partition of the last layer's gradient (pushed first)
+            # holds the credit, and every other partition waits in the client's queue, whatever the timing
+            dist.barrier(group=gloo)
+            if rank == 0:
+                os.kill(server_pid, signal.SIGSTOP)
+            try:
+                dist.barrier(group=gloo)
+                loss.backward()
+                opt.step()
+                dist.barrier(group=gloo)
+            finally:
+                if rank == 0:
+                    os.kill(server_pid, signal.SIGCONT)
         opt.close()
         layer = {p: i for i, p in enumerate(model.parameters())}
         orders[priorities] = [[layer[p] for p in sgd.updated[i : i + 4]] for i in (0, 4)]
@@ -460,9 +474,15 @@ def _landing_order(rank, world, gloo):
 
 @pytest.mark.timeout(120)
 def test_cross_barrier_lands_the_first_layers_updates_first():
-    """Autograd produces the last layer's gradient first; with priorities its partitions still queued under the credit
+    """Autograd produces the last layer's gradient first; with priorities its partitions queued under the credit
     (128 KiB) give way to the first layer's, whose update lands first; without, they land in submission order."""
-    for orders in run_ranks(_landing_order, 2, env={"BPS_CREDIT_BYTES": str(128 << 10)}, timeout=100):
+    (server,) = start_servers(1)
+    try:
+        env = {"BPS_SERVERS": server.address, "BPS_CREDIT_BYTES": str(128 << 10)}
+        results = run_ranks(_landing_order, 2, server.proc.pid, env=env, timeout=100)
+    finally:
+        stop_servers([server])
+    for orders in results:
         for on, off in zip(orders[True], orders[False], strict=True):
             assert on.index(0) < on.index(3), f"priorities on: layers updated in the order {orders[True]}"
             assert off.index(3) < off.index(0), f"priorities off: layers updated in the order {orders[False]}"
