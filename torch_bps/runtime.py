@@ -162,9 +162,9 @@ class Runtime:
         from torch_bps.failover import Router
 
         config, topology = self.config, self.topology
-        # Keys of this runtime's agreements only: a later runtime of the group (the same store and launch attempt)
-        # must not read this one's failover/<epoch>/ keys as a failover under way.
-        store = dist.PrefixStore(f"agreement/{job_id:#x}", self._store)
+        # In this runtime's namespace, which no later runtime of the group shares (a later one reading these
+        # failover/<epoch>/ keys would join a failover of this one's)
+        store = dist.PrefixStore("agreement", self._store)
 
         def make_client(servers, new_job_id, on_link_down, connect_timeout=None):
             credentials = _client_credentials(config, self._secret, servers)
