@@ -33,7 +33,8 @@ def _profiled(rank, world, gloo, all_threads):
     with open(path) as f:
         events = json.load(f)["traceEvents"]  # valid JSON, or this fails
     me = os.getpid()
-    ours = [e for e in events if e.get("name", "").startswith("torch_bps::")]
+    # in the order they began: the trace lists them thread by thread, and a local stage may run on any thread
+    ours = sorted((e for e in events if e.get("name", "").startswith("torch_bps::")), key=lambda e: e["ts"])
     assert all(e["args"].get("finished", True) for e in ours), ours  # every span was closed, none cut at the end
     # the all_reduce's span: from the call to its completion, around its network stage
     first = {w: next(e["dur"] for e in ours if e["name"].startswith(f"torch_bps::{w}")) for w in ("coll", "net")}
